@@ -1,0 +1,92 @@
+// CPU SIMD helpers: run-time choice between an AVX2+FMA+F16C path and a portable scalar path.
+//
+// The AVX2 functions carry `__attribute__((target(...)))`, so the extension is compiled for the
+// baseline x86-64 ISA and only those functions use AVX2; `use_avx2()` checks the running CPU
+// before they are called. `MPKERN_CPU_SIMD=0` (or mpkern._C.set_cpu_simd(False)) forces the
+// scalar path, which the tests use to cover both.
+#pragma once
+
+#include <stdint.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define MPK_X86 1
+#include <immintrin.h>
+#define MPK_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define MPK_X86 0
+#endif
+
+namespace mpkern {
+namespace cpu {
+
+// 0 = scalar, 1 = AVX2 (+FMA, F16C).
+int simd_level();
+void set_simd_enabled(bool enabled);
+inline bool use_avx2() { return simd_level() >= 1; }
+
+// Elements per (tensor, chunk) work item of the multi-tensor CPU loops. A multiple of 64 so
+// vector loops only have tails at the end of a tensor.
+constexpr int64_t kChunk = 1 << 15;
+
+#if MPK_X86
+// Load 8 elements of a float/half/bfloat16 buffer as 8 floats.
+template <int DT>
+MPK_AVX2 inline __m256 load8(const void* base, int64_t i) {
+  if constexpr (DT == 0) {
+    return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+    if constexpr (DT == 1) {
+      return _mm256_cvtph_ps(h);
+    } else {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+  }
+}
+
+// 8 floats -> 8 bfloat16 bit patterns, round to nearest even, NaN kept (quiet, same sign).
+MPK_AVX2 inline __m128i f32_to_bf16x8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  r = _mm256_srli_epi32(r, 16);
+  const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
+  const __m256i isnan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, qnan, isnan);
+  // pack 8 x u32 (all <= 0xffff) -> 8 x u16
+  const __m256i packed = _mm256_packus_epi32(r, r);  // lanes: [a0..a3 a0..a3 | a4..a7 a4..a7]
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+// Store 8 floats into a float/half/bfloat16 buffer with round-to-nearest-even.
+template <int DT>
+MPK_AVX2 inline void store8(void* base, int64_t i, __m256 v) {
+  if constexpr (DT == 0) {
+    _mm256_storeu_ps(static_cast<float*>(base) + i, v);
+  } else if constexpr (DT == 1) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(base) + i),
+                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(base) + i), f32_to_bf16x8(v));
+  }
+}
+
+MPK_AVX2 inline double hsum_f64(__m256 v) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  double s = 0;
+  for (int k = 0; k < 8; ++k) s += t[k];
+  return s;
+}
+
+MPK_AVX2 inline uint32_t hmax_u32(__m256i v) {
+  alignas(32) uint32_t t[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(t), v);
+  uint32_t m = 0;
+  for (int k = 0; k < 8; ++k) m = t[k] > m ? t[k] : m;
+  return m;
+}
+#endif
+
+}  // namespace cpu
+}  // namespace mpkern

@@ -1,0 +1,195 @@
+// mpkern per-element math, shared by the CPU and CUDA kernels.
+//
+// Header-only, no torch headers. Every function here is `MPK_HD`: __host__ __device__ inline
+// under nvcc, plain inline under a host compiler, so the CPU tests exercise exactly the
+// arithmetic the GPU runs. The Triton kernels in mpkern/triton_kernels mirror these formulas.
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__CUDACC__)
+#define MPK_HD __host__ __device__ __forceinline__
+#else
+#define MPK_HD inline
+#endif
+
+namespace mpkern {
+
+// ----------------------------------------------------------------------------------------------
+// Bit casts.
+// ----------------------------------------------------------------------------------------------
+MPK_HD uint32_t f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  memcpy(&u, &f, sizeof(u));
+  return u;
+#endif
+}
+
+MPK_HD float f32_from_bits(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  memcpy(&f, &u, sizeof(f));
+  return f;
+#endif
+}
+
+// True for +-inf and NaN: exponent bits all ones.
+MPK_HD bool nonfinite(float x) { return (f32_bits(x) & 0x7f800000u) == 0x7f800000u; }
+
+// ----------------------------------------------------------------------------------------------
+// bfloat16 <-> float. bf16 is the high half of an fp32 bit pattern.
+// ----------------------------------------------------------------------------------------------
+MPK_HD float bf16_to_f32(uint16_t h) { return f32_from_bits(static_cast<uint32_t>(h) << 16); }
+
+// Round to nearest, ties to even (what `tensor.to(torch.bfloat16)` does). NaN stays NaN (quiet),
+// keeping its sign; overflow rounds to inf.
+MPK_HD uint16_t f32_to_bf16_rne(float f) {
+  uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Stochastic rounding: add 16 random bits below the kept part, then truncate. Unbiased:
+// E[bf16_to_f32(result)] == f for finite f (P(round up) = dropped bits / 2^16).
+// inf/NaN are passed through (NaN quieted).
+MPK_HD uint16_t f32_to_bf16_sr(float f, uint32_t rand16) {
+  uint32_t u = f32_bits(f);
+  if ((u & 0x7f800000u) == 0x7f800000u) {
+    if (u & 0x007fffffu) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+    return static_cast<uint16_t>(u >> 16);
+  }
+  u += (rand16 & 0xffffu);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// ----------------------------------------------------------------------------------------------
+// IEEE half <-> float. Software versions for the host; the device uses the hardware conversion
+// (round to nearest even in both, so the results are bit-identical).
+// ----------------------------------------------------------------------------------------------
+MPK_HD float f16_to_f32(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1fu) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf / NaN
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);  // normal: rebias 15 -> 127
+  } else if (man == 0) {
+    bits = sign;  // +-0
+  } else {
+    // subnormal half: value = man * 2^-24; normalise.
+    int e = -1;
+    do {
+      man <<= 1;
+      ++e;
+    } while ((man & 0x400u) == 0);
+    man &= 0x3ffu;
+    bits = sign | (static_cast<uint32_t>(112 - e) << 23) | (man << 13);
+  }
+  return f32_from_bits(bits);
+#endif
+}
+
+MPK_HD uint16_t f32_to_f16_rne(float f) {
+#if defined(__CUDA_ARCH__)
+  return __half_as_ushort(__float2half_rn(f));
+#else
+  const uint32_t u = f32_bits(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));  // NaN
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: inf
+  if (a >= 0x38800000u) {
+    // normal half range: drop 13 mantissa bits with round-to-nearest-even.
+    uint32_t r = a - 0x38000000u;  // rebias exponent 127 -> 15 (in the shifted frame)
+    r += 0xfffu + ((r >> 13) & 1u);
+    return static_cast<uint16_t>(sign | (r >> 13));
+  }
+  if (a < 0x33000000u) return sign;  // < 2^-25: rounds to zero (2^-25 itself is a tie -> 0)
+  // subnormal half: value / 2^-24 rounded to nearest even integer.
+  const uint32_t exp = a >> 23;  // 102..112
+  const uint32_t man = (a & 0x7fffffu) | 0x800000u;
+  const uint32_t shift = 126u - exp;  // 14..24
+  uint32_t q = man >> shift;
+  const uint32_t rem = man & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1u);
+  if (rem > half || (rem == half && (q & 1u))) ++q;
+  return static_cast<uint16_t>(sign | q);
+#endif
+}
+
+// ----------------------------------------------------------------------------------------------
+// Element codes used in the multi-tensor tables (same numbering in Python).
+// ----------------------------------------------------------------------------------------------
+enum DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+// Load one element of a 16/32-bit float buffer as float.
+MPK_HD float load_as_f32(const void* base, int64_t i, int32_t dt) {
+  if (dt == kF32) return static_cast<const float*>(base)[i];
+  const uint16_t h = static_cast<const uint16_t*>(base)[i];
+  return dt == kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
+// Store a float into a 16/32-bit float buffer, rounding to nearest even.
+MPK_HD void store_from_f32(void* base, int64_t i, int32_t dt, float v) {
+  if (dt == kF32) {
+    static_cast<float*>(base)[i] = v;
+  } else {
+    static_cast<uint16_t*>(base)[i] = dt == kBF16 ? f32_to_bf16_rne(v) : f32_to_f16_rne(v);
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Gradient statistics (the unscale_ pass). Two accumulators per tensor, from one read:
+//  * sumsq: sum of (x * inv_scale)^2 -- the squared L2 norm of the unscaled gradient;
+//  * amax: max of |x| as raw bits. For IEEE floats, (bits & 0x7fffffff) orders like |x| and puts
+//    inf (0x7f800000) above every finite value and NaN above inf, so one unsigned max gives the
+//    inf-norm (amax * inv_scale), the non-finite flag (amax >= inf) and NaN-vs-inf, for free.
+// ----------------------------------------------------------------------------------------------
+struct StatAcc {
+  float sumsq;
+  uint32_t amax_bits;
+};
+
+MPK_HD void stat_update(StatAcc& s, float x, float inv_scale) {
+  const uint32_t a = f32_bits(x) & 0x7fffffffu;
+  s.amax_bits = a > s.amax_bits ? a : s.amax_bits;
+  const float y = x * inv_scale;
+  s.sumsq += y * y;
+}
+
+// ----------------------------------------------------------------------------------------------
+// bf16 master remainder ("remainder" master weights). The fp32 master m is stored as a bf16
+// high half h and a signed 16-bit remainder r with bits(m) == (h << 16) + r. h is m rounded to
+// nearest with ties away from zero (a remainder of +0x8000 does not fit in int16), which equals
+// round-to-nearest-even except on exact ties.
+// ----------------------------------------------------------------------------------------------
+MPK_HD void split_master(float m, uint16_t& hi, int16_t& rem) {
+  const uint32_t u = f32_bits(m);
+  const uint32_t lo = u & 0xffffu;
+  uint32_t h = u >> 16;
+  int32_t r = static_cast<int32_t>(lo);
+  if (lo >= 0x8000u) {
+    h += 1u;
+    r -= 0x10000;
+  }
+  hi = static_cast<uint16_t>(h);
+  rem = static_cast<int16_t>(r);
+}
+
+MPK_HD float join_master(uint16_t hi, int16_t rem) {
+  return f32_from_bits((static_cast<uint32_t>(hi) << 16) + static_cast<uint32_t>(static_cast<int32_t>(rem)));
+}
+
+}  // namespace mpkern

@@ -1,0 +1,147 @@
+"""Backend discovery and selection.
+
+Four backends can run an mpkern op:
+
+* ``cuda``   -- the C++/CUDA kernels of the native extension (CUDA tensors);
+* ``triton`` -- the Triton kernels (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``);
+* ``cpu``    -- the C++ CPU kernels of the native extension (CPU tensors);
+* ``torch``  -- the pure-PyTorch reference implementations (any device; always available).
+
+``MPKERN_BACKEND=cuda|triton|cpu|torch`` forces one for every op; a forced backend that cannot
+run on the tensors' device is an error that says why. Otherwise each call picks the best backend
+available for its device. Importing mpkern never fails because a backend is missing: the reason
+is recorded and reported by ``mpkern.info()``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+BACKENDS = ("cuda", "triton", "cpu", "torch")
+_ENV = "MPKERN_BACKEND"
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """Whether a backend can run, and if not, why."""
+
+    name: str
+    available: bool
+    reason: str
+
+
+@functools.lru_cache(maxsize=None)
+def native():
+    """The native extension module ``mpkern._C``, or None if it cannot be imported."""
+    try:
+        return importlib.import_module("mpkern._C")
+    except (ImportError, OSError):
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def native_error() -> str:
+    try:
+        importlib.import_module("mpkern._C")
+    except (ImportError, OSError) as e:  # pragma: no cover - depends on the install
+        return f"native extension mpkern._C not importable ({type(e).__name__}: {e}); " \
+               "build it with `pip install --no-build-isolation -e .`"
+    return ""
+
+
+@functools.lru_cache(maxsize=None)
+def triton_error() -> str:
+    """Empty if Triton imports, else why not."""
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        return f"triton not importable ({type(e).__name__}: {e})"
+    return ""
+
+
+def triton_interpret() -> bool:
+    """True when Triton kernels run in the interpreter (on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def status(name: str) -> BackendStatus:
+    """Availability of backend ``name`` on this machine (for any device it supports)."""
+    if name == "torch":
+        return BackendStatus(name, True, "pure PyTorch reference (always available)")
+    if name == "cpu":
+        ext = native()
+        if ext is None:
+            return BackendStatus(name, False, native_error())
+        simd = "AVX2+FMA+F16C" if ext.cpu_simd_level() >= 1 else "scalar (no AVX2 on this CPU or MPKERN_CPU_SIMD=0)"
+        return BackendStatus(name, True, f"C++ kernels, {simd}")
+    if name == "cuda":
+        ext = native()
+        if ext is None:
+            return BackendStatus(name, False, native_error())
+        if not ext.cuda_built:
+            return BackendStatus(name, False, "native extension was built without CUDA kernels "
+                                              "(torch without CUDA, nvcc not found, or MPKERN_BUILD_CUDA=0)")
+        if not torch.cuda.is_available():
+            return BackendStatus(name, False, f"CUDA kernels built for sm {ext.cuda_archs}, but no GPU is visible")
+        return BackendStatus(name, True, f"CUDA kernels built for {ext.cuda_archs}")
+    if name == "triton":
+        err = triton_error()
+        if err:
+            return BackendStatus(name, False, err)
+        import triton
+
+        if torch.cuda.is_available():
+            return BackendStatus(name, True, f"Triton {triton.__version__} on GPU")
+        if triton_interpret():
+            return BackendStatus(name, True, f"Triton {triton.__version__} interpreter on CPU (TRITON_INTERPRET=1)")
+        return BackendStatus(name, False, f"Triton {triton.__version__} installed, but no GPU is visible "
+                                          "(set TRITON_INTERPRET=1 to run its kernels on CPU, slowly)")
+    raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
+
+
+def forced() -> str | None:
+    """The backend forced by MPKERN_BACKEND, or None."""
+    val = os.environ.get(_ENV, "").strip().lower()
+    if not val:
+        return None
+    if val not in BACKENDS:
+        raise ValueError(f"{_ENV}={val!r} is not a backend; expected one of {', '.join(BACKENDS)}")
+    return val
+
+
+def _runs_on(name: str, device: torch.device) -> str:
+    """Empty if backend ``name`` can run on ``device`` now, else the reason it cannot."""
+    st = status(name)
+    if not st.available:
+        return st.reason
+    if name == "cpu" and device.type != "cpu":
+        return f"the cpu backend runs on CPU tensors, got {device}"
+    if name == "cuda" and device.type != "cuda":
+        return f"the cuda backend runs on CUDA tensors, got {device}"
+    if name == "triton":
+        if device.type == "cpu" and not triton_interpret():
+            return "Triton runs on CPU tensors only under TRITON_INTERPRET=1"
+        if device.type not in ("cpu", "cuda"):
+            return f"Triton does not run on {device}"
+    return ""
+
+
+def select(device: torch.device | str) -> str:
+    """The backend an op on ``device`` uses: the forced one, or the best available."""
+    device = torch.device(device)
+    name = forced()
+    if name is not None:
+        why = _runs_on(name, device)
+        if why:
+            raise RuntimeError(f"{_ENV}={name} cannot run on {device}: {why}")
+        return name
+    order = ("cuda", "triton", "torch") if device.type == "cuda" else ("cpu", "torch")
+    for cand in order:
+        if not _runs_on(cand, device):
+            return cand
+    return "torch"

@@ -1,0 +1,136 @@
+"""Build of mpkern's native extension ``mpkern._C``.
+
+* The C++ CPU kernels are always built (baseline x86-64; AVX2 code is chosen at run time).
+* The CUDA kernels are built when ``MPKERN_BUILD_CUDA`` is ``auto`` (default) and torch has CUDA
+  and nvcc is found, or always with ``MPKERN_BUILD_CUDA=1`` (which fails loudly if it cannot);
+  ``MPKERN_BUILD_CUDA=0`` skips them. ``TORCH_CUDA_ARCH_LIST`` is honoured; with no GPU visible it
+  defaults to ``8.0;9.0``.
+* ``CUDA_HOME`` unset: taken from ``nvcc --dryrun`` (``TOP=``), which sees through wrapper
+  scripts on PATH. CUDA math headers missing from that toolkit are taken from the
+  ``nvidia/cu13/include`` (or ``cu12``) folder of the pip CUDA packages.
+
+Build in place with ``pip install --no-build-isolation -e .`` once torch is installed.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _log(msg: str) -> None:
+    print(f"[mpkern setup] {msg}", file=sys.stderr)
+
+
+def _toolkit_root_from_nvcc() -> str | None:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    try:
+        out = subprocess.run(
+            [nvcc, "--dryrun", "-x", "cu", "-c", os.devnull],
+            capture_output=True, text=True, timeout=60, check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"TOP=(\S+)", out.stdout + out.stderr)
+    return os.path.realpath(m.group(1)) if m else os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+
+
+def _pip_cuda_include() -> str | None:
+    try:
+        import nvidia  # type: ignore  # noqa: F401 -- the pip CUDA packages' namespace
+
+        roots = list(nvidia.__path__)
+    except ImportError:
+        return None
+    for root in roots:
+        for sub in ("cu13", "cu12"):
+            inc = os.path.join(root, sub, "include")
+            if os.path.isfile(os.path.join(inc, "cusparse.h")):
+                return inc
+    return None
+
+
+def _want_cuda() -> tuple[bool, str]:
+    mode = os.environ.get("MPKERN_BUILD_CUDA", "auto").lower()
+    if mode not in ("auto", "0", "1"):
+        raise SystemExit(f"MPKERN_BUILD_CUDA must be auto, 0 or 1, got {mode!r}")
+    if mode == "0":
+        return False, "MPKERN_BUILD_CUDA=0"
+    import torch
+
+    reasons = []
+    if torch.version.cuda is None:
+        reasons.append("torch was built without CUDA")
+    if os.environ.get("CUDA_HOME") is None:
+        root = _toolkit_root_from_nvcc()
+        if root is None:
+            reasons.append("nvcc not found on PATH and CUDA_HOME unset")
+        else:
+            os.environ["CUDA_HOME"] = root
+            _log(f"CUDA_HOME={root} (from nvcc --dryrun)")
+    if reasons:
+        if mode == "1":
+            raise SystemExit("MPKERN_BUILD_CUDA=1 but the CUDA build is impossible: " + "; ".join(reasons))
+        return False, "; ".join(reasons)
+    return True, ""
+
+
+def _extensions(with_cuda: bool, why_not: str):
+    import torch
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+    include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc", "include")]
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+    cxx = ["-O3", "-fno-math-errno", "-Wall", "-Wno-unused-function",
+           f'-DMPKERN_TORCH_VERSION="{torch.__version__}"']
+    if not with_cuda:
+        _log(f"building CPU kernels only ({why_not})")
+        return [CppExtension("mpkern._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx})]
+
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        visible = torch.cuda.is_available() and torch.cuda.device_count() > 0
+        if not visible:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+            _log("no GPU visible: TORCH_CUDA_ARCH_LIST=8.0;9.0")
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "native")
+    cuda_home = os.environ["CUDA_HOME"]
+    if not os.path.isfile(os.path.join(cuda_home, "include", "cusparse.h")):
+        extra = _pip_cuda_include()
+        if extra is not None:
+            include_dirs.append(extra)
+            _log(f"CUDA math headers from {extra}")
+    sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+    defs = ["-DMPKERN_WITH_CUDA=1", f'-DMPKERN_CUDA_ARCHS="{archs}"']
+    nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"] + defs
+    _log(f"building CPU + CUDA kernels (archs {archs}, CUDA_HOME {cuda_home})")
+    return [CUDAExtension("mpkern._C", sources, include_dirs=include_dirs,
+                          extra_compile_args={"cxx": cxx + defs, "nvcc": nvcc})]
+
+
+def main() -> None:
+    # Decide (and set CUDA_HOME) before torch.utils.cpp_extension is imported: it reads
+    # CUDA_HOME once, at import.
+    with_cuda, why_not = _want_cuda()
+    from torch.utils.cpp_extension import BuildExtension
+
+    packages = find_packages(include=["mpkern", "mpkern.*"])
+    setup(
+        packages=packages + ["mpkern.triton_kernels"],
+        package_dir={"mpkern.triton_kernels": "triton_kernels"},
+        ext_modules=_extensions(with_cuda, why_not),
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    )
+
+
+if __name__ == "__main__":
+    main()
