@@ -1,0 +1,89 @@
+"""mpkern: fused mixed-precision training kernels for PyTorch.
+
+* :func:`unscale_` -- unscale + inf/NaN check + global-norm clip in one fused pass, no host sync.
+* :func:`info` / :func:`bf16_supported` -- what this machine and build can run, and why not.
+
+Backends: ``cuda`` (C++/CUDA), ``triton``, ``cpu`` (C++), ``torch`` (pure PyTorch reference);
+``MPKERN_BACKEND`` forces one. See ``mpkern info``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _backend, _ops, reference  # noqa: F401  (_ops registers the op schemas and fakes)
+from .amp import UnscaleResult, nonfinite_report, unscale_
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "bf16_supported",
+    "info",
+    "nonfinite_report",
+    "reference",
+    "unscale_",
+    "UnscaleResult",
+]
+
+
+def bf16_supported(device: torch.device | str | int | None = None) -> bool:
+    """Whether ``device`` computes in bfloat16 natively.
+
+    CUDA: compute capability >= 8.0 (Ampere and newer). CPU: True (PyTorch runs bf16 on any CPU;
+    it is fast with AVX-512-BF16/AMX, emulated in fp32 otherwise). ``None``: the current CUDA
+    device if there is one, else the CPU.
+    """
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    elif isinstance(device, int):
+        device = torch.device("cuda", device)
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return False
+        major, _ = torch.cuda.get_device_capability(device)
+        return major >= 8
+    return device.type == "cpu"
+
+
+def info() -> dict[str, Any]:
+    """What mpkern can run here: device, capability, dtype support, and each backend's status.
+
+    Returns a dict with ``version``, ``torch``, ``device`` (name), ``capability`` (``(major, minor)``
+    or None), ``bf16``/``fp16`` support, ``forced_backend`` and ``backends``:
+    ``{name: {"available": bool, "reason": str}}``.
+    """
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda") if cuda else torch.device("cpu")
+    if cuda:
+        name = torch.cuda.get_device_name(dev)
+        cap = torch.cuda.get_device_capability(dev)
+        fp16 = True
+    else:
+        import platform
+
+        name = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, " \
+               f"ATen capability {torch.backends.cpu.get_cpu_capability()})"
+        cap = None
+        fp16 = True
+    ext = _backend.native()
+    try:
+        forced = _backend.forced()
+    except ValueError as e:
+        forced = f"invalid: {e}"
+    return {
+        "version": __version__,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "device": name,
+        "capability": cap,
+        "bf16": bf16_supported(dev),
+        "fp16": fp16,
+        "native_built_against_torch": getattr(ext, "torch_version", None),
+        "forced_backend": forced,
+        "backends": {b: {"available": s.available, "reason": s.reason}
+                     for b, s in ((b, _backend.status(b)) for b in _backend.BACKENDS)},
+    }

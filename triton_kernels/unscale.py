@@ -27,12 +27,41 @@ _CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 @triton.jit
 def _typed_ptr(addr, DT: tl.constexpr):
+    """Pointer of the element type; bfloat16 is handled as raw uint16 bits (see _load/_store)."""
     if DT == 0:
         return addr.to(tl.pointer_type(tl.float32))
     elif DT == 1:
         return addr.to(tl.pointer_type(tl.float16))
     else:
-        return addr.to(tl.pointer_type(tl.bfloat16))
+        return addr.to(tl.pointer_type(tl.uint16))
+
+
+@triton.jit
+def _load_f32(ptr, idx, mask, DT: tl.constexpr):
+    if DT == 2:
+        bits = tl.load(ptr + idx, mask=mask, other=0).to(tl.uint32) << 16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr + idx, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _f32_to_bf16_bits(x):
+    """Round to nearest even, NaN kept quiet -- f32_to_bf16_rne of math.h, bit for bit (the
+    interpreter's own fp32->bf16 cast truncates, the GPU's rounds; this is the same on both)."""
+    u = x.to(tl.uint32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    r = tl.where(nan, (u >> 16) | 0x40, r)
+    return r.to(tl.uint16)
+
+
+@triton.jit
+def _store_f32(ptr, idx, x, mask, DT: tl.constexpr):
+    if DT == 2:
+        tl.store(ptr + idx, _f32_to_bf16_bits(x), mask=mask)
+    else:
+        tl.store(ptr + idx, x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -56,7 +85,7 @@ def _grad_stats_kernel(
     for off in range(0, CHUNK, BLOCK):
         idx = begin + off + tl.arange(0, BLOCK).to(tl.int64)
         mask = idx < end
-        x = tl.load(ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        x = _load_f32(ptr, idx, mask, DT)
         # |x| bits: non-negative as int32, ordered like |x| with inf and NaN on top.
         mx = tl.maximum(mx, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
         y = x * inv
@@ -83,8 +112,8 @@ def _scale_kernel(
         for off in range(0, CHUNK, BLOCK):
             idx = begin + off + tl.arange(0, BLOCK).to(tl.int64)
             mask = idx < end
-            x = tl.load(ptr + idx, mask=mask, other=0.0).to(tl.float32)
-            tl.store(ptr + idx, (x * s).to(ptr.dtype.element_ty), mask=mask)
+            x = _load_f32(ptr, idx, mask, DT)
+            _store_f32(ptr, idx, x * s, mask, DT)
 
 
 def _work_table(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

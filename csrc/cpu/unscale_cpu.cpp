@@ -47,10 +47,22 @@ std::vector<WorkItem> make_work(at::TensorList ts, int64_t chunk) {
 namespace {
 
 // ---- statistics: scalar path (the shared math, element by element) ---------------------------
-StatAcc stats_scalar(const void* p, int32_t dt, int64_t begin, int64_t end, float inv) {
-  StatAcc s{0.f, 0u};
-  for (int64_t i = begin; i < end; ++i) stat_update(s, load_as_f32(p, i, dt), inv);
-  return s;
+// Sums of squares are accumulated in fp32 over short blocks (kSub elements, like one GPU thread's
+// share of a chunk) and the blocks are added in fp64, keeping the rounding error near PyTorch's.
+constexpr int64_t kSub = 256;
+
+void stats_scalar(const void* p, int32_t dt, int64_t begin, int64_t end, float inv, double* sum, uint32_t* amax) {
+  double total = 0.0;
+  uint32_t mx = 0u;
+  for (int64_t b = begin; b < end; b += kSub) {
+    StatAcc s{0.f, mx};
+    const int64_t e = std::min(end, b + kSub);
+    for (int64_t i = b; i < e; ++i) stat_update(s, load_as_f32(p, i, dt), inv);
+    total += s.sumsq;
+    mx = s.amax_bits;
+  }
+  *sum = total;
+  *amax = mx;
 }
 
 #if MPK_X86
@@ -60,10 +72,14 @@ template <int DT>
 MPK_AVX2 StatAcc stats_avx2(const void* p, int64_t begin, int64_t end, float inv, double* sum_out) {
   const __m256 vinv = _mm256_set1_ps(inv);
   const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   __m256i m0 = _mm256_setzero_si256(), m1 = m0;
+  double total = 0.0;
   int64_t i = begin;
-  for (; i + 32 <= end; i += 32) {
+  // blocks of 8 * kSub elements (64 per lane) in fp32, blocks added in fp64
+  for (; i + 32 <= end;) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  const int64_t block_end = std::min(end, i + 8 * kSub);
+  for (; i + 32 <= block_end; i += 32) {
     const __m256 x0 = load8<DT>(p, i), x1 = load8<DT>(p, i + 8), x2 = load8<DT>(p, i + 16), x3 = load8<DT>(p, i + 24);
     m0 = _mm256_max_epu32(m0, _mm256_and_si256(_mm256_castps_si256(x0), absmask));
     m1 = _mm256_max_epu32(m1, _mm256_and_si256(_mm256_castps_si256(x1), absmask));
@@ -76,9 +92,11 @@ MPK_AVX2 StatAcc stats_avx2(const void* p, int64_t begin, int64_t end, float inv
     a2 = _mm256_fmadd_ps(y2, y2, a2);
     a3 = _mm256_fmadd_ps(y3, y3, a3);
   }
+  total += hsum_f64(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  }
   StatAcc s{0.f, hmax_u32(_mm256_max_epu32(m0, m1))};
   for (; i < end; ++i) stat_update(s, load_as_f32(p, i, DT), inv);
-  *sum_out = hsum_f64(a0) + hsum_f64(a1) + hsum_f64(a2) + hsum_f64(a3) + static_cast<double>(s.sumsq);
+  *sum_out = total + static_cast<double>(s.sumsq);
   return s;
 }
 #endif
@@ -96,9 +114,7 @@ void stats_item(const void* p, int32_t dt, int64_t begin, int64_t end, float inv
     return;
   }
 #endif
-  const StatAcc s = stats_scalar(p, dt, begin, end, inv);
-  *sum = s.sumsq;
-  *amax = s.amax_bits;
+  stats_scalar(p, dt, begin, end, inv, sum, amax);
 }
 
 // ---- in-place scale ---------------------------------------------------------------------------
