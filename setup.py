@@ -91,11 +91,14 @@ def _extensions(with_cuda: bool, why_not: str):
 
     include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc", "include")]
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
-    cxx = ["-O3", "-fno-math-errno", "-Wall", "-Wno-unused-function",
+    # -fopenmp: at::parallel_for is a header template that uses OpenMP pragmas in torch's
+    # OpenMP builds; without the flag the loops silently run on one thread.
+    cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unused-function",
            f'-DMPKERN_TORCH_VERSION="{torch.__version__}"']
     if not with_cuda:
         _log(f"building CPU kernels only ({why_not})")
-        return [CppExtension("mpkern._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx})]
+        return [CppExtension("mpkern._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx},
+                             extra_link_args=["-fopenmp"])]
 
     if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
         visible = torch.cuda.is_available() and torch.cuda.device_count() > 0
@@ -114,7 +117,7 @@ def _extensions(with_cuda: bool, why_not: str):
     nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"] + defs
     _log(f"building CPU + CUDA kernels (archs {archs}, CUDA_HOME {cuda_home})")
     return [CUDAExtension("mpkern._C", sources, include_dirs=include_dirs,
-                          extra_compile_args={"cxx": cxx + defs, "nvcc": nvcc})]
+                          extra_compile_args={"cxx": cxx + defs, "nvcc": nvcc}, extra_link_args=["-fopenmp"])]
 
 
 def main() -> None:

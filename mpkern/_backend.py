@@ -131,6 +131,7 @@ def _runs_on(name: str, device: torch.device) -> str:
     return ""
 
 
+@torch.compiler.assume_constant_result
 def select(device: torch.device | str) -> str:
     """The backend an op on ``device`` uses: the forced one, or the best available."""
     device = torch.device(device)

@@ -200,32 +200,30 @@ def unscale_(
 
     if scaler is not None and scaler.is_enabled():
         out_device = scaler._scale.device
-    elif isinstance(inv, Tensor):
-        out_device = inv.device
     elif grads:
         out_device = grads[0].device
+    elif isinstance(inv, Tensor):
+        out_device = inv.device
     else:
         out_device = torch.device("cpu")
-    for dev in {g.device for g in grads}:  # fail early, before any work, on a forced backend
-        _backend.select(dev)
-
-    # Group by device (keeping order inside each group); one statistics pass per device.
+    # Group by device (keeping order inside each group); one statistics pass per device. The
+    # backend is chosen (and a forced one checked) for every device before any work.
     by_dev: dict[torch.device, list[int]] = {}
     for i, g in enumerate(grads):
         by_dev.setdefault(g.device, []).append(i)
-    inv_on: dict[torch.device, Tensor] = {}
+    backend = {dev: _backend.select(dev) for dev in by_dev}
+    flat = [_flat(g) for g in grads]
     sums, maxs, order = [], [], []
     for dev, idx in by_dev.items():
-        inv_on[dev] = _scalar_on(inv, dev)
-        gs = [grads[i] if _flat(grads[i]) else grads[i].contiguous() for i in idx]
-        s, m = _ops.grad_stats(gs, inv_on[dev], _backend.select(dev))
-        sums.append(s.to(out_device, non_blocking=True))
-        maxs.append(m.to(out_device, non_blocking=True))
+        gs = [grads[i] if flat[i] else grads[i].contiguous() for i in idx]
+        s, m = _ops.grad_stats(gs, _scalar_on(inv, dev), backend[dev])
+        sums.append(s if dev == out_device else s.to(out_device, non_blocking=True))
+        maxs.append(m if dev == out_device else m.to(out_device, non_blocking=True))
         order.extend(idx)
     inv_out = _scalar_on(inv, out_device)
     if sums:
-        sumsq = torch.cat(sums)
-        amax = torch.cat(maxs)
+        sumsq = torch.cat(sums) if len(sums) > 1 else sums[0]
+        amax = torch.cat(maxs) if len(maxs) > 1 else maxs[0]
         if len(by_dev) > 1:  # back to the caller's order
             perm = torch.empty(len(order), dtype=torch.int64)
             perm[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order))
@@ -257,10 +255,9 @@ def unscale_(
     else:
         for dev, idx in by_dev.items():
             f = factor if dev == out_device else factor.to(dev, non_blocking=True)
-            flat = [grads[i] for i in idx if _flat(grads[i])]
-            _ops.scale_(flat, f, _backend.select(dev))
-            for i in idx:  # rare: grads that are not one dense block (e.g. overlapping views)
-                if not _flat(grads[i]):
+            _ops.scale_([grads[i] for i in idx if flat[i]], f, backend[dev])
+            for i in idx:  # rare: grads that are not one dense block (e.g. strided views)
+                if not flat[i]:
                     grads[i].mul_(f)
 
     if scaler is not None and scaler.is_enabled():

@@ -50,6 +50,8 @@ namespace {
 // Sums of squares are accumulated in fp32 over short blocks (kSub elements, like one GPU thread's
 // share of a chunk) and the blocks are added in fp64, keeping the rounding error near PyTorch's.
 constexpr int64_t kSub = 256;
+// Software prefetch distance (elements) of the AVX2 loops: a few KB ahead of the loads.
+constexpr int64_t kPrefetch = 2048;
 
 void stats_scalar(const void* p, int32_t dt, int64_t begin, int64_t end, float inv, double* sum, uint32_t* amax) {
   double total = 0.0;
@@ -80,6 +82,7 @@ MPK_AVX2 StatAcc stats_avx2(const void* p, int64_t begin, int64_t end, float inv
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   const int64_t block_end = std::min(end, i + 8 * kSub);
   for (; i + 32 <= block_end; i += 32) {
+    _mm_prefetch(static_cast<const char*>(p) + (i + kPrefetch) * (DT == 0 ? 4 : 2), _MM_HINT_T0);
     const __m256 x0 = load8<DT>(p, i), x1 = load8<DT>(p, i + 8), x2 = load8<DT>(p, i + 16), x3 = load8<DT>(p, i + 24);
     m0 = _mm256_max_epu32(m0, _mm256_and_si256(_mm256_castps_si256(x0), absmask));
     m1 = _mm256_max_epu32(m1, _mm256_and_si256(_mm256_castps_si256(x1), absmask));
@@ -128,6 +131,7 @@ MPK_AVX2 void scale_avx2(void* p, int64_t begin, int64_t end, float s) {
   const __m256 vs = _mm256_set1_ps(s);
   int64_t i = begin;
   for (; i + 16 <= end; i += 16) {
+    _mm_prefetch(static_cast<const char*>(p) + (i + kPrefetch) * (DT == 0 ? 4 : 2), _MM_HINT_T0);
     const __m256 x0 = load8<DT>(p, i), x1 = load8<DT>(p, i + 8);
     store8<DT>(p, i, _mm256_mul_ps(x0, vs));
     store8<DT>(p, i + 8, _mm256_mul_ps(x1, vs));
@@ -205,8 +209,11 @@ void scale_cpu_(at::TensorList tensors, const at::Tensor& scale) {
     ptrs[t] = tensors[t].data_ptr();
     dts[t] = dtype_code(tensors[t].scalar_type());
   }
+  // Walk each thread's share of the work items backwards: the statistics pass that ran just
+  // before walked them forwards with the same static split, so the data it touched last is
+  // still in the last-level cache when this pass starts.
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t k = lo; k < hi; ++k) {
+    for (int64_t k = hi - 1; k >= lo; --k) {
       const WorkItem& w = items[k];
       scale_item(ptrs[w.tensor], dts[w.tensor], w.begin, w.end, s);
     }

@@ -1,0 +1,105 @@
+"""``mpkern.nn``: ``Linear`` on the fp32-accumulating GEMM, with optional fp32 ``main_grad``.
+
+* :class:`Linear` -- a subclass of ``torch.nn.Linear`` (same parameters, state_dict keys, init and
+  ``isinstance``) whose forward is :func:`mpkern.linear` for fp16/bf16 weights and inputs of the
+  same dtype; any other combination (fp32 weights, mixed dtypes, autocast) runs
+  ``torch.nn.functional.linear`` unchanged.
+* ``fp32_main_grad=True``: the weight gradient ``dW = dY^T X`` is accumulated straight into
+  ``weight.main_grad`` (fp32, allocated at the first backward, then reused) in the GEMM epilogue
+  -- ``main_grad += dY^T X`` with no 16-bit ``weight.grad`` and no separate add -- across any
+  number of backward calls (micro-batches) until the optimizer clears it. ``weight.grad`` stays
+  None; ``FusedAdamWMP`` reads ``main_grad`` first. The bias gradient goes to ``bias.grad``.
+* :func:`convert` swaps every ``torch.nn.Linear`` of a module for :class:`Linear` in place.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .matmul import _IN_DTYPES, _fold, linear, matmul, matmul_accumulate_
+
+Tensor = torch.Tensor
+
+__all__ = ["Linear", "convert"]
+
+
+def _main_grad(weight: Tensor) -> Tensor:
+    """``weight.main_grad``: fp32, same shape/device; zero-filled on first use (or after None)."""
+    mg = getattr(weight, "main_grad", None)
+    if mg is None:
+        mg = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        weight.main_grad = mg
+    return mg
+
+
+class _LinearMainGrad(torch.autograd.Function):
+    """y = x W^T + b; backward accumulates dW into ``W.main_grad`` (fp32) and returns no dW."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype]):
+        ctx.save_for_backward(x)
+        ctx.weight = weight  # the Parameter itself: main_grad lives on it
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return linear(x, weight, bias, out_dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, gy: Tensor):
+        (x,) = ctx.saved_tensors
+        w = ctx.weight
+        g = gy if gy.dtype == x.dtype else gy.to(x.dtype)
+        dx = dbias = None
+        if ctx.needs_input_grad[0]:
+            dx = matmul(g, w, out_dtype=x.dtype)  # (*, N) @ (N, K)
+        if ctx.needs_input_grad[1]:
+            matmul_accumulate_(_fold(g).t(), _fold(x), _main_grad(w))  # main_grad (N, K) += dY^T X
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            dbias = gy.reshape(-1, gy.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx, None, dbias, None
+
+
+class Linear(nn.Linear):
+    """``torch.nn.Linear`` computed with :func:`mpkern.linear` (fp32 accumulation).
+
+    Args: as ``torch.nn.Linear``, plus ``fp32_main_grad`` (keyword): accumulate the weight
+    gradient into ``weight.main_grad`` (fp32) instead of ``weight.grad``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
+                 fp32_main_grad: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.fp32_main_grad = bool(fp32_main_grad)
+
+    def _fused(self, x: Tensor) -> bool:
+        w = self.weight
+        return (x.dtype in _IN_DTYPES and w.dtype == x.dtype and x.device == w.device
+                and not torch.is_autocast_enabled(x.device.type))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self._fused(x):
+            return F.linear(x, self.weight, self.bias)
+        if self.fp32_main_grad and self.weight.requires_grad and torch.is_grad_enabled():
+            return _LinearMainGrad.apply(x, self.weight, self.bias, None)
+        return linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", fp32_main_grad=True" if self.fp32_main_grad else "")
+
+
+def convert(module: nn.Module, *, fp32_main_grad: bool = False) -> nn.Module:
+    """Turn every ``torch.nn.Linear`` in ``module`` (itself included) into :class:`Linear`, in place.
+
+    The modules keep their identity, parameters (the same ``Parameter`` objects, so an existing
+    optimizer still holds them), buffers, hooks and state_dict keys; only the class changes.
+    Existing :class:`Linear` modules get ``fp32_main_grad`` set. Subclasses of ``nn.Linear`` with
+    their own forward (other libraries' layers) are left alone. Returns ``module``.
+    """
+    for m in module.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = Linear
+        if isinstance(m, Linear):
+            m.fp32_main_grad = bool(fp32_main_grad)
+    return module

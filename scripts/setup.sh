@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Set up mpkern from scratch on a fresh machine: a virtual environment in .venv, PyTorch, the test
+# tools, and the native extension built in place (CPU kernels always; CUDA kernels compiled and
+# linked when nvcc is found -- MPKERN_BUILD_CUDA=1 makes that mandatory). Safe to re-run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $($PY --version)"
+  "$PY" -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+echo "[setup] installing torch and tools (torch 2.14.1 is ~80 s from a local wheel, minutes from PyPI)"
+python -m pip install -q "torch==2.14.1" numpy "hypothesis>=6" "pytest>=7" ninja "setuptools>=64" wheel
+
+echo "[setup] building the native extension (MPKERN_BUILD_CUDA=${MPKERN_BUILD_CUDA:-auto})"
+python -m pip install -q --no-build-isolation --no-deps -e .
+python -m mpkern info
