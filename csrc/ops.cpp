@@ -12,6 +12,14 @@ TORCH_LIBRARY(mpkern, m) {
   m.def("grad_stats(Tensor[] grads, Tensor inv_scale) -> (Tensor sumsq, Tensor amax)");
   // In-place multiply of every tensor by a one-element float32 tensor on the same device.
   m.def("scale_(Tensor(a!)[] tensors, Tensor scale) -> ()");
+  // Fused AdamW over a tensor list (one param group on one device): updates params, moments,
+  // max_exp_avg_sqs (amsgrad; empty list otherwise), masters (fp32 or int16 remainders; empty
+  // list for master_mode 0) and the per-param step counters -- or nothing when found_inf != 0.
+  m.def(
+      "adamw_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] masters, Tensor(f!)[] steps, Tensor grad_factor, "
+      "Tensor found_inf, Tensor? lr_tensor, float lr, float beta1, float beta2, float eps, float weight_decay, "
+      "bool maximize, int master_mode, bool stochastic_rounding, int seed) -> ()");
 }
 
 #ifndef MPKERN_TORCH_VERSION

@@ -1,6 +1,8 @@
 """mpkern: fused mixed-precision training kernels for PyTorch.
 
 * :func:`unscale_` -- unscale + inf/NaN check + global-norm clip in one fused pass, no host sync.
+* :class:`FusedAdamWMP` -- drop-in AdamW with fp32 master weights, one fused kernel per group.
+* :func:`matmul` / :func:`linear` / :mod:`mpkern.nn` -- fp16/bf16 GEMM with fp32 accumulation.
 * :func:`info` / :func:`bf16_supported` -- what this machine and build can run, and why not.
 
 Backends: ``cuda`` (C++/CUDA), ``triton``, ``cpu`` (C++), ``torch`` (pure PyTorch reference);
@@ -14,12 +16,19 @@ from typing import Any
 import torch
 
 from . import _backend, _ops, reference  # noqa: F401  (_ops registers the op schemas and fakes)
+from . import nn  # noqa: E402
 from .amp import UnscaleResult, nonfinite_report, unscale_
+from .matmul import linear, matmul
+from .optim import FusedAdamWMP
 
 __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    "FusedAdamWMP",
+    "linear",
+    "matmul",
+    "nn",
     "bf16_supported",
     "info",
     "nonfinite_report",

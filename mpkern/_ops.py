@@ -21,9 +21,15 @@ from . import _backend, reference
 
 Tensor = torch.Tensor
 
+_ADAMW_SCHEMA = (
+    "adamw_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+    "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] masters, Tensor(f!)[] steps, Tensor grad_factor, "
+    "Tensor found_inf, Tensor? lr_tensor, float lr, float beta1, float beta2, float eps, float weight_decay, "
+    "bool maximize, int master_mode, bool stochastic_rounding, int seed) -> ()")
 _SCHEMAS = {
     "grad_stats": "grad_stats(Tensor[] grads, Tensor inv_scale) -> (Tensor sumsq, Tensor amax)",
     "scale_": "scale_(Tensor(a!)[] tensors, Tensor scale) -> ()",
+    "adamw_step_": _ADAMW_SCHEMA,
 }
 
 _libs: list[torch.library.Library] = []  # keep registrations alive
@@ -37,6 +43,7 @@ def _define_fallback_schemas() -> None:
     for key in ("CPU", "CUDA"):
         lib.impl("grad_stats", lambda grads, inv_scale: reference.grad_stats(grads, inv_scale), key)
         lib.impl("scale_", lambda tensors, scale: reference.scale_(tensors, scale), key)
+        lib.impl("adamw_step_", reference.adamw_step_, key)
     _libs.append(lib)
 
 
@@ -56,8 +63,13 @@ def _fake_scale_(tensors: Sequence[Tensor], scale: Tensor) -> None:
     return None
 
 
+def _fake_adamw_step_(*args, **kwargs) -> None:
+    return None
+
+
 torch.library.register_fake("mpkern::grad_stats")(_fake_grad_stats)
 torch.library.register_fake("mpkern::scale_")(_fake_scale_)
+torch.library.register_fake("mpkern::adamw_step_")(_fake_adamw_step_)
 
 
 # ---- Triton ops ---------------------------------------------------------------------------------
@@ -78,6 +90,21 @@ def _triton_scale_(tensors: list[Tensor], scale: Tensor) -> None:
 _triton_grad_stats.register_fake(_fake_grad_stats)
 _triton_scale_.register_fake(_fake_scale_)
 
+_triton_lib = torch.library.Library("mpkern_triton", "FRAGMENT")
+_triton_lib.define(_ADAMW_SCHEMA)
+_libs.append(_triton_lib)
+
+
+def _triton_adamw_step_(*args) -> None:
+    from mpkern.triton_kernels import adamw
+
+    adamw.adamw_step_(*args)
+
+
+for _key in ("CPU", "CUDA"):
+    _triton_lib.impl("adamw_step_", _triton_adamw_step_, _key)
+torch.library.register_fake("mpkern_triton::adamw_step_")(_fake_adamw_step_)
+
 
 # ---- routing ------------------------------------------------------------------------------------
 def grad_stats(grads: Sequence[Tensor], inv_scale: Tensor, backend: str) -> tuple[Tensor, Tensor]:
@@ -87,6 +114,16 @@ def grad_stats(grads: Sequence[Tensor], inv_scale: Tensor, backend: str) -> tupl
     if backend == "triton":
         return torch.ops.mpkern_triton.grad_stats(list(grads), inv_scale)
     return reference.grad_stats(grads, inv_scale)
+
+
+def adamw_step_(backend: str, *args) -> None:
+    """Run the fused AdamW step on ``backend``; ``args`` follow the ``adamw_step_`` schema."""
+    if backend in ("cpu", "cuda"):
+        torch.ops.mpkern.adamw_step_(*args)
+    elif backend == "triton":
+        torch.ops.mpkern_triton.adamw_step_(*args)
+    else:
+        reference.adamw_step_(*args)
 
 
 def scale_(tensors: Sequence[Tensor], scale: Tensor, backend: str) -> None:

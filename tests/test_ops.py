@@ -98,3 +98,17 @@ def test_c_kernels_reject_bad_input():
         torch.ops.mpkern.scale_([torch.ones(10)[::2]], torch.tensor(1.0))
     with pytest.raises(RuntimeError, match="one-element float32"):
         torch.ops.mpkern.scale_([torch.ones(10)], torch.tensor([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("ns", _op_namespaces())
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_opcheck_adamw(ns, mode):
+    params = [torch.randn(n, device=DEVICE).to(torch.bfloat16) for n in (33, 5, 0)]
+    masters = {0: [], 1: [p.float() for p in params], 2: [torch.zeros(p.shape, dtype=torch.int16, device=DEVICE)
+                                                          for p in params]}[mode]
+    args = (params, [torch.randn(p.shape, device=DEVICE).to(p.dtype) for p in params],
+            [torch.zeros(p.shape, device=DEVICE) for p in params], [torch.zeros(p.shape, device=DEVICE) for p in params],
+            [torch.zeros(p.shape, device=DEVICE) for p in params], masters,
+            [torch.zeros((), device=DEVICE) for p in params], torch.tensor(0.5, device=DEVICE),
+            torch.tensor(0.0, device=DEVICE), None, 1e-3, 0.9, 0.999, 1e-8, 0.01, False, mode, False, 0)
+    torch.library.opcheck(getattr(torch.ops, ns).adamw_step_.default, args)

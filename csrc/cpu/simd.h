@@ -8,6 +8,10 @@
 
 #include <stdint.h>
 
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
 #if defined(__x86_64__) || defined(_M_X64)
 #define MPK_X86 1
 #include <immintrin.h>
@@ -21,12 +25,22 @@ namespace cpu {
 
 // 0 = scalar, 1 = AVX2 (+FMA, F16C).
 int simd_level();
+struct WorkItem;
+// Split every tensor of the list into kChunk-element work items (empty tensors give none).
+std::vector<WorkItem> make_work(c10::ArrayRef<at::Tensor> ts, int64_t chunk);
 void set_simd_enabled(bool enabled);
 inline bool use_avx2() { return simd_level() >= 1; }
 
 // Elements per (tensor, chunk) work item of the multi-tensor CPU loops. A multiple of 64 so
 // vector loops only have tails at the end of a tensor.
 constexpr int64_t kChunk = 1 << 15;
+
+// One work item of a multi-tensor loop: elements [begin, end) of tensor `tensor`.
+struct WorkItem {
+  int64_t tensor;
+  int64_t begin;
+  int64_t end;
+};
 
 #if MPK_X86
 // Load 8 elements of a float/half/bfloat16 buffer as 8 floats.

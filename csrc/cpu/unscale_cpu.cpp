@@ -29,13 +29,7 @@ int g_simd = detect_simd();
 int simd_level() { return g_simd; }
 void set_simd_enabled(bool enabled) { g_simd = enabled ? detect_simd() : 0; }
 
-struct WorkItem {
-  int64_t tensor;
-  int64_t begin;
-  int64_t end;
-};
-
-std::vector<WorkItem> make_work(at::TensorList ts, int64_t chunk) {
+std::vector<WorkItem> make_work(c10::ArrayRef<at::Tensor> ts, int64_t chunk) {
   std::vector<WorkItem> items;
   for (size_t t = 0; t < ts.size(); ++t) {
     const int64_t n = ts[t].numel();

@@ -5,6 +5,7 @@
 // arithmetic the GPU runs. The Triton kernels in mpkern/triton_kernels mirror these formulas.
 #pragma once
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -177,19 +178,76 @@ MPK_HD void stat_update(StatAcc& s, float x, float inv_scale) {
 // ----------------------------------------------------------------------------------------------
 MPK_HD void split_master(float m, uint16_t& hi, int16_t& rem) {
   const uint32_t u = f32_bits(m);
-  const uint32_t lo = u & 0xffffu;
-  uint32_t h = u >> 16;
-  int32_t r = static_cast<int32_t>(lo);
-  if (lo >= 0x8000u) {
-    h += 1u;
-    r -= 0x10000;
-  }
-  hi = static_cast<uint16_t>(h);
-  rem = static_cast<int16_t>(r);
+  hi = static_cast<uint16_t>((u + 0x8000u) >> 16);  // round half away from zero (in magnitude)
+  rem = static_cast<int16_t>(static_cast<uint16_t>(u & 0xffffu));  // low half, read as signed
 }
 
 MPK_HD float join_master(uint16_t hi, int16_t rem) {
   return f32_from_bits((static_cast<uint32_t>(hi) << 16) + static_cast<uint32_t>(static_cast<int32_t>(rem)));
+}
+
+// ----------------------------------------------------------------------------------------------
+// AdamW (decoupled weight decay), the update torch.optim.AdamW performs, per element, in fp32:
+//   g  = grad * grad_factor            (grad_factor = inv_scale * clip_coef; negated if maximize)
+//   p  = p * (1 - lr * weight_decay)
+//   m  = m + (1 - beta1) * (g - m)     (lerp)
+//   v  = v * beta2 + (1 - beta2) * g * g
+//   vm = max(vm, v)                     (amsgrad only; the denominator then uses vm)
+//   p  = p - step_size * m / (sqrt(v) / bc2_sqrt + eps)
+// with step_size = lr / (1 - beta1^t) and bc2_sqrt = sqrt(1 - beta2^t) computed in fp64 per
+// tensor from its step count t (after the increment).
+// ----------------------------------------------------------------------------------------------
+struct AdamWConsts {
+  float decay;       // 1 - lr * weight_decay
+  float one_m_b1;    // 1 - beta1
+  float beta2;
+  float one_m_b2;    // 1 - beta2
+  float step_size;   // lr / (1 - beta1^t)
+  float bc2_sqrt;    // sqrt(1 - beta2^t)
+  float eps;
+};
+
+MPK_HD AdamWConsts adamw_consts(double lr, double beta1, double beta2, double eps, double weight_decay,
+                                double step) {
+  AdamWConsts c;
+  c.decay = static_cast<float>(1.0 - lr * weight_decay);
+  c.one_m_b1 = static_cast<float>(1.0 - beta1);
+  c.beta2 = static_cast<float>(beta2);
+  c.one_m_b2 = static_cast<float>(1.0 - beta2);
+  c.step_size = static_cast<float>(lr / (1.0 - pow(beta1, step)));
+  c.bc2_sqrt = static_cast<float>(sqrt(1.0 - pow(beta2, step)));
+  c.eps = static_cast<float>(eps);
+  return c;
+}
+
+// One element. `vmax` may be null (no amsgrad). Returns the new parameter (fp32 master) value.
+MPK_HD float adamw_update(float p, float g, float& m, float& v, float* vmax, const AdamWConsts& c) {
+  p = p * c.decay;
+  m = m + c.one_m_b1 * (g - m);
+  v = v * c.beta2 + c.one_m_b2 * g * g;
+  float vv = v;
+  if (vmax != nullptr) {
+    *vmax = *vmax > v ? *vmax : v;
+    vv = *vmax;
+  }
+  const float denom = sqrtf(vv) / c.bc2_sqrt + c.eps;
+  return p - c.step_size * m / denom;
+}
+
+// Counter-based random bits for stochastic rounding: a 32-bit mix of (seed, tensor, element, step).
+MPK_HD uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+MPK_HD uint32_t sr_bits(uint32_t seed, uint32_t tensor, int64_t index, uint32_t step) {
+  uint32_t h = mix32(seed ^ mix32(tensor * 0x9e3779b9u + step));
+  h = mix32(h ^ static_cast<uint32_t>(index) ^ mix32(static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32) + 0x632be5abu));
+  return h >> 16;
 }
 
 }  // namespace mpkern

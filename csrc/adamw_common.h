@@ -1,0 +1,62 @@
+// Argument checks of mpkern::adamw_step_, shared by the CPU and CUDA implementations.
+#pragma once
+
+#include "common.h"
+
+namespace mpkern {
+
+enum MasterMode : int { kMasterNone = 0, kMasterF32 = 1, kMasterRemainder = 2 };
+
+inline void check_adamw_args(const char* op, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                             at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters,
+                             at::TensorList steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
+                             const std::optional<at::Tensor>& lr_tensor, int64_t master_mode,
+                             c10::DeviceType device_type) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n, op,
+              ": params, grads, exp_avgs, exp_avg_sqs and steps must have the same length");
+  TORCH_CHECK(max_exp_avg_sqs.empty() || max_exp_avg_sqs.size() == n, op,
+              ": max_exp_avg_sqs must be empty or one per param");
+  TORCH_CHECK(master_mode >= kMasterNone && master_mode <= kMasterRemainder, op, ": bad master_mode ", master_mode);
+  TORCH_CHECK(master_mode == kMasterNone ? masters.empty() : masters.size() == n, op,
+              ": masters must be one per param (empty when master_mode is 0)");
+  const c10::Device dev = n ? params[0].device() : grad_factor.device();
+  TORCH_CHECK(dev.type() == device_type, op, ": tensors are on ", dev, ", expected ", device_type);
+  check_scalar_f32(op, "grad_factor", grad_factor, dev);
+  check_scalar_f32(op, "found_inf", found_inf, dev);
+  if (lr_tensor.has_value()) check_scalar_f32(op, "lr", *lr_tensor, dev);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    const int64_t numel = p.numel();
+    auto same = [&](const at::Tensor& t, const char* what) {
+      TORCH_CHECK(t.device() == dev, op, ": ", what, "[", i, "] is on ", t.device(), ", expected ", dev);
+      TORCH_CHECK(t.numel() == numel, op, ": ", what, "[", i, "] has ", t.numel(), " elements, param has ", numel);
+      TORCH_CHECK(t.is_contiguous(), op, ": ", what, "[", i, "] must be contiguous");
+    };
+    same(p, "params");
+    same(grads[i], "grads");
+    same(exp_avgs[i], "exp_avgs");
+    same(exp_avg_sqs[i], "exp_avg_sqs");
+    dtype_code(p.scalar_type());
+    dtype_code(grads[i].scalar_type());
+    const auto sdt = exp_avgs[i].scalar_type();
+    TORCH_CHECK(sdt == at::kFloat || sdt == at::kBFloat16, op, ": moments must be float32 or bfloat16, got ", sdt);
+    TORCH_CHECK(exp_avg_sqs[i].scalar_type() == sdt, op, ": exp_avg and exp_avg_sq dtypes differ");
+    if (!max_exp_avg_sqs.empty()) {
+      same(max_exp_avg_sqs[i], "max_exp_avg_sqs");
+      TORCH_CHECK(max_exp_avg_sqs[i].scalar_type() == at::kFloat, op, ": max_exp_avg_sqs must be float32");
+    }
+    if (master_mode == kMasterF32) {
+      same(masters[i], "masters");
+      TORCH_CHECK(masters[i].scalar_type() == at::kFloat, op, ": fp32 masters must be float32");
+    } else if (master_mode == kMasterRemainder) {
+      same(masters[i], "masters");
+      TORCH_CHECK(masters[i].scalar_type() == at::kShort, op, ": remainders must be int16");
+      TORCH_CHECK(p.scalar_type() == at::kBFloat16, op, ": remainder masters need bfloat16 params");
+    }
+    TORCH_CHECK(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat && steps[i].device() == dev, op,
+                ": steps[", i, "] must be a one-element float32 tensor on ", dev);
+  }
+}
+
+}  // namespace mpkern

@@ -1,0 +1,166 @@
+"""Triton kernel of the fused master-weight AdamW step (``mpkern_triton::adamw_step_``).
+
+Mirrors ``adamw_update`` / ``split_master`` / ``f32_to_bf16_sr`` of ``csrc/include/mpkern/math.h``:
+  g  = grad * grad_factor (negated for maximize)
+  p  = p * (1 - lr*wd);  m = m + (1-b1)(g - m);  v = v*b2 + (1-b2)*g*g;  vm = max(vm, v)
+  p  = p - step_size * m / (sqrt(v or vm) / bc2_sqrt + eps)
+Per-tensor constants (step_size, bc2_sqrt, decay) come from the step counters, computed on the
+device in fp64 with torch ops (no sync); work items are (tensor, chunk) rows of a device table,
+one launch per (param, grad, state) dtype combination. Nothing is written when found_inf != 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .unscale import _f32_to_bf16_bits, _load_f32, _store_f32, _typed_ptr
+
+CHUNK = 16384
+BLOCK = 1024
+_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_ROW = 10  # p, g, m, v, vmax, master, begin, end, tensor index, unused
+
+
+@triton.jit
+def _mix32(x):
+    x ^= x >> 16
+    x *= 0x7FEB352D
+    x ^= x >> 15
+    x *= 0x846CA68B
+    x ^= x >> 16
+    return x
+
+
+@triton.jit
+def _sr_bits(seed, tensor, idx, step):
+    """sr_bits of math.h: 16 random bits from (seed, tensor, element, step)."""
+    h = _mix32(seed ^ _mix32(tensor * 0x9E3779B9 + step))
+    lo = (idx & 0xFFFFFFFF).to(tl.uint32)
+    hi = (idx >> 32).to(tl.uint32)
+    h = _mix32(h ^ lo ^ _mix32(hi + 0x632BE5AB))
+    return h >> 16
+
+
+@triton.jit
+def _adamw_kernel(
+    table_ptr,  # int64 [items, _ROW]
+    consts_ptr,  # float32 [tensors, 3]: step_size, bc2_sqrt, decay
+    steps_ptr,  # int32 [tensors]: step after the increment (for stochastic rounding)
+    factor_ptr,  # float32 [1]
+    found_ptr,  # float32 [1]
+    one_m_b1, beta2, one_m_b2, eps, seed,
+    PDT: tl.constexpr, GDT: tl.constexpr, SDT: tl.constexpr, MODE: tl.constexpr, AMSGRAD: tl.constexpr,
+    MAXIMIZE: tl.constexpr, SR: tl.constexpr, ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    item = tl.program_id(0).to(tl.int64)
+    found = tl.load(found_ptr)
+    if found == 0.0:
+        base = table_ptr + item * ROW
+        p_ptr = _typed_ptr(tl.load(base + 0), PDT)
+        g_ptr = _typed_ptr(tl.load(base + 1), GDT)
+        m_ptr = _typed_ptr(tl.load(base + 2), SDT)
+        v_ptr = _typed_ptr(tl.load(base + 3), SDT)
+        begin = tl.load(base + 6)
+        end = tl.load(base + 7)
+        t = tl.load(base + 8)
+        step_size = tl.load(consts_ptr + t * 3)
+        bc2_sqrt = tl.load(consts_ptr + t * 3 + 1)
+        decay = tl.load(consts_ptr + t * 3 + 2)
+        factor = tl.load(factor_ptr)
+        if MAXIMIZE:
+            factor = -factor
+        for off in range(0, CHUNK, BLOCK):
+            idx = begin + off + tl.arange(0, BLOCK).to(tl.int64)
+            mask = idx < end
+            g = _load_f32(g_ptr, idx, mask, GDT) * factor
+            if MODE == 1:
+                w_ptr = tl.load(base + 5).to(tl.pointer_type(tl.float32))
+                w = tl.load(w_ptr + idx, mask=mask, other=0.0)
+            elif MODE == 2:
+                r_ptr = tl.load(base + 5).to(tl.pointer_type(tl.int16))
+                hi = tl.load(p_ptr + idx, mask=mask, other=0).to(tl.uint32) << 16
+                lo = tl.load(r_ptr + idx, mask=mask, other=0).to(tl.int32).to(tl.uint32, bitcast=True)
+                w = (hi + lo).to(tl.float32, bitcast=True)
+            else:
+                w = _load_f32(p_ptr, idx, mask, PDT)
+            m = _load_f32(m_ptr, idx, mask, SDT)
+            v = _load_f32(v_ptr, idx, mask, SDT)
+            w = w * decay
+            m = m + one_m_b1 * (g - m)
+            v = v * beta2 + one_m_b2 * g * g
+            vv = v
+            if AMSGRAD:
+                vm_ptr = tl.load(base + 4).to(tl.pointer_type(tl.float32))
+                old = tl.load(vm_ptr + idx, mask=mask, other=0.0)
+                vv = tl.where(old > v, old, v)
+                tl.store(vm_ptr + idx, vv, mask=mask)
+            denom = tl.sqrt_rn(vv) / bc2_sqrt + eps
+            w = w - step_size * m / denom
+            _store_f32(m_ptr, idx, m, mask, SDT)
+            _store_f32(v_ptr, idx, v, mask, SDT)
+            if MODE == 1:
+                tl.store(w_ptr + idx, w, mask=mask)
+                _store_f32(p_ptr, idx, w, mask, PDT)
+            elif MODE == 2:
+                u = w.to(tl.uint32, bitcast=True)
+                tl.store(p_ptr + idx, ((u + 0x8000) >> 16).to(tl.uint16), mask=mask)
+                tl.store(r_ptr + idx, (u & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+            elif SR:
+                step = tl.load(steps_ptr + t).to(tl.uint32)
+                r = _sr_bits(seed.to(tl.uint32), t.to(tl.uint32), idx, step)
+                u = w.to(tl.uint32, bitcast=True)
+                nonfinite = (u & 0x7F800000) == 0x7F800000
+                bits = tl.where(nonfinite, _f32_to_bf16_bits(w), ((u + r) >> 16).to(tl.uint16))
+                tl.store(p_ptr + idx, bits, mask=mask)
+            else:
+                _store_f32(p_ptr, idx, w, mask, PDT)
+
+
+def _addr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
+                lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, master_mode, stochastic_rounding,
+                seed) -> None:
+    """Triton version of ``mpkern::adamw_step_`` (same contract)."""
+    n = len(params)
+    if n == 0:
+        return
+    device = params[0].device
+    ok = (found_inf.reshape(()) == 0).to(torch.float32)
+    step_new = torch.stack([s.reshape(()) for s in steps]).double() + 1.0
+    lr_d = lr_tensor.reshape(()).double() if lr_tensor is not None else torch.tensor(lr, dtype=torch.float64,
+                                                                                       device=device)
+    step_size = lr_d / (1.0 - torch.pow(beta1, step_new))
+    bc2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, step_new))
+    decay = (1.0 - lr_d * weight_decay).expand(n)
+    consts = torch.stack([step_size, bc2_sqrt, decay], dim=1).to(torch.float32).contiguous()
+    step_i32 = step_new.to(torch.int32)
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for i, p in enumerate(params):
+        if p.numel():
+            key = (_CODES[p.dtype], _CODES[grads[i].dtype], _CODES[exp_avgs[i].dtype])
+            groups.setdefault(key, []).append(i)
+    for (pdt, gdt, sdt), idx in groups.items():
+        rows = []
+        for i in idx:
+            vm = max_exp_avg_sqs[i] if max_exp_avg_sqs else None
+            ms = masters[i] if masters else None
+            head = [params[i].data_ptr(), grads[i].data_ptr(), exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(),
+                    _addr(vm), _addr(ms)]
+            numel = params[i].numel()
+            for b in range(0, numel, CHUNK):
+                rows.append(head + [b, min(numel, b + CHUNK), i, 0])
+        host = torch.tensor(rows, dtype=torch.int64)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        table = host.to(device, non_blocking=True)
+        _adamw_kernel[(len(rows),)](
+            table, consts, step_i32, grad_factor, found_inf,
+            1.0 - beta1, beta2, 1.0 - beta2, eps, int(seed) & 0x7FFFFFFF,
+            PDT=pdt, GDT=gdt, SDT=sdt, MODE=int(master_mode), AMSGRAD=bool(max_exp_avg_sqs),
+            MAXIMIZE=bool(maximize), SR=bool(stochastic_rounding) and pdt == 2, ROW=_ROW, CHUNK=CHUNK, BLOCK=BLOCK)
+    torch._foreach_add_(list(steps), ok)
