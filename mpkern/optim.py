@@ -175,29 +175,34 @@ class FusedAdamWMP(torch.optim.Optimizer):
                 g = _grad_of(p)
                 if g is None:
                     continue
-                where = f"group {gi} param {pi}"
-                if not isinstance(g, Tensor):
-                    raise TypeError(f"FusedAdamWMP: gradient of {where} is not a tensor")
-                if g.is_sparse or g.layout != torch.strided:
-                    raise RuntimeError(f"FusedAdamWMP does not support sparse gradients ({where})")
-                if g.is_complex():
-                    raise RuntimeError(f"FusedAdamWMP does not support complex gradients ({where})")
-                if g.dtype not in _FLOATS:
-                    raise TypeError(f"FusedAdamWMP: gradient of {where} has dtype {g.dtype}")
-                if g.shape != p.shape:
-                    raise ValueError(f"FusedAdamWMP: gradient of {where} has shape {tuple(g.shape)}, param has "
-                                     f"{tuple(p.shape)}")
-                if g.device != p.device:
-                    raise ValueError(f"FusedAdamWMP: gradient of {where} is on {g.device}, param on {p.device}")
-                if not p.is_contiguous():
-                    raise ValueError(f"FusedAdamWMP: {where} is not contiguous; the fused kernel updates params "
-                                     "in place as flat buffers")
+                # one cheap combined test per param; the detailed message only on failure
+                if not (isinstance(g, Tensor) and g.layout == torch.strided and g.dtype in _FLOATS
+                        and g.shape == p.shape and g.device == p.device and p.is_contiguous()):
+                    self._raise_bad_grad(f"group {gi} param {pi}", p, g)
                 buckets.setdefault((p.device, self._mode(group, p)), []).append((p, g))
             for (dev, mode), pairs in buckets.items():
                 work.append((group, dev, mode, pairs))
         for dev in {w[1] for w in work}:
             _backend.select(dev)
         return work
+
+    @staticmethod
+    def _raise_bad_grad(where: str, p: Tensor, g: Any) -> None:
+        if not isinstance(g, Tensor):
+            raise TypeError(f"FusedAdamWMP: gradient of {where} is not a tensor")
+        if g.is_sparse or g.layout != torch.strided:
+            raise RuntimeError(f"FusedAdamWMP does not support sparse gradients ({where})")
+        if g.is_complex():
+            raise RuntimeError(f"FusedAdamWMP does not support complex gradients ({where})")
+        if g.dtype not in _FLOATS:
+            raise TypeError(f"FusedAdamWMP: gradient of {where} has dtype {g.dtype}")
+        if g.shape != p.shape:
+            raise ValueError(f"FusedAdamWMP: gradient of {where} has shape {tuple(g.shape)}, param has "
+                             f"{tuple(p.shape)}")
+        if g.device != p.device:
+            raise ValueError(f"FusedAdamWMP: gradient of {where} is on {g.device}, param on {p.device}")
+        raise ValueError(f"FusedAdamWMP: {where} is not contiguous; the fused kernel updates params in place "
+                         "as flat buffers")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -78,7 +78,8 @@ def test_fp32_matches_torch_adamw(backend, amsgrad, maximize, wd):
 @pytest.mark.parametrize("dtype, master", [(torch.bfloat16, True), (torch.float16, True),
                                            (torch.bfloat16, "remainder")])
 def test_16bit_master_tracks_float64(backend, dtype, master):
-    shapes = [(129,), (7, 9), (1,), (40000,)]
+    big = 17000 if backend == "triton" else 40000  # > one work item either way; the interpreter is slow
+    shapes = [(129,), (7, 9), (1,), (big,)]
     params = _params(shapes, dtype, 1)
     ref = AdamW64(params, 1e-3, (0.9, 0.999), 1e-8, 0.01)
     opt = FusedAdamWMP(params, lr=1e-3, master_weights=master)

@@ -166,14 +166,15 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
   const c10::Device cpu(c10::kCPU);
   check_adamw_args("mpkern::adamw_step_", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps,
                    grad_factor, found_inf, lr_tensor, master_mode, c10::DeviceType::CPU);
-  if (found_inf.item<float>() != 0.0f) return;  // CPU tensor: a plain read, not a device sync
-  if (lr_tensor.has_value()) lr = lr_tensor->item<float>();
+  // CPU tensors: plain memory reads (no dispatcher round trips, no device sync)
+  if (*found_inf.data_ptr<float>() != 0.0f) return;
+  if (lr_tensor.has_value()) lr = *lr_tensor->data_ptr<float>();
   Flags f;
   f.mode = static_cast<int>(master_mode);
   f.maximize = maximize;
   f.sr = stochastic_rounding;
   f.seed = static_cast<uint32_t>(seed);
-  f.factor = grad_factor.item<float>();
+  f.factor = *grad_factor.data_ptr<float>();
   const int64_t n = static_cast<int64_t>(params.size());
   std::vector<TensorPtrs> tp(n);
   for (int64_t t = 0; t < n; ++t) {
@@ -187,7 +188,7 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
     x.pdt = dtype_code(params[t].scalar_type());
     x.gdt = dtype_code(grads[t].scalar_type());
     x.sdt = dtype_code(exp_avgs[t].scalar_type());
-    const double step = static_cast<double>(steps[t].item<float>()) + 1.0;
+    const double step = static_cast<double>(*steps[t].data_ptr<float>()) + 1.0;
     x.step = static_cast<uint32_t>(step);
     x.c = adamw_consts(lr, beta1, beta2, eps, weight_decay, step);
   }
@@ -208,7 +209,7 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
       adamw_scalar(x, w.tensor, w.begin, w.end, f);
     }
   });
-  for (int64_t t = 0; t < n; ++t) steps[t].add_(1);
+  for (int64_t t = 0; t < n; ++t) *steps[t].data_ptr<float>() += 1.0f;
 }
 
 }  // namespace cpu
