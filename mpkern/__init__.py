@@ -95,4 +95,11 @@ def info() -> dict[str, Any]:
         "forced_backend": forced,
         "backends": {b: {"available": s.available, "reason": s.reason}
                      for b, s in ((b, _backend.status(b)) for b in _backend.BACKENDS)},
+        "matmul": dict(_matmul_notes()),
     }
+
+
+def _matmul_notes() -> dict[str, str]:
+    from .matmul import BACKEND_NOTES
+
+    return BACKEND_NOTES

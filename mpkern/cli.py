@@ -25,6 +25,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
     for name, st in data["backends"].items():
         mark = "yes" if st["available"] else "no "
         print(f"  {name:<7} {mark}  {st['reason']}")
+    print("matmul / linear on each backend:")
+    for name, note in data["matmul"].items():
+        print(f"  {name:<7} {note}")
     return 0
 
 
