@@ -481,3 +481,35 @@ def test_end_to_end_small_transformer_bf16_matches_fp32():
     first = math.log(50)
     assert l32 < 0.5 * first  # it did learn
     assert abs(l16 - l32) <= 0.05 * first, (l16, l32)
+
+
+def test_kernel_backends_agree_bit_for_bit(monkeypatch):
+    """The kernel backends run the same fp32 arithmetic (math.h, no fma contraction, IEEE division),
+    so masters, moments and params agree exactly -- not just within a tolerance. (The pure-PyTorch
+    reference goes through ATen's own vectorised math and agrees to fp32 rounding only.)"""
+    from conftest import available_backends
+
+    results = {}
+    for name in [b for b in available_backends() if b != "torch"]:
+        ext = mpkern._backend.native()
+        monkeypatch.setenv("MPKERN_BACKEND", "cpu" if name == "cpu-scalar" else name)
+        if name == "cpu-scalar":
+            ext.set_cpu_simd(False)
+        try:
+            params = _params([(5000,), (3, 7)], torch.bfloat16, 42)
+            opt = FusedAdamWMP(params, lr=3e-3, amsgrad=True, maximize=True, weight_decay=0.05)
+            for step in range(4):
+                _set_grads(params, 4200 + step)
+                params[1].main_grad = params[1].grad.float() * 3.0  # an fp32 grad source too
+                opt.step()
+            results[name] = [t.clone() for p in params
+                             for t in (p, opt.state[p]["master_param"], opt.state[p]["exp_avg"],
+                                       opt.state[p]["exp_avg_sq"], opt.state[p]["max_exp_avg_sq"])]
+        finally:
+            if name == "cpu-scalar":
+                ext.set_cpu_simd(True)
+    names = list(results)
+    assert len(names) >= 2
+    for other in names[1:]:
+        for a, b in zip(results[names[0]], results[other]):
+            assert torch.equal(a, b), f"{names[0]} vs {other}"

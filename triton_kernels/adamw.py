@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .unscale import _f32_to_bf16_bits, _load_f32, _store_f32, _typed_ptr
+from .unscale import _f32_to_bf16_bits, _load_f32, _store_f32, _typed_ptr, device_guard
 
 CHUNK = 16384
 BLOCK = 1024
@@ -43,7 +43,7 @@ def _sr_bits(seed, tensor, idx, step):
     return h >> 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # seed == 1 would otherwise become a constexpr int
 def _adamw_kernel(
     table_ptr,  # int64 [items, _ROW]
     consts_ptr,  # float32 [tensors, 3]: step_size, bc2_sqrt, decay
@@ -96,8 +96,10 @@ def _adamw_kernel(
                 old = tl.load(vm_ptr + idx, mask=mask, other=0.0)
                 vv = tl.where(old > v, old, v)
                 tl.store(vm_ptr + idx, vv, mask=mask)
-            denom = tl.sqrt_rn(vv) / bc2_sqrt + eps
-            w = w - step_size * m / denom
+            # IEEE-rounded division (plain "/" is approximate on GPUs) and no fma contraction
+            # (enable_fp_fusion=False at launch): the same rounding as math.h on every backend
+            denom = tl.div_rn(tl.sqrt_rn(vv), bc2_sqrt) + eps
+            w = w - tl.div_rn(step_size * m, denom)
             _store_f32(m_ptr, idx, m, mask, SDT)
             _store_f32(v_ptr, idx, v, mask, SDT)
             if MODE == 1:
@@ -130,6 +132,16 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, 
     if n == 0:
         return
     device = params[0].device
+    with device_guard(device):
+        _adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
+                    lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, master_mode, stochastic_rounding, seed)
+
+
+def _adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
+                lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, master_mode, stochastic_rounding,
+                seed) -> None:
+    n = len(params)
+    device = params[0].device
     ok = (found_inf.reshape(()) == 0).to(torch.float32)
     step_new = torch.stack([s.reshape(()) for s in steps]).double() + 1.0
     lr_d = lr_tensor.reshape(()).double() if lr_tensor is not None else torch.tensor(lr, dtype=torch.float64,
@@ -160,7 +172,8 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, 
         table = host.to(device, non_blocking=True)
         _adamw_kernel[(len(rows),)](
             table, consts, step_i32, grad_factor, found_inf,
-            1.0 - beta1, beta2, 1.0 - beta2, eps, int(seed) & 0x7FFFFFFF,
+            1.0 - beta1, beta2, 1.0 - beta2, eps, int(seed) & 0xFFFFFFFF,
             PDT=pdt, GDT=gdt, SDT=sdt, MODE=int(master_mode), AMSGRAD=bool(max_exp_avg_sqs),
-            MAXIMIZE=bool(maximize), SR=bool(stochastic_rounding) and pdt == 2, ROW=_ROW, CHUNK=CHUNK, BLOCK=BLOCK)
+            MAXIMIZE=bool(maximize), SR=bool(stochastic_rounding) and pdt == 2, ROW=_ROW, CHUNK=CHUNK, BLOCK=BLOCK,
+            enable_fp_fusion=False)
     torch._foreach_add_(list(steps), ok)

@@ -13,6 +13,7 @@ Math (mirrors ``csrc/include/mpkern/math.h``):
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -116,6 +117,11 @@ def _scale_kernel(
             _store_f32(ptr, idx, x * s, mask, DT)
 
 
+def device_guard(device: torch.device):
+    """Triton launches on the current CUDA device: make it the tensors' device."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _work_table(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(device int64 table [items, 3], CPU int64 owner index [items]) for non-empty tensors."""
     rows: list[tuple[int, int, int]] = []
@@ -151,7 +157,9 @@ def grad_stats(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor) -> tuple[
         items = table.shape[0]
         part_sum = torch.empty(items, dtype=torch.float32, device=device)
         part_max = torch.empty(items, dtype=torch.int32, device=device)
-        _grad_stats_kernel[(items,)](table, inv_scale, part_sum, part_max, DT=dt, CHUNK=CHUNK, BLOCK=BLOCK)
+        with device_guard(device):
+            _grad_stats_kernel[(items,)](table, inv_scale, part_sum, part_max, DT=dt, CHUNK=CHUNK, BLOCK=BLOCK,
+                                         enable_fp_fusion=False)
         dest = torch.tensor(idx, dtype=torch.int64)[owner].to(device, non_blocking=True)
         sumsq.index_add_(0, dest, part_sum.to(torch.float64))
         amax_bits.scatter_reduce_(0, dest, part_max, reduce="amax")
@@ -162,4 +170,5 @@ def scale_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
     """Triton version of :func:`mpkern.reference.scale_` (same contract)."""
     for dt, idx in _groups(tensors).items():
         table, _ = _work_table([tensors[i] for i in idx], scale.device)
-        _scale_kernel[(table.shape[0],)](table, scale, DT=dt, CHUNK=CHUNK, BLOCK=BLOCK)
+        with device_guard(scale.device):
+            _scale_kernel[(table.shape[0],)](table, scale, DT=dt, CHUNK=CHUNK, BLOCK=BLOCK, enable_fp_fusion=False)

@@ -58,6 +58,30 @@ MPK_AVX2 inline __m256 load8(const void* base, int64_t i) {
   }
 }
 
+// 16 bfloat16 -> two vectors of 8 floats, in the lane order of _mm256_unpack{lo,hi}_epi16:
+// lo = elements 0-3 and 8-11, hi = 4-7 and 12-15. bf16x16_pack below undoes exactly this order.
+MPK_AVX2 inline void bf16x16_unpack(const void* src, __m256& lo, __m256& hi) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  const __m256i zero = _mm256_setzero_si256();
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, raw));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw));
+}
+
+// 8 floats -> 8 bf16 bit patterns in the low halves of 32-bit lanes (round to nearest even,
+// NaN kept quiet with its sign), as f32_to_bf16_rne of math.h.
+MPK_AVX2 inline __m256i bf16_rne_bits32(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
+  return _mm256_blendv_epi8(r, qnan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+
+MPK_AVX2 inline void bf16x16_pack(void* dst, __m256 lo, __m256 hi) {
+  const __m256i packed = _mm256_packus_epi32(bf16_rne_bits32(lo), bf16_rne_bits32(hi));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);
+}
+
 // 8 floats -> 8 bfloat16 bit patterns, round to nearest even, NaN kept (quiet, same sign).
 MPK_AVX2 inline __m128i f32_to_bf16x8(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);

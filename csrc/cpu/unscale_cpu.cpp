@@ -77,7 +77,13 @@ MPK_AVX2 StatAcc stats_avx2(const void* p, int64_t begin, int64_t end, float inv
   const int64_t block_end = std::min(end, i + 8 * kSub);
   for (; i + 32 <= block_end; i += 32) {
     _mm_prefetch(static_cast<const char*>(p) + (i + kPrefetch) * (DT == 0 ? 4 : 2), _MM_HINT_T0);
-    const __m256 x0 = load8<DT>(p, i), x1 = load8<DT>(p, i + 8), x2 = load8<DT>(p, i + 16), x3 = load8<DT>(p, i + 24);
+    __m256 x0, x1, x2, x3;
+    if constexpr (DT == kBF16) {  // element order is irrelevant to the statistics
+      bf16x16_unpack(static_cast<const uint16_t*>(p) + i, x0, x1);
+      bf16x16_unpack(static_cast<const uint16_t*>(p) + i + 16, x2, x3);
+    } else {
+      x0 = load8<DT>(p, i), x1 = load8<DT>(p, i + 8), x2 = load8<DT>(p, i + 16), x3 = load8<DT>(p, i + 24);
+    }
     m0 = _mm256_max_epu32(m0, _mm256_and_si256(_mm256_castps_si256(x0), absmask));
     m1 = _mm256_max_epu32(m1, _mm256_and_si256(_mm256_castps_si256(x1), absmask));
     m0 = _mm256_max_epu32(m0, _mm256_and_si256(_mm256_castps_si256(x2), absmask));
@@ -124,6 +130,15 @@ template <int DT>
 MPK_AVX2 void scale_avx2(void* p, int64_t begin, int64_t end, float s) {
   const __m256 vs = _mm256_set1_ps(s);
   int64_t i = begin;
+  if constexpr (DT == kBF16) {  // one 32-byte load and store per 16 elements, no lane permutes
+    uint16_t* q = static_cast<uint16_t*>(p);
+    for (; i + 16 <= end; i += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(q + i + kPrefetch), _MM_HINT_T0);
+      __m256 lo, hi;
+      bf16x16_unpack(q + i, lo, hi);
+      bf16x16_pack(q + i, _mm256_mul_ps(lo, vs), _mm256_mul_ps(hi, vs));
+    }
+  }
   for (; i + 16 <= end; i += 16) {
     _mm_prefetch(static_cast<const char*>(p) + (i + kPrefetch) * (DT == 0 ? 4 : 2), _MM_HINT_T0);
     const __m256 x0 = load8<DT>(p, i), x1 = load8<DT>(p, i + 8);
