@@ -17,7 +17,7 @@ import torch
 from . import _backend, _ops
 
 Tensor = torch.Tensor
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FLOAT_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
 
 
 class _UnscaleFields(NamedTuple):
@@ -65,23 +65,31 @@ def _collect(params_or_optimizer: Any) -> tuple[torch.optim.Optimizer | None, li
                         f"got {type(params_or_optimizer).__name__}")
     params: list[Tensor] = []
     grads: list[Tensor] = []
+    strided, floats = torch.strided, _FLOAT_DTYPES
     for i, p in enumerate(items):
         if not isinstance(p, Tensor):
             raise TypeError(f"unscale_: parameter {i} must be a torch.Tensor, got {type(p).__name__}")
-        g = _grad_of(p)
+        g = getattr(p, "main_grad", None)
         if g is None:
-            continue
-        if not isinstance(g, Tensor):
-            raise TypeError(f"unscale_: gradient of parameter {i} must be a tensor, got {type(g).__name__}")
-        if g.layout != torch.strided:
-            raise ValueError(f"unscale_: gradient of parameter {i} is {g.layout}; only dense (strided) gradients "
-                             "are supported (sparse gradients are not)")
-        if g.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"unscale_: gradient of parameter {i} has dtype {g.dtype}; expected float32, float16 "
-                            "or bfloat16")
+            g = p.grad
+            if g is None:
+                continue
+        # one combined test per grad (the hot path); the precise message only on failure
+        if not (isinstance(g, Tensor) and g.layout == strided and g.dtype in floats):
+            _raise_bad_grad(i, g)
         params.append(p)
         grads.append(g)
     return optimizer, params, grads
+
+
+def _raise_bad_grad(i: int, g: Any) -> None:
+    if not isinstance(g, Tensor):
+        raise TypeError(f"unscale_: gradient of parameter {i} must be a tensor, got {type(g).__name__}")
+    if g.layout != torch.strided:
+        raise ValueError(f"unscale_: gradient of parameter {i} is {g.layout}; only dense (strided) gradients "
+                         "are supported (sparse gradients are not)")
+    raise TypeError(f"unscale_: gradient of parameter {i} has dtype {g.dtype}; expected float32, float16 "
+                    "or bfloat16")
 
 
 def _check_norm_type(norm_type: Any) -> bool:
@@ -209,13 +217,18 @@ def unscale_(
     # Group by device (keeping order inside each group); one statistics pass per device. The
     # backend is chosen (and a forced one checked) for every device before any work.
     by_dev: dict[torch.device, list[int]] = {}
+    flat: list[bool] = []
     for i, g in enumerate(grads):
         by_dev.setdefault(g.device, []).append(i)
+        flat.append(g.is_contiguous() or _flat(g))
     backend = {dev: _backend.select(dev) for dev in by_dev}
-    flat = [_flat(g) for g in grads]
+    all_flat = all(flat)
     sums, maxs, order = [], [], []
     for dev, idx in by_dev.items():
-        gs = [grads[i] if flat[i] else grads[i].contiguous() for i in idx]
+        if all_flat and len(by_dev) == 1:
+            gs = grads
+        else:
+            gs = [grads[i] if flat[i] else grads[i].contiguous() for i in idx]
         s, m = _ops.grad_stats(gs, _scalar_on(inv, dev), backend[dev])
         sums.append(s if dev == out_device else s.to(out_device, non_blocking=True))
         maxs.append(m if dev == out_device else m.to(out_device, non_blocking=True))
@@ -255,6 +268,9 @@ def unscale_(
     else:
         for dev, idx in by_dev.items():
             f = factor if dev == out_device else factor.to(dev, non_blocking=True)
+            if all_flat and len(by_dev) == 1:
+                _ops.scale_(grads, f, backend[dev])
+                continue
             _ops.scale_([grads[i] for i in idx if flat[i]], f, backend[dev])
             for i in idx:  # rare: grads that are not one dense block (e.g. strided views)
                 if not flat[i]:

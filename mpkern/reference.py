@@ -81,7 +81,7 @@ def adamw_step_(
         lr_d = lr_t.to(step.device)
         decay = (1 - lr_d * weight_decay).float()
         step_size = (lr_d / (1 - beta1**step)).float()
-        bc2_sqrt = torch.sqrt(1 - beta2**step).float()
+        inv_bc2 = (1 / torch.sqrt(1 - beta2**step)).float()
         g = grads[i].float() * factor
         if master_mode == MASTER_F32:
             w = masters[i].clone()
@@ -99,7 +99,7 @@ def adamw_step_(
         if max_exp_avg_sqs:
             vv = torch.where(max_exp_avg_sqs[i] > v, max_exp_avg_sqs[i], v)
             max_exp_avg_sqs[i].copy_(torch.where(ok, vv, max_exp_avg_sqs[i]))
-        denom = vv.sqrt() / bc2_sqrt + eps
+        denom = vv.sqrt() * inv_bc2 + eps
         w = w - step_size * m / denom
         exp_avgs[i].copy_(torch.where(ok, m.to(exp_avgs[i].dtype), exp_avgs[i]))
         exp_avg_sqs[i].copy_(torch.where(ok, v.to(exp_avg_sqs[i].dtype), exp_avg_sqs[i]))

@@ -3,8 +3,8 @@
 Mirrors ``adamw_update`` / ``split_master`` / ``f32_to_bf16_sr`` of ``csrc/include/mpkern/math.h``:
   g  = grad * grad_factor (negated for maximize)
   p  = p * (1 - lr*wd);  m = m + (1-b1)(g - m);  v = v*b2 + (1-b2)*g*g;  vm = max(vm, v)
-  p  = p - step_size * m / (sqrt(v or vm) / bc2_sqrt + eps)
-Per-tensor constants (step_size, bc2_sqrt, decay) come from the step counters, computed on the
+  p  = p - step_size * m / (sqrt(v or vm) * inv_bc2 + eps)
+Per-tensor constants (step_size, inv_bc2, decay) come from the step counters, computed on the
 device in fp64 with torch ops (no sync); work items are (tensor, chunk) rows of a device table,
 one launch per (param, grad, state) dtype combination. Nothing is written when found_inf != 0.
 """
@@ -46,7 +46,7 @@ def _sr_bits(seed, tensor, idx, step):
 @triton.jit(do_not_specialize=["seed"])  # seed == 1 would otherwise become a constexpr int
 def _adamw_kernel(
     table_ptr,  # int64 [items, _ROW]
-    consts_ptr,  # float32 [tensors, 3]: step_size, bc2_sqrt, decay
+    consts_ptr,  # float32 [tensors, 3]: step_size, inv_bc2, decay
     steps_ptr,  # int32 [tensors]: step after the increment (for stochastic rounding)
     factor_ptr,  # float32 [1]
     found_ptr,  # float32 [1]
@@ -66,7 +66,7 @@ def _adamw_kernel(
         end = tl.load(base + 7)
         t = tl.load(base + 8)
         step_size = tl.load(consts_ptr + t * 3)
-        bc2_sqrt = tl.load(consts_ptr + t * 3 + 1)
+        inv_bc2 = tl.load(consts_ptr + t * 3 + 1)
         decay = tl.load(consts_ptr + t * 3 + 2)
         factor = tl.load(factor_ptr)
         if MAXIMIZE:
@@ -98,7 +98,7 @@ def _adamw_kernel(
                 tl.store(vm_ptr + idx, vv, mask=mask)
             # IEEE-rounded division (plain "/" is approximate on GPUs) and no fma contraction
             # (enable_fp_fusion=False at launch): the same rounding as math.h on every backend
-            denom = tl.div_rn(tl.sqrt_rn(vv), bc2_sqrt) + eps
+            denom = tl.sqrt_rn(vv) * inv_bc2 + eps
             w = w - tl.div_rn(step_size * m, denom)
             _store_f32(m_ptr, idx, m, mask, SDT)
             _store_f32(v_ptr, idx, v, mask, SDT)
@@ -147,9 +147,9 @@ def _adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, 
     lr_d = lr_tensor.reshape(()).double() if lr_tensor is not None else torch.tensor(lr, dtype=torch.float64,
                                                                                        device=device)
     step_size = lr_d / (1.0 - torch.pow(beta1, step_new))
-    bc2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, step_new))
+    inv_bc2 = 1.0 / torch.sqrt(1.0 - torch.pow(beta2, step_new))
     decay = (1.0 - lr_d * weight_decay).expand(n)
-    consts = torch.stack([step_size, bc2_sqrt, decay], dim=1).to(torch.float32).contiguous()
+    consts = torch.stack([step_size, inv_bc2, decay], dim=1).to(torch.float32).contiguous()
     step_i32 = step_new.to(torch.int32)
     groups: dict[tuple[int, int, int], list[int]] = {}
     for i, p in enumerate(params):

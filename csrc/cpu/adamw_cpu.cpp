@@ -82,7 +82,7 @@ MPK_AVX2 void adamw_avx2(const TensorPtrs& t, int64_t begin, int64_t end, const 
   const __m256 factor = _mm256_set1_ps(f.maximize ? -f.factor : f.factor);
   const __m256 decay = _mm256_set1_ps(t.c.decay), omb1 = _mm256_set1_ps(t.c.one_m_b1);
   const __m256 b2 = _mm256_set1_ps(t.c.beta2), omb2 = _mm256_set1_ps(t.c.one_m_b2);
-  const __m256 ss = _mm256_set1_ps(t.c.step_size), bc2 = _mm256_set1_ps(t.c.bc2_sqrt);
+  const __m256 ss = _mm256_set1_ps(t.c.step_size), ibc2 = _mm256_set1_ps(t.c.inv_bc2);
   const __m256 eps = _mm256_set1_ps(t.c.eps);
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
@@ -110,7 +110,7 @@ MPK_AVX2 void adamw_avx2(const TensorPtrs& t, int64_t begin, int64_t end, const 
       vv = _mm256_blendv_ps(v, old, _mm256_cmp_ps(old, v, _CMP_GT_OQ));
       _mm256_storeu_ps(t.vmax + i, vv);
     }
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), bc2), eps);
+    const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vv), ibc2), eps);
     p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(ss, m), denom));
     store8<SDT>(t.m, i, m);
     store8<SDT>(t.v, i, v);

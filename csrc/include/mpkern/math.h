@@ -193,8 +193,8 @@ MPK_HD float join_master(uint16_t hi, int16_t rem) {
 //   m  = m + (1 - beta1) * (g - m)     (lerp)
 //   v  = v * beta2 + (1 - beta2) * g * g
 //   vm = max(vm, v)                     (amsgrad only; the denominator then uses vm)
-//   p  = p - step_size * m / (sqrt(v) / bc2_sqrt + eps)
-// with step_size = lr / (1 - beta1^t) and bc2_sqrt = sqrt(1 - beta2^t) computed in fp64 per
+//   p  = p - step_size * m / (sqrt(v) * inv_bc2 + eps)
+// with step_size = lr / (1 - beta1^t) and inv_bc2 = 1 / sqrt(1 - beta2^t) computed in fp64 per
 // tensor from its step count t (after the increment).
 // ----------------------------------------------------------------------------------------------
 struct AdamWConsts {
@@ -203,7 +203,8 @@ struct AdamWConsts {
   float beta2;
   float one_m_b2;    // 1 - beta2
   float step_size;   // lr / (1 - beta1^t)
-  float bc2_sqrt;    // sqrt(1 - beta2^t)
+  float inv_bc2;     // 1 / sqrt(1 - beta2^t): one division per element fewer than torch's
+                     // sqrt(v) / bc2_sqrt (the divider bounds the CPU kernel), within 1 ulp of it
   float eps;
 };
 
@@ -215,7 +216,7 @@ MPK_HD AdamWConsts adamw_consts(double lr, double beta1, double beta2, double ep
   c.beta2 = static_cast<float>(beta2);
   c.one_m_b2 = static_cast<float>(1.0 - beta2);
   c.step_size = static_cast<float>(lr / (1.0 - pow(beta1, step)));
-  c.bc2_sqrt = static_cast<float>(sqrt(1.0 - pow(beta2, step)));
+  c.inv_bc2 = static_cast<float>(1.0 / sqrt(1.0 - pow(beta2, step)));
   c.eps = static_cast<float>(eps);
   return c;
 }
@@ -230,7 +231,7 @@ MPK_HD float adamw_update(float p, float g, float& m, float& v, float* vmax, con
     *vmax = *vmax > v ? *vmax : v;
     vv = *vmax;
   }
-  const float denom = sqrtf(vv) / c.bc2_sqrt + c.eps;
+  const float denom = sqrtf(vv) * c.inv_bc2 + c.eps;
   return p - c.step_size * m / denom;
 }
 
