@@ -20,7 +20,6 @@ bytes) of each.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -32,28 +31,15 @@ import common  # noqa: E402
 import mpkern  # noqa: E402
 
 
-def sizes_for(total: int, count: int, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    w = torch.rand(count, generator=g) + 0.1
-    sizes = (w / w.sum() * total).long().clamp(min=1)
-    sizes[-1] += total - int(sizes.sum())
-    return sizes.tolist()
-
-
 def nbytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", type=float, default=32e6)
-    ap.add_argument("--tensors", type=int, default=200)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--reps", type=int, default=10)
-    args = ap.parse_args(argv)
+    args = common.size_args(__doc__, reps=10).parse_args(argv)
     dev = torch.device(args.device)
     total = int(args.params)
-    sizes = sizes_for(total, args.tensors)
+    sizes = common.tensor_sizes(total, args.tensors)
     g = torch.Generator().manual_seed(1)
     grads16 = [(torch.randn(n, generator=g) * 64).to(torch.bfloat16).to(dev) for n in sizes]
     init = [(torch.randn(n, generator=g) * 0.02).to(dev) for n in sizes]

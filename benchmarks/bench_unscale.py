@@ -15,7 +15,6 @@ Achieved GB/s is reported beside the measured in-place memory bandwidth.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -29,11 +28,8 @@ import mpkern  # noqa: E402
 
 def make_params(total: int, count: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    w = torch.rand(count, generator=g) + 0.1
-    sizes = (w / w.sum() * total).long().clamp(min=1)
-    sizes[-1] += total - int(sizes.sum())
     params = []
-    for n in sizes.tolist():
+    for n in common.tensor_sizes(total, count, seed):
         p = torch.nn.Parameter(torch.empty(n, dtype=dtype, device=device))
         p.grad = (torch.randn(n, generator=g) * 64.0).to(dtype).to(device)  # "scaled" grads
         params.append(p)
@@ -41,12 +37,7 @@ def make_params(total: int, count: int, dtype: torch.dtype, device: torch.device
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", type=float, default=32e6)
-    ap.add_argument("--tensors", type=int, default=200)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--reps", type=int, default=15)
-    args = ap.parse_args(argv)
+    args = common.size_args(__doc__, reps=15).parse_args(argv)
     device = torch.device(args.device)
     total = int(args.params)
     params = make_params(total, args.tensors, torch.bfloat16, device)

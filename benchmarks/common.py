@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -13,6 +14,25 @@ from datetime import datetime, timezone
 import torch
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+
+
+def tensor_sizes(total: int, count: int, seed: int = 0) -> list[int]:
+    """``count`` random tensor sizes (within a factor ~10 of each other) summing to ``total``."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(count, generator=g) + 0.1
+    sizes = (w / w.sum() * total).long().clamp(min=1)
+    sizes[-1] += total - int(sizes.sum())
+    return sizes.tolist()
+
+
+def size_args(description: str, reps: int) -> argparse.ArgumentParser:
+    """The common command line of the optimizer-side benchmarks."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=32e6, help="total parameters (default 32M)")
+    ap.add_argument("--tensors", type=int, default=200, help="number of tensors (default 200)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--reps", type=int, default=reps, help="timed repetitions (median reported)")
+    return ap
 
 
 def sync(device: torch.device) -> None:

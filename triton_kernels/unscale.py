@@ -66,6 +66,16 @@ def _store_f32(ptr, idx, x, mask, DT: tl.constexpr):
 
 
 @triton.jit
+def _work_item(table_ptr, DT: tl.constexpr):
+    """Row ``program_id`` of a (address, begin, end) work table: typed pointer, begin, end."""
+    item = tl.program_id(0).to(tl.int64)
+    addr = tl.load(table_ptr + item * 3)
+    begin = tl.load(table_ptr + item * 3 + 1)
+    end = tl.load(table_ptr + item * 3 + 2)
+    return _typed_ptr(addr, DT), begin, end, item
+
+
+@triton.jit
 def _grad_stats_kernel(
     table_ptr,  # int64 [items, 3]: address, begin, end
     inv_scale_ptr,  # float32 [1]
@@ -75,11 +85,7 @@ def _grad_stats_kernel(
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    item = tl.program_id(0).to(tl.int64)
-    addr = tl.load(table_ptr + item * 3)
-    begin = tl.load(table_ptr + item * 3 + 1)
-    end = tl.load(table_ptr + item * 3 + 2)
-    ptr = _typed_ptr(addr, DT)
+    ptr, begin, end, item = _work_item(table_ptr, DT)
     inv = tl.load(inv_scale_ptr)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     mx = tl.zeros([BLOCK], dtype=tl.int32)
@@ -103,11 +109,7 @@ def _scale_kernel(
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    item = tl.program_id(0).to(tl.int64)
-    addr = tl.load(table_ptr + item * 3)
-    begin = tl.load(table_ptr + item * 3 + 1)
-    end = tl.load(table_ptr + item * 3 + 2)
-    ptr = _typed_ptr(addr, DT)
+    ptr, begin, end, _ = _work_item(table_ptr, DT)
     s = tl.load(scale_ptr)
     if s != 1.0:
         for off in range(0, CHUNK, BLOCK):

@@ -29,15 +29,6 @@ struct AdamScalars {
   uint32_t seed;
 };
 
-__device__ __forceinline__ int find_adam(const AdamMeta* meta, int count, int64_t c) {
-  int lo = 0, hi = count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (meta[mid].chunk_begin <= c) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
 __global__ void __launch_bounds__(kBlock) adamw_kernel(const AdamMeta* __restrict__ meta, int count,
                                                        int64_t total_chunks, AdamScalars s) {
   if (*s.found_inf != 0.f) return;
@@ -48,7 +39,7 @@ __global__ void __launch_bounds__(kBlock) adamw_kernel(const AdamMeta* __restric
   const double lr = s.lr_ptr ? static_cast<double>(*s.lr_ptr) : static_cast<double>(s.lr);
   for (int64_t c = blockIdx.x; c < total_chunks; c += gridDim.x) {
     if (threadIdx.x == 0) {
-      s_t = find_adam(meta, count, c);
+      s_t = find_tensor(meta, count, c);
       const double step = static_cast<double>(*reinterpret_cast<const float*>(meta[s_t].step)) + 1.0;
       s_step = static_cast<uint32_t>(step);
       s_c = adamw_consts(lr, s.beta1, s.beta2, s.eps, s.weight_decay, step);
@@ -160,8 +151,6 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
   auto stream = at::cuda::getCurrentCUDAStream();
   const int count = static_cast<int>(host.size());
   if (chunks > 0) {
-    // binary search needs chunk owners only: empty tensors share chunk_begin with the next
-    // tensor and find_adam returns the last entry with chunk_begin <= c, the non-empty one.
     adamw_kernel<<<grid_for(chunks), kBlock, 0, stream>>>(meta, count, chunks, s);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

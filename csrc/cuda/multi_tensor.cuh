@@ -66,8 +66,11 @@ inline int grid_for(int64_t total_chunks) {
   return static_cast<int>(std::max<int64_t>(g, 1));
 }
 
-// Index of the tensor that owns global chunk `c`: the last entry with chunk_begin <= c.
-__device__ __forceinline__ int find_tensor(const TensorMeta* meta, int count, int64_t c) {
+// Index of the tensor that owns global chunk `c`: the last entry with chunk_begin <= c (empty
+// tensors share chunk_begin with the next entry and are never chosen). Any table whose rows
+// have a `chunk_begin` field works.
+template <typename Meta>
+__device__ __forceinline__ int find_tensor(const Meta* meta, int count, int64_t c) {
   int lo = 0, hi = count - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
