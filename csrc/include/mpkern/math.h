@@ -204,7 +204,7 @@ struct AdamWConsts {
   float one_m_b2;    // 1 - beta2
   float step_size;   // lr / (1 - beta1^t)
   float inv_bc2;     // 1 / sqrt(1 - beta2^t): one division per element fewer than torch's
-                     // sqrt(v) / bc2_sqrt (the divider bounds the CPU kernel), within 1 ulp of it
+                     // sqrt(v) / bc2_sqrt, within 1 ulp of it
   float eps;
 };
 
