@@ -513,3 +513,21 @@ def test_kernel_backends_agree_bit_for_bit(monkeypatch):
     for other in names[1:]:
         for a, b in zip(results[names[0]], results[other]):
             assert torch.equal(a, b), f"{names[0]} vs {other}"
+
+
+def test_compiled_step_fullgraph_equals_eager(backend):
+    """FusedAdamWMP.step traces into one graph (registered ops with fake kernels, no host sync)."""
+    p1 = _params([(10,), (300,)], torch.bfloat16, 50)
+    p2 = [torch.nn.Parameter(p.detach().clone()) for p in p1]
+    o1 = FusedAdamWMP(p1, lr=1e-2, max_grad_norm=1.0)
+    o2 = FusedAdamWMP(p2, lr=1e-2, max_grad_norm=1.0)
+    compiled = torch.compile(o2.step, fullgraph=True, backend="aot_eager")
+    for step in range(3):
+        _set_grads(p1, 5000 + step, scale=5.0)
+        _set_grads(p2, 5000 + step, scale=5.0)
+        o1.step()
+        compiled()
+    for a, b in zip(p1, p2):
+        assert torch.equal(a, b)
+        assert torch.equal(o1.state[a]["master_param"], o2.state[b]["master_param"])
+        assert float(o2.state[b]["step"]) == 3.0
