@@ -49,7 +49,9 @@ class FusedAdamWMP(torch.optim.Optimizer):
 
     Overflow: ``_step_supports_amp_scaling = True`` -- ``GradScaler.step`` hands over ``grad_scale``
     and ``found_inf``; when found_inf is set nothing changes (params, masters, moments, steps).
-    ``mpkern.unscale_(opt, ...)`` does not touch the grads: its factor is applied in the next step.
+    ``mpkern.unscale_(opt, ...)`` does not touch the grads: its factor (inv_scale * clip_coef) is
+    applied in the next ``step()``; a second call before that step replaces the first, and
+    ``zero_grad()`` drops it.
     """
 
     _step_supports_amp_scaling = True
@@ -158,8 +160,10 @@ class FusedAdamWMP(torch.optim.Optimizer):
         return res.total_norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Like ``Optimizer.zero_grad``; also zeroes ``p.main_grad`` buffers (kept allocated)."""
+        """Like ``Optimizer.zero_grad``; also zeroes ``p.main_grad`` buffers (kept allocated) and
+        drops a factor left by ``mpkern.unscale_`` / ``clip_grad_norm_`` for the discarded grads."""
         super().zero_grad(set_to_none=set_to_none)
+        self._pending = None
         mains = [p.main_grad for g in self.param_groups for p in g["params"]
                  if getattr(p, "main_grad", None) is not None]
         if mains:

@@ -531,3 +531,17 @@ def test_compiled_step_fullgraph_equals_eager(backend):
         assert torch.equal(a, b)
         assert torch.equal(o1.state[a]["master_param"], o2.state[b]["master_param"])
         assert float(o2.state[b]["step"]) == 3.0
+
+
+def test_zero_grad_drops_pending_factor(backend):
+    p1 = _params([(50,)], torch.float32, 60)
+    p2 = [torch.nn.Parameter(p.detach().clone()) for p in p1]
+    o1, o2 = FusedAdamWMP(p1, lr=1e-2), FusedAdamWMP(p2, lr=1e-2)
+    _set_grads(p1, 6000)
+    mpkern.unscale_(o1, 0.001)  # deferred factor for grads that are then thrown away
+    o1.zero_grad()
+    _set_grads(p1, 6001)
+    _set_grads(p2, 6001)
+    o1.step()
+    o2.step()
+    assert torch.equal(p1[0], p2[0])
