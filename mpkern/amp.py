@@ -47,6 +47,8 @@ class UnscaleResult(_UnscaleFields):
 
 
 def _grad_of(p: Tensor) -> Tensor | None:
+    """The gradient mpkern uses for ``p``: ``p.main_grad`` (fp32) if present, else ``p.grad``.
+    (``_collect`` below inlines the same rule in its hot loop.)"""
     g = getattr(p, "main_grad", None)
     return g if g is not None else p.grad
 

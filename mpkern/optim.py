@@ -17,15 +17,11 @@ from typing import Any
 import torch
 
 from . import _backend, _ops, amp
+from .amp import _grad_of
 from .reference import MASTER_F32, MASTER_NONE, MASTER_REMAINDER
 
 Tensor = torch.Tensor
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _grad_of(p: Tensor) -> Tensor | None:
-    g = getattr(p, "main_grad", None)
-    return g if g is not None else p.grad
 
 
 class FusedAdamWMP(torch.optim.Optimizer):
