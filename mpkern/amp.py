@@ -9,6 +9,7 @@ in-place multiply by ``inv_scale * clip_coef``. Nothing in it waits for the devi
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -53,11 +54,17 @@ def _grad_of(p: Tensor) -> Tensor | None:
     return g if g is not None else p.grad
 
 
-def _collect(params_or_optimizer: Any) -> tuple[torch.optim.Optimizer | None, list[Tensor], list[Tensor]]:
-    """(optimizer or None, params with a grad, their grads), validated; raises before any work."""
+def _collect(
+    params_or_optimizer: Any,
+) -> tuple[torch.optim.Optimizer | None, list[Tensor], list[Tensor], list[str] | None, int]:
+    """(optimizer or None, params with a grad, their grads, their names if given as
+    ``named_parameters()`` pairs, number of items seen), validated; raises before any work."""
     optimizer = params_or_optimizer if isinstance(params_or_optimizer, torch.optim.Optimizer) else None
     if optimizer is not None:
         items: Iterable[Any] = [p for group in optimizer.param_groups for p in group["params"]]
+    elif isinstance(params_or_optimizer, torch.nn.Module):
+        raise TypeError("unscale_: got a torch.nn.Module; pass model.parameters() (or model.named_parameters(), "
+                        "or the optimizer)")
     elif isinstance(params_or_optimizer, Tensor):
         items = [params_or_optimizer]
     elif isinstance(params_or_optimizer, Iterable):
@@ -67,10 +74,22 @@ def _collect(params_or_optimizer: Any) -> tuple[torch.optim.Optimizer | None, li
                         f"got {type(params_or_optimizer).__name__}")
     params: list[Tensor] = []
     grads: list[Tensor] = []
+    names: list[str] | None = None
     strided, floats = torch.strided, _FLOAT_DTYPES
+    i = -1
     for i, p in enumerate(items):
         if not isinstance(p, Tensor):
-            raise TypeError(f"unscale_: parameter {i} must be a torch.Tensor, got {type(p).__name__}")
+            if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], Tensor):
+                if names is None:  # named_parameters() pairs: keep the names for nonfinite_report
+                    if params:
+                        raise TypeError("unscale_: mix of tensors and (name, tensor) pairs")
+                    names = []
+                name, p = p
+            else:
+                raise TypeError(f"unscale_: parameter {i} must be a torch.Tensor or a (name, tensor) pair, "
+                                f"got {type(p).__name__}")
+        elif names is not None:
+            raise TypeError("unscale_: mix of tensors and (name, tensor) pairs")
         g = getattr(p, "main_grad", None)
         if g is None:
             g = p.grad
@@ -81,7 +100,9 @@ def _collect(params_or_optimizer: Any) -> tuple[torch.optim.Optimizer | None, li
             _raise_bad_grad(i, g)
         params.append(p)
         grads.append(g)
-    return optimizer, params, grads
+        if names is not None:
+            names.append(name)
+    return optimizer, params, grads, names, i + 1
 
 
 def _raise_bad_grad(i: int, g: Any) -> None:
@@ -135,13 +156,15 @@ def _inv_scale_tensor(inv_scale: Any, scaler: Any) -> Tensor | float:
         raise TypeError(f"unscale_: inv_scale must be a float or a one-element tensor, got {type(inv_scale).__name__}")
     if not (inv_scale > 0 and math.isfinite(inv_scale)):
         raise ValueError(f"unscale_: inv_scale must be a positive finite float, got {inv_scale!r}")
+    if inv_scale > 1.0:
+        warnings.warn(f"unscale_: inv_scale={inv_scale!r} is > 1, so the gradients are scaled *up*; inv_scale is "
+                      "1 / loss_scale (or pass scaler=)", UserWarning, stacklevel=3)
     return float(inv_scale)
 
 
 def _scalar_on(value: Tensor | float, device: torch.device) -> Tensor:
-    if isinstance(value, Tensor):
-        return value.detach().to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
-    return torch.tensor(value, dtype=torch.float32, device=device)
+    """``value`` as a 0-dim float32 tensor on ``device`` with no host sync (see ``_ops.scalar_on``)."""
+    return _ops.scalar_on(value, device)
 
 
 def _flat(g: Tensor) -> bool:
@@ -164,13 +187,16 @@ def unscale_(
     norm_type: float = 2.0,
     per_tensor: bool = False,
     scaler: torch.amp.GradScaler | None = None,
+    apply: bool = False,
 ) -> UnscaleResult:
     """Unscale gradients in place, detect inf/NaN and clip by global norm, in one fused pass.
 
     Args:
         params_or_optimizer: parameters (their ``.main_grad`` if present, else ``.grad``; ``None``
-            grads are skipped) or an optimizer (all its parameters). Grads may mix float32,
-            float16 and bfloat16 and live on several devices.
+            grads are skipped), ``named_parameters()`` pairs (the names then reach
+            :func:`nonfinite_report`), or an optimizer (all its parameters). Grads may mix float32,
+            float16 and bfloat16 and live on several devices. A warning says when no gradient
+            at all was processed (e.g. an exhausted generator).
         inv_scale: ``1 / loss_scale`` as a float or one-element tensor.
         max_norm: clip the unscaled gradients to this global norm (None: no clipping).
         norm_type: 2.0 or ``inf``.
@@ -178,11 +204,17 @@ def unscale_(
         scaler: a ``torch.amp.GradScaler`` (then the first argument must be its optimizer). Its
             scale is used, and the inf check is recorded in it, so ``scaler.step(opt)`` skips the
             step on overflow and ``scaler.update()`` backs off the scale -- exactly like
-            ``scaler.unscale_(opt); clip_grad_norm_(params, max_norm)``.
+            ``scaler.unscale_(opt); clip_grad_norm_(params, max_norm)``. Like GradScaler, fp16
+            gradients are refused here ("Attempting to unscale FP16 gradients") unless the
+            optimizer is an mpkern one that applies the factor in fp32 inside its step.
+        apply: with a ``FusedAdamWMP`` first argument, write the unscaled, clipped grads now
+            instead of deferring the multiply into the step (for code that inspects or edits the
+            grads between unscale_ and step; costs one read+write pass over the grads).
 
     Grads are multiplied in place by ``inv_scale * clip_coef`` -- except when the first argument
-    is an optimizer that fuses the multiply into its step (``mpkern.FusedAdamWMP``): then the
-    grads are only read, and the factor is applied in the next ``step()``.
+    is an optimizer that fuses the multiply into its step (``mpkern.FusedAdamWMP``) and
+    ``apply=False``: then the grads are only read, **they stay scaled until the step**, and the
+    factor is applied in fp32 registers in the next ``step()``.
 
     Returns:
         :class:`UnscaleResult` of device tensors (no host synchronisation happens).
@@ -192,13 +224,24 @@ def unscale_(
     """
     inf_norm = _check_norm_type(norm_type)
     max_norm_f = _check_max_norm(max_norm)
-    optimizer, params, grads = _collect(params_or_optimizer)
+    if not isinstance(apply, bool):
+        raise TypeError(f"unscale_: apply must be a bool, got {type(apply).__name__}")
+    optimizer, params, grads, names, n_items = _collect(params_or_optimizer)
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(f"unscale_: scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
     if scaler is not None and optimizer is None:
         raise ValueError("unscale_: scaler= needs the optimizer as first argument (its inf check is recorded "
                          "per optimizer)")
+    defer = optimizer is not None and getattr(optimizer, "_mpkern_fuses_unscale", False) and not apply
+    if scaler is not None and scaler.is_enabled() and not defer and any(g.dtype == torch.float16 for g in grads):
+        # GradScaler's own guard: unscaled fp16 grads lose their small values (keep fp32 params and
+        # autocast, or let FusedAdamWMP apply the factor in fp32 inside its step)
+        raise ValueError("Attempting to unscale FP16 gradients.")
     inv = _inv_scale_tensor(inv_scale, scaler)
+    if not grads:
+        what = "an empty iterable (an exhausted generator?)" if n_items == 0 else f"{n_items} parameters, none with a grad"
+        warnings.warn(f"unscale_: no gradient was processed ({what}); found_inf and total_norm are 0",
+                      UserWarning, stacklevel=2)
     if scaler is not None and scaler.is_enabled():
         from torch.amp.grad_scaler import OptState
 
@@ -264,10 +307,12 @@ def unscale_(
         clip_coef = torch.where(found_inf > 0, one, clip_coef)
     factor = inv_out * clip_coef
 
-    defer = optimizer is not None and getattr(optimizer, "_mpkern_fuses_unscale", False)
     if defer:
         optimizer._mpkern_set_pending_unscale(factor, found_inf, total_norm)
     else:
+        if optimizer is not None and getattr(optimizer, "_mpkern_fuses_unscale", False):
+            # apply=True: the grads are final now; the step still needs the skip decision
+            optimizer._mpkern_set_pending_unscale(torch.ones_like(factor), found_inf, total_norm)
         for dev, idx in by_dev.items():
             f = factor if dev == out_device else factor.to(dev, non_blocking=True)
             if all_flat and len(by_dev) == 1:
@@ -282,46 +327,94 @@ def unscale_(
         from torch.amp.grad_scaler import OptState
 
         state = scaler._per_optimizer_states[id(optimizer)]
-        state["found_inf_per_device"] = {out_device: found_inf}
+        # a copy: GradScaler sums other optimizers' flags into these tensors in place
+        state["found_inf_per_device"] = {out_device: found_inf.clone()}
         state["stage"] = OptState.UNSCALED
 
     res = UnscaleResult(found_inf, total_norm.to(torch.float32), clip_coef,
                         tensor_norm if per_tensor else None, nonfinite if per_tensor else None)
     res.params = tuple(params)
+    res.names = tuple(names) if names is not None else None
     return res
 
 
+class NonfiniteEntry(NamedTuple):
+    """One gradient that held inf/NaN: its parameter's name, its norm and which kind it held."""
+
+    name: str
+    norm: float
+    kind: str  # "inf" (inf values, no NaN) or "nan"
+
+
+class NonfiniteReport(list):
+    """A list of :class:`NonfiniteEntry`, likeliest culprit first, with a one-line ``summary``."""
+
+    summary: str = ""
+
+    def __str__(self) -> str:
+        lines = [self.summary]
+        lines += [f"  {'->' if i == 0 else '  '} {e.name}: {e.kind} (norm {e.norm})" for i, e in enumerate(self)]
+        return "\n".join(lines)
+
+
 def nonfinite_report(
-    model_or_named_params: torch.nn.Module | Mapping[str, Tensor] | Iterable[tuple[str, Tensor]],
+    model_or_named_params: torch.nn.Module | Mapping[str, Tensor] | Iterable[tuple[str, Tensor]] | None,
     result: UnscaleResult,
-) -> list[tuple[str, float]]:
+    *,
+    order: str = "backward",
+) -> NonfiniteReport:
     """Name the parameters whose gradients held inf/NaN in an :func:`unscale_` result.
 
     Args:
-        model_or_named_params: the model, or ``named_parameters()``-style pairs / a name->param dict.
+        model_or_named_params: the model, or ``named_parameters()``-style pairs / a name->param dict;
+            None when ``unscale_`` was given ``named_parameters()`` (the names are in the result).
         result: the value :func:`unscale_` returned, computed with ``per_tensor=True``.
+        order: ``"backward"`` (default): reverse parameter order, the order in which a backward
+            pass through a sequential model produces the gradients -- an overflow that starts in
+            one layer's backward spreads to every layer before it, so the *first* entry is the
+            likeliest culprit. ``"param"``: the order the gradients were processed in.
 
     Returns:
-        ``[(name, per_tensor_norm), ...]`` for every non-finite gradient, in processing order
-        (parameters the model does not name are reported as ``"<param i>"``). This reads the
-        flags back to the host -- call it when ``found_inf`` says something went wrong, not
-        every step.
+        A :class:`NonfiniteReport` (a list of ``(name, norm, kind)``) with ``kind`` "inf" or "nan"
+        told apart, and a ``summary``: when every gradient is non-finite the overflow happened in
+        the loss or the forward pass, not in one layer's backward, and the summary says so.
+        This reads the flags back to the host -- call it when ``found_inf`` says something went
+        wrong, not every step.
     """
     if result.per_tensor_nonfinite is None or result.per_tensor_norm is None:
         raise ValueError("nonfinite_report: the result has no per-tensor data; call unscale_(..., per_tensor=True)")
-    if isinstance(model_or_named_params, torch.nn.Module):
-        pairs: Iterable[tuple[str, Tensor]] = model_or_named_params.named_parameters()
-    elif isinstance(model_or_named_params, Mapping):
-        pairs = model_or_named_params.items()
+    if order not in ("backward", "param"):
+        raise ValueError(f"nonfinite_report: order must be 'backward' or 'param', got {order!r}")
+    params: Sequence[Tensor] = getattr(result, "params", ())
+    if model_or_named_params is None:
+        given = getattr(result, "names", None)
+        if given is None:
+            raise ValueError("nonfinite_report: pass the model (or named parameters); unscale_ was not given names")
+        names = {id(p): n for n, p in zip(given, params)}
     else:
-        pairs = model_or_named_params
-    names = {id(p): n for n, p in pairs}
+        if isinstance(model_or_named_params, torch.nn.Module):
+            pairs: Iterable[tuple[str, Tensor]] = model_or_named_params.named_parameters()
+        elif isinstance(model_or_named_params, Mapping):
+            pairs = model_or_named_params.items()
+        else:
+            pairs = model_or_named_params
+        names = {id(p): n for n, p in pairs}
     flags = result.per_tensor_nonfinite.tolist()
     norms = result.per_tensor_norm.tolist()
-    params: Sequence[Tensor] = getattr(result, "params", ())
-    out = []
-    for i, bad in enumerate(flags):
-        if bad:
-            name = names.get(id(params[i]), f"<param {i}>") if i < len(params) else f"<param {i}>"
-            out.append((name, norms[i]))
+    idx = [i for i, bad in enumerate(flags) if bad]
+    if order == "backward":
+        idx.reverse()
+    out = NonfiniteReport()
+    for i in idx:
+        name = names.get(id(params[i]), f"<param {i}>") if i < len(params) else f"<param {i}>"
+        out.append(NonfiniteEntry(name, norms[i], "nan" if math.isnan(norms[i]) else "inf"))
+    n_inf = sum(e.kind == "inf" for e in out)
+    if not out:
+        out.summary = f"no non-finite gradient among {len(flags)}"
+    elif len(out) == len(flags) and len(flags) > 1:
+        out.summary = (f"all {len(flags)} gradients are non-finite ({n_inf} inf, {len(out) - n_inf} nan): the loss "
+                       "or the forward pass overflowed, not one layer's backward (check the loss and activations)")
+    else:
+        out.summary = (f"{len(out)} of {len(flags)} gradients non-finite ({n_inf} inf, {len(out) - n_inf} nan); "
+                       f"likeliest culprit ({order} order): {out[0].name}")
     return out

@@ -31,11 +31,20 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from mpkern import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mpkern", description="mpkern: fused mixed-precision training kernels")
+    p.add_argument("--version", action="version", version=f"mpkern {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     pi = sub.add_parser("info", help="device, dtype support and which backends are available (and why not)")
-    pi.add_argument("--json", action="store_true", help="print as JSON")
+    pi.add_argument("--json", action="store_true",
+                    help="print mpkern.info() as JSON (version, torch, device, capability, bf16/fp16, backends with "
+                         "availability and reason, matmul notes)")
     pi.set_defaults(func=_cmd_info)
     return p
 

@@ -10,21 +10,32 @@
   number of backward calls (micro-batches) until the optimizer clears it. ``weight.grad`` stays
   None; ``FusedAdamWMP`` reads ``main_grad`` first. The bias gradient goes to ``bias.grad``.
 * :func:`convert` swaps every ``torch.nn.Linear`` of a module for :class:`Linear` in place.
+
+What works with ``main_grad``: :class:`mpkern.FusedAdamWMP` (reads it, and consumes it in
+``step()`` so it cannot accumulate across steps whatever zero_grad the loop calls),
+:func:`mpkern.unscale_` and ``FusedAdamWMP.clip_grad_norm_`` (Hugging Face Trainer's
+``max_grad_norm`` calls it). What does not: ``torch.optim`` optimizers and
+``torch.nn.utils.clip_grad_norm_`` only see ``.grad`` -- they would skip the weights. Once a model
+was converted with ``fp32_main_grad=True``, a ``torch.optim`` optimizer stepping over params that
+hold a ``main_grad`` but no ``.grad`` warns.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .matmul import _IN_DTYPES, _fold, linear, matmul, matmul_accumulate_
 
 Tensor = torch.Tensor
 
-__all__ = ["Linear", "convert"]
+__all__ = ["ConvertReport", "Linear", "convert"]
 
 
 def _main_grad(weight: Tensor) -> Tensor:
@@ -89,17 +100,71 @@ class Linear(nn.Linear):
         return super().extra_repr() + (", fp32_main_grad=True" if self.fp32_main_grad else "")
 
 
-def convert(module: nn.Module, *, fp32_main_grad: bool = False) -> nn.Module:
+@dataclass
+class ConvertReport:
+    """What :func:`convert` did: qualified names of converted modules and of skipped linear-like ones."""
+
+    converted: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # name -> why
+
+
+_hook_handle: Any = None
+
+
+def _warn_torch_optimizer_over_main_grad(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook (installed by ``convert(fp32_main_grad=True)``)."""
+    if getattr(optimizer, "_mpkern_fuses_unscale", False):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None and getattr(p, "main_grad", None) is not None:
+                warnings.warn(
+                    f"{type(optimizer).__name__}.step(): some params hold their gradient in .main_grad "
+                    "(mpkern.nn fp32_main_grad=True) and have no .grad, so this optimizer skips them; use "
+                    "mpkern.FusedAdamWMP (and mpkern.unscale_ / FusedAdamWMP.clip_grad_norm_ for clipping)",
+                    UserWarning, stacklevel=3)
+                return
+
+
+def _install_main_grad_guard() -> None:
+    global _hook_handle
+    if _hook_handle is None:
+        _hook_handle = register_optimizer_step_pre_hook(_warn_torch_optimizer_over_main_grad)
+
+
+def convert(module: nn.Module, *, fp32_main_grad: bool = False, report: bool = False) -> Any:
     """Turn every ``torch.nn.Linear`` in ``module`` (itself included) into :class:`Linear`, in place.
 
     The modules keep their identity, parameters (the same ``Parameter`` objects, so an existing
     optimizer still holds them), buffers, hooks and state_dict keys; only the class changes.
-    Existing :class:`Linear` modules get ``fp32_main_grad`` set. Subclasses of ``nn.Linear`` with
-    their own forward (other libraries' layers) are left alone. Returns ``module``.
+    Existing :class:`Linear` modules get ``fp32_main_grad`` set. Linear-like layers that are not
+    plain ``nn.Linear`` are skipped: subclasses with their own forward (other libraries' layers)
+    and ``nn.MultiheadAttention`` (its fused ``in_proj_weight`` and its ``out_proj`` are used by
+    ``F.multi_head_attention_forward`` directly). With ``fp32_main_grad=True`` a warning names the
+    skipped ones (their gradients stay in ``.grad``; FusedAdamWMP handles the mix).
+
+    Returns ``module``, or ``(module, ConvertReport)`` when ``report=True``.
     """
-    for m in module.modules():
+    rep = ConvertReport()
+    mha_children: set[int] = set()
+    for name, m in module.named_modules():
+        if isinstance(m, nn.MultiheadAttention):
+            rep.skipped[name] = "nn.MultiheadAttention (in_proj_weight and out_proj used by its fused functional)"
+            mha_children.update(id(c) for c in m.modules() if c is not m)
+            continue
+        if id(m) in mha_children:
+            continue
         if type(m) is nn.Linear:
             m.__class__ = Linear
         if isinstance(m, Linear):
             m.fp32_main_grad = bool(fp32_main_grad)
-    return module
+            rep.converted.append(name)
+        elif isinstance(m, nn.Linear):
+            rep.skipped[name] = f"{type(m).__qualname__} (a subclass of nn.Linear with its own forward)"
+    if fp32_main_grad:
+        _install_main_grad_guard()
+        if rep.skipped:
+            warnings.warn("mpkern.nn.convert: left these linear-like layers as they are (their grads stay in .grad): "
+                          + "; ".join(f"{n or '<root>'}: {why}" for n, why in rep.skipped.items()),
+                          UserWarning, stacklevel=2)
+    return (module, rep) if report else module

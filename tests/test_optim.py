@@ -364,8 +364,12 @@ def test_tensor_lr_and_main_grad(backend):
     ref.step([p.main_grad])
     opt.step()
     torch.testing.assert_close(opt.state[p]["master_param"].double(), ref.w[0], rtol=1e-5, atol=1e-7)
+    assert p.main_grad is None  # consumed by the step: it cannot accumulate into the next one
+    p.main_grad = torch.randn(64, device=DEVICE)
+    opt.zero_grad(set_to_none=False)
+    assert torch.count_nonzero(p.main_grad) == 0 and torch.count_nonzero(p.grad) == 0
     opt.zero_grad()
-    assert p.grad is None and torch.count_nonzero(p.main_grad) == 0
+    assert p.grad is None and p.main_grad is None
 
 
 @given(shapes=st.lists(st.integers(1, 3000), min_size=1, max_size=4),

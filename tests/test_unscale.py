@@ -252,7 +252,14 @@ def test_nonfinite_report(backend):
     model[0].bias.grad[0] = float("inf")
     res = mpkern.unscale_(model.parameters(), 1.0, per_tensor=True)
     report = mpkern.nonfinite_report(model, res)
-    assert [name for name, _ in report] == ["0.bias", "2.weight"]
-    assert math.isinf(report[0][1]) and math.isnan(report[1][1])
+    # backward order: the output layer's grads come first in a backward pass
+    assert [e.name for e in report] == ["2.weight", "0.bias"]
+    assert [e.kind for e in report] == ["nan", "inf"]
+    assert math.isnan(report[0].norm) and math.isinf(report[1].norm)
+    assert "2.weight" in report.summary and "1 inf, 1 nan" in report.summary
+    assert [e.name for e in mpkern.nonfinite_report(model, res, order="param")] == ["0.bias", "2.weight"]
+    # names passed through unscale_ (named_parameters) need no model for the report
+    res_named = mpkern.unscale_(model.named_parameters(), 1.0, per_tensor=True)
+    assert [e.name for e in mpkern.nonfinite_report(None, res_named)] == ["2.weight", "0.bias"]
     with pytest.raises(ValueError, match="per_tensor"):
         mpkern.nonfinite_report(model, mpkern.unscale_(model.parameters(), 1.0))
