@@ -261,8 +261,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
 
         For fp16 with a GradScaler use ``mpkern.unscale_(opt, scaler=scaler, max_norm=...)`` instead:
         this method sees the grads as they are (scaled, if a scaler scaled the loss).
-        ``clip_grad_norm`` is the same method under the name Hugging Face ``Trainer`` looks for, so
-        Trainer's ``max_grad_norm`` clips through it (``main_grad`` included).
+        ``clip_grad_norm`` is the same method under the name some wrappers (sharded optimizers,
+        older ``transformers.Trainer``) look for.
         """
         res = amp.unscale_(self, 1.0, max_norm=max_norm, norm_type=norm_type)
         return res.total_norm
