@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _backend, _ops
+from . import _backend, _ops, distributed
 
 Tensor = torch.Tensor
 _FLOAT_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
@@ -188,6 +188,7 @@ def unscale_(
     per_tensor: bool = False,
     scaler: torch.amp.GradScaler | None = None,
     apply: bool = False,
+    process_group: Any = None,
 ) -> UnscaleResult:
     """Unscale gradients in place, detect inf/NaN and clip by global norm, in one fused pass.
 
@@ -210,6 +211,13 @@ def unscale_(
         apply: with a ``FusedAdamWMP`` first argument, write the unscaled, clipped grads now
             instead of deferring the multiply into the step (for code that inspects or edits the
             grads between unscale_ and step; costs one read+write pass over the grads).
+        process_group: combine the statistics over this ``torch.distributed`` group: every plain
+            gradient is taken as this rank's shard (ZeRO-style flat shards, Megatron tensor
+            parallel). Default: the optimizer's ``process_group`` if it has one. DTensor gradients
+            (FSDP2, tensor parallel) need no argument: their mesh says how to combine them.
+            Either way the kernels run on local shards and **one** all-reduce of the packed
+            partials makes every rank reach the same norm, clip coefficient and skip decision
+            (see :mod:`mpkern.distributed`); every rank of the group must make the call.
 
     Grads are multiplied in place by ``inv_scale * clip_coef`` -- except when the first argument
     is an optimizer that fuses the multiply into its step (``mpkern.FusedAdamWMP``) and
@@ -238,7 +246,12 @@ def unscale_(
         # autocast, or let FusedAdamWMP apply the factor in fp32 inside its step)
         raise ValueError("Attempting to unscale FP16 gradients.")
     inv = _inv_scale_tensor(inv_scale, scaler)
-    if not grads:
+    if process_group is None and optimizer is not None:
+        process_group = getattr(optimizer, "_mpkern_process_group", None)
+    reduce_plan = distributed.plan(grads, process_group)
+    if reduce_plan is not None:
+        grads = [distributed.local(g) for g in grads]  # the kernels work on local shards
+    if not grads and reduce_plan is None:
         what = "an empty iterable (an exhausted generator?)" if n_items == 0 else f"{n_items} parameters, none with a grad"
         warnings.warn(f"unscale_: no gradient was processed ({what}); found_inf and total_norm are 0",
                       UserWarning, stacklevel=2)
@@ -290,6 +303,8 @@ def unscale_(
     else:
         sumsq = torch.zeros(0, dtype=torch.float32, device=out_device)
         amax = torch.zeros(0, dtype=torch.float32, device=out_device)
+    if reduce_plan is not None:  # one all-reduce: global statistics on every rank
+        sumsq, amax = distributed.reduce_stats(sumsq, amax, inf_norm, reduce_plan, per_tensor)
 
     nonfinite = (~torch.isfinite(amax)).to(torch.float32)
     if inf_norm:

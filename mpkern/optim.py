@@ -25,14 +25,17 @@ from typing import Any
 
 import torch
 
-from . import _backend, _ops, amp
+from . import _backend, _ops, amp, distributed
 from .amp import _flat, _grad_of
+from .distributed import local as _local
+from .distributed import version as _ver
 from .reference import MASTER_F32, MASTER_NONE, MASTER_REMAINDER
 
 Tensor = torch.Tensor
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 # mpkern's own param-group keys; the storage-layout ones are the constructor's choice even when a
 # checkpoint says otherwise (the state is converted, with a warning)
+_GROUPS: dict[int, Any] = {}  # process groups of pickled optimizers (see __getstate__)
 _OWN_KEYS = ("max_grad_norm", "master_weights", "state_dtype", "stochastic_rounding", "seed")
 _LAYOUT_KEYS = ("master_weights", "state_dtype")
 
@@ -48,16 +51,16 @@ def _like(p: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _remainder_to_master(p: Tensor, rem: Tensor) -> Tensor:
-    """fp32 master from a bf16 param and its int16 remainder (exact)."""
-    hi = p.view(torch.int16).to(torch.int32) & 0xFFFF
-    return ((hi << 16) + rem.to(torch.int32)).view(torch.float32)
+    """fp32 master from a bf16 param and its int16 remainder (exact; DTensors shard by shard)."""
+    hi = _local(p).view(torch.int16).to(torch.int32) & 0xFFFF
+    return distributed.wrap_like(p, ((hi << 16) + _local(rem).to(torch.int32)).view(torch.float32))
 
 
 def _master_to_remainder(master: Tensor) -> tuple[Tensor, Tensor]:
-    """(bf16 param, int16 remainder) that reconstruct ``master`` exactly."""
-    u = master.view(torch.int32)
+    """(bf16 param, int16 remainder) that reconstruct ``master`` exactly (DTensors shard by shard)."""
+    u = _local(master).view(torch.int32)
     hi = (((u + 0x8000) >> 16) & 0xFFFF).to(torch.int16).view(torch.bfloat16)
-    return hi, (u & 0xFFFF).to(torch.int16)
+    return distributed.wrap_like(master, hi), distributed.wrap_like(master, (u & 0xFFFF).to(torch.int16))
 
 
 class FusedAdamWMP(torch.optim.Optimizer):
@@ -88,6 +91,15 @@ class FusedAdamWMP(torch.optim.Optimizer):
         stochastic_rounding: with ``master_weights=False`` and bf16 params, round the updated
             params stochastically (unbiased) instead of to nearest.
         seed: seed of the stochastic-rounding bit stream.
+        process_group: a ``torch.distributed`` group over which the grads are sharded by hand
+            (ZeRO-style flat shards, Megatron tensor parallel): ``max_grad_norm`` and
+            ``mpkern.unscale_(opt)`` combine the local norms over it (one all-reduce). Not needed
+            for FSDP2 / DTensor params, whose mesh says it. Not saved in ``state_dict()``.
+
+    Distributed: DTensor params (FSDP2 ``fully_shard``, tensor parallel) are updated shard by
+    shard; masters and moments are DTensors laid out like their params (state memory divides by
+    the number of shards, and ``torch.distributed.checkpoint`` can reshard them), and clipping
+    uses the global norm (see :mod:`mpkern.distributed`).
 
     Params may have any layout: dense ones (contiguous, channels_last, permuted) are updated in
     place as flat buffers with state laid out like the param; other strided views go through a
@@ -137,6 +149,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
         state_dtype: torch.dtype = torch.float32,
         stochastic_rounding: bool = False,
         seed: int = 0,
+        process_group: Any = None,
     ) -> None:
         if isinstance(lr, Tensor):
             if lr.numel() != 1:
@@ -165,7 +178,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
         self._pending: tuple[Tensor, Tensor, Tensor] | None = None
         self.last_grad_norm: Tensor | None = None
         self.last_found_inf: Tensor | None = None
-        self._versions: dict[Tensor, int | None] = {}
+        self._versions: dict[Tensor, Any] = {}
+        self._mpkern_process_group = process_group
         super().__init__(params, defaults)
 
     # ---- settings ----------------------------------------------------------------------------
@@ -239,17 +253,30 @@ class FusedAdamWMP(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.update(_pending=self._pending, last_grad_norm=self.last_grad_norm, last_found_inf=self.last_found_inf)
+        pg = self.__dict__.get("_mpkern_process_group")
+        if pg is not None:  # process groups do not pickle: a token valid in this process
+            _GROUPS[id(pg)] = pg
+            state["_mpkern_process_group_token"] = id(pg)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        for key in ("_pending", "last_grad_norm", "last_found_inf"):
+        for key in ("_pending", "last_grad_norm", "last_found_inf", "_mpkern_process_group"):
             self.__dict__.setdefault(key, None)
+        token = self.__dict__.pop("_mpkern_process_group_token", None)
+        if token is not None:
+            if token not in _GROUPS:
+                raise RuntimeError("FusedAdamWMP: this optimizer was pickled with a process_group, which only exists in "
+                                   "the process that created it; build the optimizer anew in this process")
+            self._mpkern_process_group = _GROUPS[token]
         for key, val in (("max_grad_norm", None), ("master_weights", True), ("state_dtype", torch.float32),
                          ("stochastic_rounding", False), ("seed", 0)):
             self.defaults.setdefault(key, val)
+        for group in self.param_groups:  # groups saved before a flag existed: AdamW's fallbacks
+            for key, val in (("amsgrad", False), ("maximize", False), ("capturable", False)):
+                group.setdefault(key, val)
         # params and masters were copied together: they agree now
-        self._versions = {p: p._version for p in self.state if isinstance(p, Tensor)}
+        self._versions = {p: _ver(p) for p in self.state if isinstance(p, Tensor)}
 
     # ---- the unscale_/clip hand-off -----------------------------------------------------------
     def _mpkern_set_pending_unscale(self, factor: Tensor, found_inf: Tensor, total_norm: Tensor) -> None:
@@ -351,22 +378,21 @@ class FusedAdamWMP(torch.optim.Optimizer):
     def _reseed_if_written(self, p: Tensor, st: dict[str, Any]) -> None:
         """Re-seed the master of ``p`` if the param was written since the optimizer's last write."""
         rec = self._versions.get(p, -1)
-        if rec == p._version:
+        if rec == _ver(p):
             return
         if "master_param" in st:
             # elementwise: keep the master where the param is still its rounding, else take the param
-            m = st["master_param"]
-            m.copy_(torch.where(p.detach() == m.to(p.dtype), m, p.detach().float()))
+            m, pl = _local(st["master_param"]), _local(p.detach())
+            m.copy_(torch.where(pl == m.to(pl.dtype), m, pl.float()))
         elif "master_remainder" in st and rec is not None:
-            st["master_remainder"].zero_()  # the written bf16 value is the master now
-        self._versions[p] = p._version
+            _local(st["master_remainder"]).zero_()  # the written bf16 value is the master now
+        self._versions[p] = _ver(p)
 
     def _check_capture(self, work: list) -> None:
         """During a CUDA graph capture, raise (naming the reason) unless the step can be captured:
         ``capturable=True``, state initialised by an eager warm-up step, lr a float or a tensor on
         the params' device (a CPU tensor's value would be frozen into the graph)."""
-        devs = {w[1] for w in work}
-        if not any(d.type == "cuda" for d in devs) or not torch.cuda.is_current_stream_capturing():
+        if not _ops.capturing():
             return
         for gi, group in enumerate(self.param_groups):
             if not group["capturable"]:
@@ -427,7 +453,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
             if check_writes and mode != MASTER_NONE:
                 versions = self._versions
                 for p, _ in pairs:
-                    versions[p] = p._version
+                    versions[p] = _ver(p)
         self._consume_main_grads(work)
         return loss
 
@@ -442,14 +468,16 @@ class FusedAdamWMP(torch.optim.Optimizer):
             if st is None or "step" not in st:
                 st = self._init_state(group, p)
                 if check_writes and mode != MASTER_NONE:
-                    self._versions[p] = p._version
-            elif check_writes and mode != MASTER_NONE and self._versions.get(p, -1) != p._version:
+                    self._versions[p] = _ver(p)
+            elif check_writes and mode != MASTER_NONE and self._versions.get(p, -1) != _ver(p):
                 self._reseed_if_written(p, st)
             ts = [st["exp_avg"], st["exp_avg_sq"]]
             if amsgrad:
                 ts.append(st["max_exp_avg_sq"])
             if mkey is not None:
                 ts.append(st[mkey])
+            if distributed.is_dtensor(p):  # FSDP2 / tensor parallel: the kernel updates the local shard
+                p, g, ts = _local(p), _local(g), [_local(t) for t in ts]
             if p.is_contiguous():
                 pp, gg = p, (g if g.is_contiguous() else g.contiguous())
             elif _flat(p):  # dense in another memory format: flat views, state laid out like p
@@ -592,7 +620,10 @@ def _state_from_checkpoint(p: Tensor, src: Any, group: dict[str, Any], mode: int
     st: dict[str, Any] = {}
 
     def laid(val: Tensor, dtype: torch.dtype) -> Tensor:
-        return _like(p, dtype).copy_(val.to(dev).reshape(p.shape))
+        val = val.to(dev)
+        if val.shape != p.shape:
+            val = val.reshape(p.shape)
+        return _like(p, dtype).copy_(distributed.like_param(p, val))
 
     if "step" in src:
         st["step"] = torch.as_tensor(src.pop("step"), dtype=torch.float32).reshape(()).to(dev).clone()
