@@ -4,7 +4,9 @@
 * The CUDA kernels are built when ``MPKERN_BUILD_CUDA`` is ``auto`` (default) and torch has CUDA
   and nvcc is found, or always with ``MPKERN_BUILD_CUDA=1`` (which fails loudly if it cannot);
   ``MPKERN_BUILD_CUDA=0`` skips them. ``TORCH_CUDA_ARCH_LIST`` is honoured; with no GPU visible it
-  defaults to ``8.0;9.0``.
+  defaults to ``8.0;9.0``. PTX of the newest listed arch is embedded too (``+PTX``), so GPUs newer
+  than every listed arch can JIT-compile the kernels instead of failing with "no kernel image".
+  ``MPKERN_PTXAS_VERBOSE=1`` prints ptxas' register and spill counts per kernel.
 * ``CUDA_HOME`` unset: taken from ``nvcc --dryrun`` (``TOP=``), which sees through wrapper
   scripts on PATH. CUDA math headers missing from that toolkit are taken from the
   ``nvidia/cu13/include`` (or ``cu12``) folder of the pip CUDA packages.
@@ -85,6 +87,26 @@ def _want_cuda() -> tuple[bool, str]:
     return True, ""
 
 
+def _with_ptx(arch_list: str) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` with PTX embedded for its newest arch (unless it has PTX already).
+
+    SASS runs only on its own major architecture; PTX is JIT-compiled by the driver for any newer
+    GPU. ``"8.0;9.0"`` -> ``"8.0;9.0+PTX"``. An empty list stays empty (torch then picks the
+    visible GPUs' archs and adds PTX itself).
+    """
+    items = [a.strip() for a in arch_list.replace(",", ";").replace(" ", ";").split(";") if a.strip()]
+    if not items or any(a.upper().endswith("+PTX") for a in items):
+        return ";".join(items)
+
+    def key(a: str) -> tuple[int, int]:
+        m = re.match(r"(\d+)\.(\d+)", a)
+        return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+    newest = max(range(len(items)), key=lambda i: key(items[i]))
+    items[newest] += "+PTX"
+    return ";".join(items)
+
+
 def _extensions(with_cuda: bool, why_not: str):
     import torch
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
@@ -107,16 +129,23 @@ def _extensions(with_cuda: bool, why_not: str):
         if not visible:
             os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
             _log("no GPU visible: TORCH_CUDA_ARCH_LIST=8.0;9.0")
-    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "native")
+    archs = _with_ptx(os.environ.get("TORCH_CUDA_ARCH_LIST", ""))
+    if archs:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+    else:  # torch derives the list from the visible GPUs (and adds +PTX itself)
+        archs = ";".join(f"{a}.{b}" for a, b in sorted({torch.cuda.get_device_capability(i)
+                                                        for i in range(torch.cuda.device_count())})) + "+PTX"
     cuda_home = os.environ["CUDA_HOME"]
     if not os.path.isfile(os.path.join(cuda_home, "include", "cusparse.h")):
         extra = _pip_cuda_include()
         if extra is not None:
             include_dirs.append(extra)
             _log(f"CUDA math headers from {extra}")
-    sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+    sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")) + glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
     defs = ["-DMPKERN_WITH_CUDA=1", f'-DMPKERN_CUDA_ARCHS="{archs}"']
     nvcc = ["-O3", "--fmad=false", "-lineinfo", "--expt-relaxed-constexpr"] + defs
+    if os.environ.get("MPKERN_PTXAS_VERBOSE") == "1":
+        nvcc.append("-Xptxas=-v")
     _log(f"building CPU + CUDA kernels (archs {archs}, CUDA_HOME {cuda_home})")
     return [CUDAExtension("mpkern._C", sources, include_dirs=include_dirs,
                           extra_compile_args={"cxx": cxx + defs, "nvcc": nvcc}, extra_link_args=["-fopenmp"])]

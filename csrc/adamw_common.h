@@ -1,4 +1,5 @@
-// Argument checks of mpkern::adamw_step_, shared by the CPU and CUDA implementations.
+// Argument checks of mpkern::adamw_step_, shared by every backend (the C++ CPU and CUDA kernels
+// call it directly, the Triton and PyTorch backends through mpkern._C.check_adamw_args).
 #pragma once
 
 #include "common.h"
@@ -10,18 +11,16 @@ enum MasterMode : int { kMasterNone = 0, kMasterF32 = 1, kMasterRemainder = 2 };
 inline void check_adamw_args(const char* op, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                              at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters,
                              at::TensorList steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
-                             const std::optional<at::Tensor>& lr_tensor, int64_t master_mode,
-                             c10::DeviceType device_type) {
+                             const std::optional<at::Tensor>& lr_tensor, int64_t master_mode) {
   const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n, op,
+  TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n, op,
               ": params, grads, exp_avgs, exp_avg_sqs and steps must have the same length");
-  TORCH_CHECK(max_exp_avg_sqs.empty() || max_exp_avg_sqs.size() == n, op,
+  TORCH_CHECK_VALUE(max_exp_avg_sqs.empty() || max_exp_avg_sqs.size() == n, op,
               ": max_exp_avg_sqs must be empty or one per param");
-  TORCH_CHECK(master_mode >= kMasterNone && master_mode <= kMasterRemainder, op, ": bad master_mode ", master_mode);
-  TORCH_CHECK(master_mode == kMasterNone ? masters.empty() : masters.size() == n, op,
+  TORCH_CHECK_VALUE(master_mode >= kMasterNone && master_mode <= kMasterRemainder, op, ": bad master_mode ", master_mode);
+  TORCH_CHECK_VALUE(master_mode == kMasterNone ? masters.empty() : masters.size() == n, op,
               ": masters must be one per param (empty when master_mode is 0)");
   const c10::Device dev = n ? params[0].device() : grad_factor.device();
-  TORCH_CHECK(dev.type() == device_type, op, ": tensors are on ", dev, ", expected ", device_type);
   check_scalar_f32(op, "grad_factor", grad_factor, dev);
   check_scalar_f32(op, "found_inf", found_inf, dev);
   if (lr_tensor.has_value()) check_scalar_f32(op, "lr", *lr_tensor, dev);
@@ -29,9 +28,10 @@ inline void check_adamw_args(const char* op, at::TensorList params, at::TensorLi
     const at::Tensor& p = params[i];
     const int64_t numel = p.numel();
     auto same = [&](const at::Tensor& t, const char* what) {
-      TORCH_CHECK(t.device() == dev, op, ": ", what, "[", i, "] is on ", t.device(), ", expected ", dev);
-      TORCH_CHECK(t.numel() == numel, op, ": ", what, "[", i, "] has ", t.numel(), " elements, param has ", numel);
-      TORCH_CHECK(t.is_contiguous(), op, ": ", what, "[", i, "] must be contiguous");
+      TORCH_CHECK_VALUE(t.layout() == at::kStrided, op, ": ", what, "[", i, "] must be a strided (dense) tensor");
+      TORCH_CHECK_VALUE(t.device() == dev, op, ": ", what, "[", i, "] is on ", t.device(), ", expected ", dev);
+      TORCH_CHECK_VALUE(t.numel() == numel, op, ": ", what, "[", i, "] has ", t.numel(), " elements, param has ", numel);
+      TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", what, "[", i, "] must be contiguous");
     };
     same(p, "params");
     same(grads[i], "grads");
@@ -40,23 +40,37 @@ inline void check_adamw_args(const char* op, at::TensorList params, at::TensorLi
     dtype_code(p.scalar_type());
     dtype_code(grads[i].scalar_type());
     const auto sdt = exp_avgs[i].scalar_type();
-    TORCH_CHECK(sdt == at::kFloat || sdt == at::kBFloat16, op, ": moments must be float32 or bfloat16, got ", sdt);
-    TORCH_CHECK(exp_avg_sqs[i].scalar_type() == sdt, op, ": exp_avg and exp_avg_sq dtypes differ");
+    TORCH_CHECK_TYPE(sdt == at::kFloat || sdt == at::kBFloat16, op, ": moments must be float32 or bfloat16, got ", sdt);
+    TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == sdt, op, ": exp_avg and exp_avg_sq dtypes differ");
     if (!max_exp_avg_sqs.empty()) {
       same(max_exp_avg_sqs[i], "max_exp_avg_sqs");
-      TORCH_CHECK(max_exp_avg_sqs[i].scalar_type() == at::kFloat, op, ": max_exp_avg_sqs must be float32");
+      TORCH_CHECK_TYPE(max_exp_avg_sqs[i].scalar_type() == at::kFloat, op, ": max_exp_avg_sqs must be float32");
     }
     if (master_mode == kMasterF32) {
       same(masters[i], "masters");
-      TORCH_CHECK(masters[i].scalar_type() == at::kFloat, op, ": fp32 masters must be float32");
+      TORCH_CHECK_TYPE(masters[i].scalar_type() == at::kFloat, op, ": fp32 masters must be float32");
     } else if (master_mode == kMasterRemainder) {
       same(masters[i], "masters");
-      TORCH_CHECK(masters[i].scalar_type() == at::kShort, op, ": remainders must be int16");
-      TORCH_CHECK(p.scalar_type() == at::kBFloat16, op, ": remainder masters need bfloat16 params");
+      TORCH_CHECK_TYPE(masters[i].scalar_type() == at::kShort, op, ": remainders must be int16");
+      TORCH_CHECK_TYPE(p.scalar_type() == at::kBFloat16, op, ": remainder masters need bfloat16 params");
     }
-    TORCH_CHECK(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat && steps[i].device() == dev, op,
+    TORCH_CHECK_VALUE(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat && steps[i].device() == dev, op,
                 ": steps[", i, "] must be a one-element float32 tensor on ", dev);
   }
+}
+
+// The same, for a kernel that runs on one device type only; returns the call's device.
+inline c10::Device check_adamw_args_on(const char* op, at::TensorList params, at::TensorList grads,
+                                       at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                                       at::TensorList max_exp_avg_sqs, at::TensorList masters, at::TensorList steps,
+                                       const at::Tensor& grad_factor, const at::Tensor& found_inf,
+                                       const std::optional<at::Tensor>& lr_tensor, int64_t master_mode,
+                                       c10::DeviceType device_type) {
+  check_adamw_args(op, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
+                   lr_tensor, master_mode);
+  const c10::Device dev = params.empty() ? grad_factor.device() : params[0].device();
+  TORCH_CHECK_VALUE(dev.type() == device_type, op, ": tensors are on ", dev, ", expected ", device_type);
+  return dev;
 }
 
 }  // namespace mpkern

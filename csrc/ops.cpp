@@ -4,7 +4,21 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include "adamw_common.h"
+#include "common.h"
 #include "cpu/simd.h"
+
+#if defined(MPKERN_WITH_CUDA) && MPKERN_WITH_CUDA
+namespace mpkern {
+namespace cuda {
+// csrc/cuda/multi_tensor.cu: the cached device metadata tables, and whether this build has a
+// kernel image (SASS or PTX) the given GPU can run.
+std::tuple<int64_t, int64_t, int64_t> table_cache_stats();
+void table_cache_clear();
+std::string kernel_image_error(int64_t device_index);
+}  // namespace cuda
+}  // namespace mpkern
+#endif
 
 TORCH_LIBRARY(mpkern, m) {
   // Read-only statistics pass of unscale_: per tensor, the sum of squares of grad * inv_scale and
@@ -41,4 +55,37 @@ PYBIND11_MODULE(_C, mod) {
   mod.attr("torch_version") = MPKERN_TORCH_VERSION;
   mod.def("cpu_simd_level", &mpkern::cpu::simd_level, "0 = scalar, 1 = AVX2+FMA+F16C");
   mod.def("set_cpu_simd", &mpkern::cpu::set_simd_enabled, "Enable (if the CPU has it) or disable the AVX2 path");
+  // The argument checks of the ops, for the backends that are not C++ (Triton, PyTorch): the
+  // very functions the C++ kernels call, so every backend raises the same errors.
+  mod.def(
+      "check_grad_stats_args",
+      [](const std::vector<at::Tensor>& grads, const at::Tensor& inv_scale) {
+        mpkern::check_list_op("mpkern::grad_stats", "grads", grads, "inv_scale", inv_scale);
+      },
+      "Raise like mpkern::grad_stats does on bad arguments");
+  mod.def(
+      "check_scale_args",
+      [](const std::vector<at::Tensor>& tensors, const at::Tensor& scale) {
+        mpkern::check_list_op("mpkern::scale_", "tensors", tensors, "scale", scale);
+      },
+      "Raise like mpkern::scale_ does on bad arguments");
+  mod.def(
+      "check_adamw_args",
+      [](const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+         const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+         const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& masters,
+         const std::vector<at::Tensor>& steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
+         const std::optional<at::Tensor>& lr_tensor, int64_t master_mode) {
+        mpkern::check_adamw_args("mpkern::adamw_step_", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                                 masters, steps, grad_factor, found_inf, lr_tensor, master_mode);
+      },
+      "Raise like mpkern::adamw_step_ does on bad arguments");
+#if defined(MPKERN_WITH_CUDA) && MPKERN_WITH_CUDA
+  mod.def("cuda_table_cache_stats", &mpkern::cuda::table_cache_stats,
+          "(tables built, lookups served from the cache, tables cached now) of the CUDA kernels");
+  mod.def("cuda_table_cache_clear", &mpkern::cuda::table_cache_clear,
+          "Drop the cached CUDA metadata tables that no captured CUDA graph uses");
+  mod.def("cuda_kernel_image_error", &mpkern::cuda::kernel_image_error,
+          "Empty if this build has a kernel image (SASS or PTX) for the GPU, else the CUDA error");
+#endif
 }

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -88,11 +89,20 @@ def status(name: str) -> BackendStatus:
                                               "(torch without CUDA, nvcc not found, or MPKERN_BUILD_CUDA=0)")
         if not torch.cuda.is_available():
             return BackendStatus(name, False, f"CUDA kernels built for sm {ext.cuda_archs}, but no GPU is visible")
-        return BackendStatus(name, True, f"CUDA kernels built for {ext.cuda_archs}")
+        index = torch.cuda.current_device()
+        why = cuda_device_problem(index)
+        if why:
+            return BackendStatus(name, False, why)
+        cap = torch.cuda.get_device_capability(index)
+        return BackendStatus(name, True, f"CUDA kernels built for {ext.cuda_archs}; this GPU (sm_{cap[0]}{cap[1]}) "
+                                         f"runs {arch_match(cap, ext.cuda_archs)[1]}")
     if name == "triton":
         err = triton_error()
         if err:
             return BackendStatus(name, False, err)
+        if native() is None:
+            return BackendStatus(name, False, "the Triton ops share the argument checks of the native extension: "
+                                              + native_error())
         import triton
 
         if torch.cuda.is_available():
@@ -102,6 +112,74 @@ def status(name: str) -> BackendStatus:
         return BackendStatus(name, False, f"Triton {triton.__version__} installed, but no GPU is visible "
                                           "(set TRITON_INTERPRET=1 to run its kernels on CPU, slowly)")
     raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
+
+
+def parse_arch_list(arch_list: str) -> tuple[set[tuple[int, int]], set[tuple[int, int]], set[tuple[int, int]]]:
+    """``TORCH_CUDA_ARCH_LIST`` (e.g. ``"8.0;9.0+PTX"``) -> (SASS archs, arch-specific SASS archs
+    such as ``9.0a``, PTX archs). Entries that are not ``major.minor`` are ignored."""
+    sass: set[tuple[int, int]] = set()
+    specific: set[tuple[int, int]] = set()
+    ptx: set[tuple[int, int]] = set()
+    for item in re.split(r"[;,\s]+", arch_list or ""):
+        m = re.fullmatch(r"(\d+)\.(\d+)([af]?)(\+PTX)?", item.strip(), flags=re.IGNORECASE)
+        if not m:
+            continue
+        arch = (int(m.group(1)), int(m.group(2)))
+        (specific if m.group(3) else sass).add(arch)
+        if m.group(4):
+            ptx.add(arch)
+    return sass, specific, ptx
+
+
+def arch_match(capability: tuple[int, int], arch_list: str) -> tuple[bool, str]:
+    """Whether kernels built for ``arch_list`` can run on a GPU of ``capability``, and how.
+
+    CUDA's rules: SASS built for sm_XY runs on sm_XZ with Z >= Y (same major only); arch-specific
+    SASS (``9.0a``) only on that exact arch; PTX for compute_XY is JIT-compiled by the driver for
+    any GPU of capability >= X.Y. Returns ``(True, "SASS sm_80")`` / ``(True, "PTX compute_90 (JIT)")``
+    or ``(False, reason)``. An arch list this function cannot read gives ``(True, "unknown")``:
+    the driver probe (:func:`cuda_device_problem`) decides then.
+    """
+    sass, specific, ptx = parse_arch_list(arch_list)
+    major, minor = capability
+    if not (sass or specific or ptx):
+        return True, f"kernels for {arch_list or 'the build machine'} (arch list not parsed)"
+    if capability in specific:
+        return True, f"SASS sm_{major}{minor}a"
+    same_major = [a for a in sass if a[0] == major and a[1] <= minor]
+    if same_major:
+        a = max(same_major)
+        return True, f"SASS sm_{a[0]}{a[1]}"
+    older_ptx = [a for a in ptx if a <= capability]
+    if older_ptx:
+        a = max(older_ptx)
+        return True, f"PTX compute_{a[0]}{a[1]} (JIT-compiled by the driver)"
+    built = ", ".join([f"sm_{a}{b}" for a, b in sorted(sass)] + [f"sm_{a}{b}a" for a, b in sorted(specific)]) or "none"
+    ptxs = ", ".join(f"compute_{a}{b}" for a, b in sorted(ptx)) or "none"
+    return False, (f"the CUDA kernels were built for {built} (PTX: {ptxs}), which cannot run on this GPU "
+                   f"(sm_{major}{minor}); rebuild with TORCH_CUDA_ARCH_LIST=\"{major}.{minor}\" -- until then "
+                   "the triton backend is used")
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_device_problem(index: int) -> str:
+    """Empty if the native CUDA kernels can run on GPU ``index``, else why not (cached per GPU).
+
+    Checks the device's capability against the built arch list, then asks the driver whether it
+    has a kernel image for the device (SASS or PTX it can JIT), so a build that cannot run here
+    falls back to Triton instead of failing with "no kernel image is available".
+    """
+    ext = native()
+    cap = tuple(torch.cuda.get_device_capability(index))
+    ok, why = arch_match(cap, ext.cuda_archs)
+    if not ok:
+        return why
+    probe = getattr(ext, "cuda_kernel_image_error", None)
+    err = probe(index) if probe is not None else ""
+    if err:
+        return (f"the CUDA kernels (built for {ext.cuda_archs}) have no kernel image for GPU {index} "
+                f"(sm_{cap[0]}{cap[1]}): {err}")
+    return ""
 
 
 def forced() -> str | None:
@@ -121,8 +199,13 @@ def _runs_on(name: str, device: torch.device) -> str:
         return st.reason
     if name == "cpu" and device.type != "cpu":
         return f"the cpu backend runs on CPU tensors, got {device}"
-    if name == "cuda" and device.type != "cuda":
-        return f"the cuda backend runs on CUDA tensors, got {device}"
+    if name == "cuda":
+        if device.type != "cuda":
+            return f"the cuda backend runs on CUDA tensors, got {device}"
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        why = cuda_device_problem(index)
+        if why:
+            return why
     if name == "triton":
         if device.type == "cpu" and not triton_interpret():
             return "Triton runs on CPU tensors only under TRITON_INTERPRET=1"

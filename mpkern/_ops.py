@@ -14,6 +14,7 @@ The public API calls :func:`grad_stats` / :func:`scale_` here with the backend c
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -72,11 +73,103 @@ torch.library.register_fake("mpkern::scale_")(_fake_scale_)
 torch.library.register_fake("mpkern::adamw_step_")(_fake_adamw_step_)
 
 
+# ---- argument checks: one implementation (C++, mpkern._C) for every backend ----------------------
+def _native_checks():
+    """mpkern._C, or None: without it (the Triton backend is then unavailable, see _backend.status)
+    and while torch.compile traces (the fake kernels check there; the eager call checks here)."""
+    if torch.compiler.is_compiling():
+        return None
+    return _backend.native()
+
+
+def check_grad_stats_args(grads: Sequence[Tensor], inv_scale: Tensor) -> None:
+    """Raise exactly like the C++ ``mpkern::grad_stats`` kernels do on bad arguments."""
+    ext = _native_checks()
+    if ext is not None:
+        ext.check_grad_stats_args(list(grads), inv_scale)
+
+
+def check_scale_args(tensors: Sequence[Tensor], scale: Tensor) -> None:
+    """Raise exactly like the C++ ``mpkern::scale_`` kernels do on bad arguments."""
+    ext = _native_checks()
+    if ext is not None:
+        ext.check_scale_args(list(tensors), scale)
+
+
+def check_adamw_args(*args: Any) -> None:
+    """Raise exactly like the C++ ``mpkern::adamw_step_`` kernels do; ``args`` follow its schema."""
+    ext = _native_checks()
+    if ext is not None:
+        (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
+         lr_tensor) = args[:10]
+        ext.check_adamw_args(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
+                             list(masters), list(steps), grad_factor, found_inf, lr_tensor, int(args[16]))
+
+
+def capturing() -> bool:
+    """True while the current CUDA stream is being captured into a CUDA graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+# ---- device scalars without host synchronisation ---------------------------------------------------
+_CONSTS: dict[tuple[float, torch.device], Tensor] = {}
+_MAX_CONSTS = 64
+
+
+def scalar_on(value: Tensor | float, device: torch.device) -> Tensor:
+    """``value`` as a 0-dim float32 tensor on ``device``, without synchronising with the host.
+
+    * a tensor on ``device``: itself (reshaped; cast on the device if it is not float32);
+    * a tensor on another GPU: a device-to-device copy;
+    * a CPU tensor for a GPU: its value is read on the host (a CPU read, not a GPU sync) and
+      handled like a float -- a pageable host-to-device copy would block the stream;
+    * a float: a cached constant tensor (filled once per (value, device) by a fill kernel, never
+      copied from the host). Callers must not write into it.
+    """
+    device = torch.device(device)
+    if isinstance(value, Tensor):
+        if value.device == device:
+            t = value.detach().reshape(())
+            return t if t.dtype == torch.float32 else t.to(torch.float32)
+        if value.device.type != "cpu" or device.type == "cpu":
+            return value.detach().to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
+        value = value.item()  # a CPU tensor: a host read, no device involved
+    if torch.compiler.is_compiling():  # traced: a fill op in the graph, no global cache
+        return torch.full((), float(value), dtype=torch.float32, device=device)
+    key = (float(value), device)
+    t = _CONSTS.get(key)
+    if t is None:
+        if len(_CONSTS) >= _MAX_CONSTS:
+            _CONSTS.pop(next(iter(_CONSTS)))
+        t = _CONSTS[key] = torch.full((), key[0], dtype=torch.float32, device=device)
+    return t
+
+
+def lr_args(lr: Tensor | float, device: torch.device) -> tuple[Tensor | None, float]:
+    """The ``(lr_tensor, lr)`` arguments of ``adamw_step_`` for a group's ``lr`` on ``device``.
+
+    A float stays a float (passed by value, kept in double precision by every backend). A tensor
+    on ``device`` is read by the kernel on the device (no sync; a scheduler may update it in
+    place, also inside a captured CUDA graph). A CPU tensor for a GPU step is read on the host
+    like a float (that is a CPU read; copying it to the GPU every step would block the stream).
+    """
+    if not isinstance(lr, Tensor):
+        return None, float(lr)
+    device = torch.device(device)
+    if lr.device == device:
+        t = lr.detach().reshape(())
+        return (t if t.dtype == torch.float32 else t.to(torch.float32)), 0.0
+    if lr.device.type == "cpu":
+        return None, float(lr.item())
+    return lr.detach().to(device=device, dtype=torch.float32, non_blocking=True).reshape(()), 0.0
+
+
 # ---- Triton ops ---------------------------------------------------------------------------------
 @torch.library.custom_op("mpkern_triton::grad_stats", mutates_args=())
 def _triton_grad_stats(grads: list[Tensor], inv_scale: Tensor) -> tuple[Tensor, Tensor]:
     from mpkern.triton_kernels import unscale
 
+    check_grad_stats_args(grads, inv_scale)
     return unscale.grad_stats(grads, inv_scale)
 
 
@@ -84,6 +177,7 @@ def _triton_grad_stats(grads: list[Tensor], inv_scale: Tensor) -> tuple[Tensor, 
 def _triton_scale_(tensors: list[Tensor], scale: Tensor) -> None:
     from mpkern.triton_kernels import unscale
 
+    check_scale_args(tensors, scale)
     unscale.scale_(tensors, scale)
 
 
@@ -98,6 +192,7 @@ _libs.append(_triton_lib)
 def _triton_adamw_step_(*args) -> None:
     from mpkern.triton_kernels import adamw
 
+    check_adamw_args(*args)
     adamw.adamw_step_(*args)
 
 
@@ -113,6 +208,7 @@ def grad_stats(grads: Sequence[Tensor], inv_scale: Tensor, backend: str) -> tupl
         return torch.ops.mpkern.grad_stats(list(grads), inv_scale)
     if backend == "triton":
         return torch.ops.mpkern_triton.grad_stats(list(grads), inv_scale)
+    check_grad_stats_args(grads, inv_scale)
     return reference.grad_stats(grads, inv_scale)
 
 
@@ -123,6 +219,7 @@ def adamw_step_(backend: str, *args) -> None:
     elif backend == "triton":
         torch.ops.mpkern_triton.adamw_step_(*args)
     else:
+        check_adamw_args(*args)
         reference.adamw_step_(*args)
 
 
@@ -133,4 +230,5 @@ def scale_(tensors: Sequence[Tensor], scale: Tensor, backend: str) -> None:
     elif backend == "triton":
         torch.ops.mpkern_triton.scale_(list(tensors), scale)
     else:
+        check_scale_args(tensors, scale)
         reference.scale_(tensors, scale)

@@ -75,11 +75,12 @@ def adamw_step_(
     factor = grad_factor.reshape(()).to(torch.float32)
     if maximize:
         factor = -factor
-    lr_t = lr_tensor.reshape(()).double() if lr_tensor is not None else torch.tensor(lr, dtype=torch.float64)
+    # a float lr stays a Python float (a kernel argument in double): no host-to-device copy
+    lr_d = lr_tensor.reshape(()).double() if lr_tensor is not None else float(lr)
+    decay = 1 - lr_d * weight_decay  # fp32 in the multiply below (a Python float is rounded to fp32 there)
+    decay = decay.float() if isinstance(decay, Tensor) else decay
     for i, p in enumerate(params):
         step = steps[i].reshape(()).double() + 1
-        lr_d = lr_t.to(step.device)
-        decay = (1 - lr_d * weight_decay).float()
         step_size = (lr_d / (1 - beta1**step)).float()
         inv_bc2 = (1 / torch.sqrt(1 - beta2**step)).float()
         g = grads[i].float() * factor

@@ -5,8 +5,12 @@ Mirrors ``adamw_update`` / ``split_master`` / ``f32_to_bf16_sr`` of ``csrc/inclu
   p  = p * (1 - lr*wd);  m = m + (1-b1)(g - m);  v = v*b2 + (1-b2)*g*g;  vm = max(vm, v)
   p  = p - step_size * m / (sqrt(v or vm) * inv_bc2 + eps)
 Per-tensor constants (step_size, inv_bc2, decay) come from the step counters, computed on the
-device in fp64 with torch ops (no sync); work items are (tensor, chunk) rows of a device table,
-one launch per (param, grad, state) dtype combination. Nothing is written when found_inf != 0.
+device in fp64 with torch ops from the float lr (a kernel argument, in double) or the lr tensor:
+no sync, no host-to-device copy. Work items are (tensor, chunk) rows of a device table that is
+built once per layout of the tensor lists and cached (``_tables.py``); per (param, grad, state)
+dtype combination one launch over the rows whose buffers are all 16-byte aligned (the compiler
+is told, and uses 16-byte accesses) and one over the few unaligned head/tail elements. Nothing is
+written when found_inf != 0.
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .unscale import _f32_to_bf16_bits, _load_f32, _store_f32, _typed_ptr, device_guard
+from ._tables import TABLES, common_head, layout, to_device, work_ranges
+from .unscale import VEC, _block_index, _f32_to_bf16_bits, _load_f32, _store_f32, _typed_ptr, device_guard
 
 CHUNK = 16384
 BLOCK = 1024
 _CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_ROW = 10  # p, g, m, v, vmax, master, begin, end, tensor index, unused
+_ROW = 10  # p, g, m, v, vmax, master, begin, end, tensor index, shift (element index of the row's addresses)
 
 
 @triton.jit
@@ -43,6 +48,15 @@ def _sr_bits(seed, tensor, idx, step):
     return h >> 16
 
 
+@triton.jit
+def _addr_at(base, k, ALIGNED: tl.constexpr):
+    """Address in column k of a table row; 16-byte aligned (and the compiler told so) in ALIGNED rows."""
+    a = tl.load(base + k)
+    if ALIGNED:
+        a = tl.multiple_of(a, 16)
+    return a
+
+
 @triton.jit(do_not_specialize=["seed"])  # seed == 1 would otherwise become a constexpr int
 def _adamw_kernel(
     table_ptr,  # int64 [items, _ROW]
@@ -52,19 +66,23 @@ def _adamw_kernel(
     found_ptr,  # float32 [1]
     one_m_b1, beta2, one_m_b2, eps, seed,
     PDT: tl.constexpr, GDT: tl.constexpr, SDT: tl.constexpr, MODE: tl.constexpr, AMSGRAD: tl.constexpr,
-    MAXIMIZE: tl.constexpr, SR: tl.constexpr, ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    MAXIMIZE: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr, ROW: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     item = tl.program_id(0).to(tl.int64)
     found = tl.load(found_ptr)
     if found == 0.0:
         base = table_ptr + item * ROW
-        p_ptr = _typed_ptr(tl.load(base + 0), PDT)
-        g_ptr = _typed_ptr(tl.load(base + 1), GDT)
-        m_ptr = _typed_ptr(tl.load(base + 2), SDT)
-        v_ptr = _typed_ptr(tl.load(base + 3), SDT)
+        p_ptr = _typed_ptr(_addr_at(base, 0, ALIGNED), PDT)
+        g_ptr = _typed_ptr(_addr_at(base, 1, ALIGNED), GDT)
+        m_ptr = _typed_ptr(_addr_at(base, 2, ALIGNED), SDT)
+        v_ptr = _typed_ptr(_addr_at(base, 3, ALIGNED), SDT)
         begin = tl.load(base + 6)
         end = tl.load(base + 7)
         t = tl.load(base + 8)
+        if ALIGNED:
+            begin = tl.multiple_of(begin, 16)
+            end = tl.multiple_of(end, 8)
         step_size = tl.load(consts_ptr + t * 3)
         inv_bc2 = tl.load(consts_ptr + t * 3 + 1)
         decay = tl.load(consts_ptr + t * 3 + 2)
@@ -72,14 +90,14 @@ def _adamw_kernel(
         if MAXIMIZE:
             factor = -factor
         for off in range(0, CHUNK, BLOCK):
-            idx = begin + off + tl.arange(0, BLOCK).to(tl.int64)
+            idx = _block_index(begin, off, ALIGNED, BLOCK)
             mask = idx < end
             g = _load_f32(g_ptr, idx, mask, GDT) * factor
             if MODE == 1:
-                w_ptr = tl.load(base + 5).to(tl.pointer_type(tl.float32))
+                w_ptr = _addr_at(base, 5, ALIGNED).to(tl.pointer_type(tl.float32))
                 w = tl.load(w_ptr + idx, mask=mask, other=0.0)
             elif MODE == 2:
-                r_ptr = tl.load(base + 5).to(tl.pointer_type(tl.int16))
+                r_ptr = _addr_at(base, 5, ALIGNED).to(tl.pointer_type(tl.int16))
                 hi = tl.load(p_ptr + idx, mask=mask, other=0).to(tl.uint32) << 16
                 lo = tl.load(r_ptr + idx, mask=mask, other=0).to(tl.int32).to(tl.uint32, bitcast=True)
                 w = (hi + lo).to(tl.float32, bitcast=True)
@@ -92,7 +110,7 @@ def _adamw_kernel(
             v = v * beta2 + one_m_b2 * g * g
             vv = v
             if AMSGRAD:
-                vm_ptr = tl.load(base + 4).to(tl.pointer_type(tl.float32))
+                vm_ptr = _addr_at(base, 4, ALIGNED).to(tl.pointer_type(tl.float32))
                 old = tl.load(vm_ptr + idx, mask=mask, other=0.0)
                 vv = tl.where(old > v, old, v)
                 tl.store(vm_ptr + idx, vv, mask=mask)
@@ -111,7 +129,7 @@ def _adamw_kernel(
                 tl.store(r_ptr + idx, (u & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
             elif SR:
                 step = tl.load(steps_ptr + t).to(tl.uint32)
-                r = _sr_bits(seed.to(tl.uint32), t.to(tl.uint32), idx, step)
+                r = _sr_bits(seed.to(tl.uint32), t.to(tl.uint32), idx + tl.load(base + 9), step)
                 u = w.to(tl.uint32, bitcast=True)
                 nonfinite = (u & 0x7F800000) == 0x7F800000
                 bits = tl.where(nonfinite, _f32_to_bf16_bits(w), ((u + r) >> 16).to(tl.uint16))
@@ -122,6 +140,31 @@ def _adamw_kernel(
 
 def _addr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def _build_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, device):
+    """(device table, launches) for one layout; launches: (pdt, gdt, sdt, aligned, first row, rows)."""
+    groups: dict[tuple[int, int, int, bool], list[list[int]]] = {}
+    for i, p in enumerate(params):
+        n = p.numel()
+        if not n:
+            continue
+        bufs = [p, grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i] if max_exp_avg_sqs else None,
+                masters[i] if masters else None]
+        addrs = [_addr(b) for b in bufs]
+        sizes = [4 if b is None else b.element_size() for b in bufs]
+        head = common_head(list(zip(addrs, sizes)), VEC)
+        key = (_CODES[p.dtype], _CODES[grads[i].dtype], _CODES[exp_avgs[i].dtype])
+        for b, e, al in work_ranges(n, head, CHUNK, VEC):
+            shift = head if al else 0
+            row = [a + shift * es if a else 0 for a, es in zip(addrs, sizes)] + [b, e, i, shift]
+            groups.setdefault(key + (al,), []).append(row)
+    rows: list[list[int]] = []
+    launches = []
+    for key, grp in sorted(groups.items()):
+        launches.append(key + (len(rows), len(grp)))
+        rows += grp
+    return to_device(rows, _ROW, device), launches
 
 
 def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
@@ -142,38 +185,25 @@ def _adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, 
                 seed) -> None:
     n = len(params)
     device = params[0].device
+    key = ("adamw", device, layout(params), layout(grads), layout(exp_avgs), layout(exp_avg_sqs),
+           layout(max_exp_avg_sqs), layout(masters))
+    table, launches = TABLES.get(key, device, lambda: _build_plan(params, grads, exp_avgs, exp_avg_sqs,
+                                                                  max_exp_avg_sqs, masters, device))
     ok = (found_inf.reshape(()) == 0).to(torch.float32)
     step_new = torch.stack([s.reshape(()) for s in steps]).double() + 1.0
-    lr_d = lr_tensor.reshape(()).double() if lr_tensor is not None else torch.tensor(lr, dtype=torch.float64,
-                                                                                       device=device)
+    # lr: the tensor (read on the device) or the Python float, a kernel argument in double
+    lr_d = lr_tensor.reshape(()).double() if lr_tensor is not None else float(lr)
     step_size = lr_d / (1.0 - torch.pow(beta1, step_new))
     inv_bc2 = 1.0 / torch.sqrt(1.0 - torch.pow(beta2, step_new))
-    decay = (1.0 - lr_d * weight_decay).expand(n)
+    decay = 1.0 - lr_d * weight_decay
+    decay = decay.expand(n) if isinstance(decay, torch.Tensor) else torch.full_like(step_new, decay)
     consts = torch.stack([step_size, inv_bc2, decay], dim=1).to(torch.float32).contiguous()
     step_i32 = step_new.to(torch.int32)
-    groups: dict[tuple[int, int, int], list[int]] = {}
-    for i, p in enumerate(params):
-        if p.numel():
-            key = (_CODES[p.dtype], _CODES[grads[i].dtype], _CODES[exp_avgs[i].dtype])
-            groups.setdefault(key, []).append(i)
-    for (pdt, gdt, sdt), idx in groups.items():
-        rows = []
-        for i in idx:
-            vm = max_exp_avg_sqs[i] if max_exp_avg_sqs else None
-            ms = masters[i] if masters else None
-            head = [params[i].data_ptr(), grads[i].data_ptr(), exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(),
-                    _addr(vm), _addr(ms)]
-            numel = params[i].numel()
-            for b in range(0, numel, CHUNK):
-                rows.append(head + [b, min(numel, b + CHUNK), i, 0])
-        host = torch.tensor(rows, dtype=torch.int64)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        table = host.to(device, non_blocking=True)
-        _adamw_kernel[(len(rows),)](
-            table, consts, step_i32, grad_factor, found_inf,
+    for pdt, gdt, sdt, al, first, rows in launches:
+        _adamw_kernel[(rows,)](
+            table[first:], consts, step_i32, grad_factor, found_inf,
             1.0 - beta1, beta2, 1.0 - beta2, eps, int(seed) & 0xFFFFFFFF,
             PDT=pdt, GDT=gdt, SDT=sdt, MODE=int(master_mode), AMSGRAD=bool(max_exp_avg_sqs),
-            MAXIMIZE=bool(maximize), SR=bool(stochastic_rounding) and pdt == 2, ROW=_ROW, CHUNK=CHUNK, BLOCK=BLOCK,
-            enable_fp_fusion=False)
+            MAXIMIZE=bool(maximize), SR=bool(stochastic_rounding) and pdt == 2, ALIGNED=al, ROW=_ROW, CHUNK=CHUNK,
+            BLOCK=BLOCK, enable_fp_fusion=False)
     torch._foreach_add_(list(steps), ok)

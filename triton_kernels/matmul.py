@@ -21,6 +21,13 @@ Under ``TRITON_INTERPRET=1`` (CPU tensors):
   (``_f32_to_bf16_bits``, the same as ``math.h``) and stored as raw 16-bit words -- identical on
   the GPU, whose cast rounds to nearest even too;
 * autotuning is off: one small fixed config keeps the tests fast.
+
+On the GPU the kernel is autotuned. The tuning key buckets M to the next power of two (token
+counts change every batch; each new exact M would re-run the host-synchronising tuning
+benchmark), and the fp32 ``main_grad`` accumulate epilogue -- which holds the loaded C tile next
+to the accumulator -- only tries configs with at most 64 accumulator values per thread (the
+larger tiles spill there). ``MPKERN_MATMUL_CONFIG=fixed`` turns tuning off on the GPU too (one
+fixed config: the tests and the GPU check use it, so no test waits on tuning).
 """
 
 from __future__ import annotations
@@ -36,6 +43,38 @@ _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # The one config used under the interpreter (tl.dot needs every block dim >= 16).
 INTERPRET_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
+
+
+# The one config used on the GPU when MPKERN_MATMUL_CONFIG=fixed (64 accumulator values per thread:
+# also fine for the accumulate epilogue).
+FIXED_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}
+FIXED_LAUNCH = {"num_warps": 8, "num_stages": 3}
+_MAX_ACC_PER_THREAD_ACCUMULATE = 64
+
+
+def _fixed_config() -> bool:
+    import os
+
+    return os.environ.get("MPKERN_MATMUL_CONFIG", "").strip().lower() == "fixed"
+
+
+def m_bucket(m: int) -> int:
+    """The autotuning bucket of M: the next power of two (M = 3000 and 4000 share one tuning)."""
+    return 1 << max(0, int(m) - 1).bit_length()
+
+
+def _acc_per_thread(cfg: triton.Config) -> int:
+    return cfg.kwargs["BLOCK_M"] * cfg.kwargs["BLOCK_N"] // (32 * cfg.num_warps)
+
+
+def prune_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Autotune pruning: for the fp32 accumulate epilogue keep only configs that do not spill
+    (<= 64 accumulator values per thread); every config otherwise."""
+    accumulate = kwargs.get("ACCUMULATE", named_args.get("ACCUMULATE", False))
+    if not accumulate:
+        return configs
+    kept = [c for c in configs if _acc_per_thread(c) <= _MAX_ACC_PER_THREAD_ACCUMULATE]
+    return kept or configs
 
 
 def _interpreting() -> bool:
@@ -66,10 +105,11 @@ def _configs() -> list[triton.Config]:
     ]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M_BUCKET"])
 def _matmul_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr,
     M, N, K,
+    M_BUCKET,  # m_bucket(M): the autotuning key (unused by the kernel)
     stride_am, stride_ak,
     stride_bk, stride_bn,
     stride_cm, stride_cn,
@@ -128,11 +168,12 @@ def _matmul_kernel(
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-# GPU entry point: autotuned per (M, N, K, layout). restore_value keeps C intact while the tuner
-# benchmarks candidates on an accumulating call (C += A @ B would otherwise be applied repeatedly).
+# GPU entry point: autotuned per (M bucket, N, K, layout). restore_value keeps C intact while the
+# tuner benchmarks candidates on an accumulating call (C += A @ B would otherwise be applied repeatedly).
 _matmul_kernel_tuned = triton.autotune(
     configs=_configs(),
-    key=["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "ACCUMULATE", "OUT_BF16"],
+    key=["M_BUCKET", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "ACCUMULATE", "OUT_BF16"],
+    prune_configs_by={"early_config_prune": prune_configs},
     restore_value=["c_ptr"],
 )(_matmul_kernel)
 
@@ -175,13 +216,18 @@ def matmul_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch
     out_bf16 = out.dtype == torch.bfloat16
     c = out.view(torch.int16) if out_bf16 else out
     interp = _interpreting() or a.device.type == "cpu"
-    args = (a, b, c, bias if bias is not None else c, M, N, K,
+    args = (a, b, c, bias if bias is not None else c, M, N, K, m_bucket(M),
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
     flags = dict(HAS_BIAS=bias is not None, ACCUMULATE=bool(accumulate), OUT_BF16=out_bf16, UPCAST=interp)
     if interp:
         cfg = INTERPRET_CONFIG
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
         _matmul_kernel[grid](*args, **flags, **cfg)
+    elif _fixed_config():
+        cfg = FIXED_CONFIG
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+        with torch.cuda.device(a.device):
+            _matmul_kernel[grid](*args, **flags, **cfg, **FIXED_LAUNCH)
     else:
         def grid(meta):
             return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)

@@ -1,7 +1,14 @@
 """Triton kernels of the unscale_ ops (``grad_stats`` and ``scale_``).
 
-Multi-tensor: the host packs a device table with one row per (tensor, chunk) work item --
-``(address, begin, end)`` -- and launches one program per row, one launch per element dtype.
+Multi-tensor: a device table with one row per (tensor, chunk) work item --
+``(address, begin, end, slot)`` -- and one program per row; at most two launches per element
+dtype: an *aligned* launch whose rows start at a 16-byte-aligned address, at a multiple of CHUNK,
+and end at a multiple of 8 elements (the compiler is told so and uses 16-byte accesses), and an
+unaligned launch for the few head elements before a tensor's first aligned address and its last
+``numel % 8``. The table is built once per layout of the tensor list and cached on the device
+(``_tables.py``): no per-call host work beyond the cache key. ``grad_stats`` writes one partial per
+row, at a slot that keeps each tensor's partials contiguous, and a second kernel reduces each
+tensor's partials in a fixed order (fp64), so the result is the same bits on every call.
 This works on GPUs and under ``TRITON_INTERPRET=1`` on CPU tensors.
 
 Math (mirrors ``csrc/include/mpkern/math.h``):
@@ -15,13 +22,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from ._tables import TABLES, common_head, layout, to_device, work_ranges
+
 CHUNK = 16384
 BLOCK = 1024
+VEC = 8  # aligned rows end at a multiple of this many elements (16 bytes of a 16-bit dtype)
+FBLOCK = 128  # partials per step of the finalize loop
+ROW = 4  # address, begin, end, slot
 
 _CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -66,54 +79,95 @@ def _store_f32(ptr, idx, x, mask, DT: tl.constexpr):
 
 
 @triton.jit
-def _work_item(table_ptr, DT: tl.constexpr):
-    """Row ``program_id`` of a (address, begin, end) work table: typed pointer, begin, end."""
+def _work_item(table_ptr, DT: tl.constexpr, ALIGNED: tl.constexpr):
+    """Row ``program_id`` of a (address, begin, end, slot) work table: typed pointer, begin, end, slot.
+    ALIGNED rows: the address is 16-byte aligned, begin a multiple of 16, end of 8 elements."""
     item = tl.program_id(0).to(tl.int64)
-    addr = tl.load(table_ptr + item * 3)
-    begin = tl.load(table_ptr + item * 3 + 1)
-    end = tl.load(table_ptr + item * 3 + 2)
-    return _typed_ptr(addr, DT), begin, end, item
+    addr = tl.load(table_ptr + item * 4)
+    begin = tl.load(table_ptr + item * 4 + 1)
+    end = tl.load(table_ptr + item * 4 + 2)
+    slot = tl.load(table_ptr + item * 4 + 3)
+    if ALIGNED:
+        addr = tl.multiple_of(addr, 16)
+        begin = tl.multiple_of(begin, 16)
+        end = tl.multiple_of(end, 8)
+    return _typed_ptr(addr, DT), begin, end, slot
+
+
+@triton.jit
+def _block_index(begin, off, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """Element indices begin + off + [0, BLOCK), with the alignment known to the compiler."""
+    start = begin + off
+    if ALIGNED:
+        start = tl.multiple_of(start, 16)
+    return tl.max_contiguous(start + tl.arange(0, BLOCK).to(tl.int64), BLOCK)
 
 
 @triton.jit
 def _grad_stats_kernel(
-    table_ptr,  # int64 [items, 3]: address, begin, end
+    table_ptr,  # int64 [items, 4]: address, begin, end, slot
     inv_scale_ptr,  # float32 [1]
-    part_sum_ptr,  # float32 [items]
-    part_max_ptr,  # int32 [items] (float bits of max |x|)
+    part_sum_ptr,  # float32 [slots]
+    part_max_ptr,  # int32 [slots] (float bits of max |x|)
     DT: tl.constexpr,
+    ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    ptr, begin, end, item = _work_item(table_ptr, DT)
+    ptr, begin, end, slot = _work_item(table_ptr, DT, ALIGNED)
     inv = tl.load(inv_scale_ptr)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     mx = tl.zeros([BLOCK], dtype=tl.int32)
     for off in range(0, CHUNK, BLOCK):
-        idx = begin + off + tl.arange(0, BLOCK).to(tl.int64)
+        idx = _block_index(begin, off, ALIGNED, BLOCK)
         mask = idx < end
         x = _load_f32(ptr, idx, mask, DT)
         # |x| bits: non-negative as int32, ordered like |x| with inf and NaN on top.
         mx = tl.maximum(mx, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
         y = x * inv
         acc += y * y
-    tl.store(part_sum_ptr + item, tl.sum(acc, axis=0))
-    tl.store(part_max_ptr + item, tl.max(mx, axis=0))
+    tl.store(part_sum_ptr + slot, tl.sum(acc, axis=0))
+    tl.store(part_max_ptr + slot, tl.max(mx, axis=0))
+
+
+@triton.jit
+def _grad_stats_finalize_kernel(
+    offsets_ptr,  # int64 [tensors + 1]: tensor t owns slots [offsets[t], offsets[t + 1])
+    part_sum_ptr,  # float32 [slots]
+    part_max_ptr,  # int32 [slots]
+    sumsq_ptr,  # float32 [tensors]
+    amax_ptr,  # int32 [tensors]
+    FBLOCK: tl.constexpr,
+):
+    """One program per tensor: its partials summed in fp64 in a fixed order (deterministic)."""
+    t = tl.program_id(0).to(tl.int64)
+    lo = tl.load(offsets_ptr + t)
+    hi = tl.load(offsets_ptr + t + 1)
+    acc = tl.zeros([FBLOCK], dtype=tl.float64)
+    mx = tl.zeros([FBLOCK], dtype=tl.int32)
+    for s in range(lo, hi, FBLOCK):
+        i = s + tl.arange(0, FBLOCK).to(tl.int64)
+        m = i < hi
+        acc += tl.load(part_sum_ptr + i, mask=m, other=0.0).to(tl.float64)
+        mx = tl.maximum(mx, tl.load(part_max_ptr + i, mask=m, other=0))
+    tl.store(sumsq_ptr + t, tl.sum(acc, axis=0).to(tl.float32))
+    tl.store(amax_ptr + t, tl.max(mx, axis=0))
 
 
 @triton.jit
 def _scale_kernel(
-    table_ptr,  # int64 [items, 3]: address, begin, end
+    table_ptr,  # int64 [items, 4]: address, begin, end, slot
     scale_ptr,  # float32 [1]
     DT: tl.constexpr,
+    ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    ptr, begin, end, _ = _work_item(table_ptr, DT)
+    ptr, begin, end, _ = _work_item(table_ptr, DT, ALIGNED)
     s = tl.load(scale_ptr)
     if s != 1.0:
         for off in range(0, CHUNK, BLOCK):
-            idx = begin + off + tl.arange(0, BLOCK).to(tl.int64)
+            idx = _block_index(begin, off, ALIGNED, BLOCK)
             mask = idx < end
             x = _load_f32(ptr, idx, mask, DT)
             _store_f32(ptr, idx, x * s, mask, DT)
@@ -124,53 +178,72 @@ def device_guard(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _work_table(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(device int64 table [items, 3], CPU int64 owner index [items]) for non-empty tensors."""
-    rows: list[tuple[int, int, int]] = []
-    owner: list[int] = []
-    for i, t in enumerate(tensors):
+_ELEM_BYTES = {0: 4, 1: 2, 2: 2}
+
+
+@dataclass
+class _Plan:
+    """The cached launch plan of one tensor list: a device table and its launches."""
+
+    table: torch.Tensor  # int64 [rows, ROW] on the device
+    launches: list[tuple[int, bool, int, int]]  # (dtype code, aligned, first row, rows)
+    offsets: torch.Tensor  # int64 [tensors + 1] on the device: slot range of each tensor
+    slots: int
+
+
+def _build_plan(tensors: Sequence[torch.Tensor], device: torch.device) -> _Plan:
+    groups: dict[tuple[int, bool], list[list[int]]] = {}
+    offsets = [0]
+    slot = 0
+    for t in tensors:
         n = t.numel()
-        addr = t.data_ptr()
-        for b in range(0, n, CHUNK):
-            rows.append((addr, b, min(n, b + CHUNK)))
-            owner.append(i)
-    host = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True), torch.tensor(owner, dtype=torch.int64)
+        if n:
+            dt = _CODES[t.dtype]
+            es = _ELEM_BYTES[dt]
+            addr = t.data_ptr()
+            head = common_head([(addr, es)])
+            for b, e, al in work_ranges(n, head, CHUNK, VEC):
+                groups.setdefault((dt, al), []).append([addr + head * es if al else addr, b, e, slot])
+                slot += 1
+        offsets.append(slot)
+    table_rows: list[list[int]] = []
+    launches = []
+    for (dt, al), rows in sorted(groups.items()):
+        launches.append((dt, al, len(table_rows), len(rows)))
+        table_rows += rows
+    return _Plan(to_device(table_rows, ROW, device), launches, to_device([offsets], len(offsets), device).reshape(-1),
+                 slot)
 
 
-def _groups(tensors: Sequence[torch.Tensor]) -> dict[int, list[int]]:
-    groups: dict[int, list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.numel():
-            groups.setdefault(_CODES[t.dtype], []).append(i)
-    return groups
+def _plan(tensors: Sequence[torch.Tensor], device: torch.device) -> _Plan:
+    return TABLES.get(("unscale", device, layout(tensors)), device, lambda: _build_plan(tensors, device))
 
 
 def grad_stats(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`mpkern.reference.grad_stats` (same contract)."""
     device = inv_scale.device
     n = len(grads)
-    sumsq = torch.zeros(n, dtype=torch.float64, device=device)
+    sumsq = torch.zeros(n, dtype=torch.float32, device=device)
     amax_bits = torch.zeros(n, dtype=torch.int32, device=device)
-    for dt, idx in _groups(grads).items():
-        table, owner = _work_table([grads[i] for i in idx], device)
-        items = table.shape[0]
-        part_sum = torch.empty(items, dtype=torch.float32, device=device)
-        part_max = torch.empty(items, dtype=torch.int32, device=device)
-        with device_guard(device):
-            _grad_stats_kernel[(items,)](table, inv_scale, part_sum, part_max, DT=dt, CHUNK=CHUNK, BLOCK=BLOCK,
-                                         enable_fp_fusion=False)
-        dest = torch.tensor(idx, dtype=torch.int64)[owner].to(device, non_blocking=True)
-        sumsq.index_add_(0, dest, part_sum.to(torch.float64))
-        amax_bits.scatter_reduce_(0, dest, part_max, reduce="amax")
-    return sumsq.to(torch.float32), amax_bits.view(torch.float32)
+    if n == 0:
+        return sumsq, amax_bits.view(torch.float32)
+    plan = _plan(grads, device)
+    part_sum = torch.zeros(max(plan.slots, 1), dtype=torch.float32, device=device)
+    part_max = torch.zeros(max(plan.slots, 1), dtype=torch.int32, device=device)
+    with device_guard(device):
+        for dt, al, first, rows in plan.launches:
+            _grad_stats_kernel[(rows,)](plan.table[first:], inv_scale, part_sum, part_max, DT=dt, ALIGNED=al,
+                                        CHUNK=CHUNK, BLOCK=BLOCK, enable_fp_fusion=False)
+        _grad_stats_finalize_kernel[(n,)](plan.offsets, part_sum, part_max, sumsq, amax_bits, FBLOCK=FBLOCK)
+    return sumsq, amax_bits.view(torch.float32)
 
 
 def scale_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
     """Triton version of :func:`mpkern.reference.scale_` (same contract)."""
-    for dt, idx in _groups(tensors).items():
-        table, _ = _work_table([tensors[i] for i in idx], scale.device)
-        with device_guard(scale.device):
-            _scale_kernel[(table.shape[0],)](table, scale, DT=dt, CHUNK=CHUNK, BLOCK=BLOCK, enable_fp_fusion=False)
+    if not tensors:
+        return
+    plan = _plan(tensors, scale.device)
+    with device_guard(scale.device):
+        for dt, al, first, rows in plan.launches:
+            _scale_kernel[(rows,)](plan.table[first:], scale, DT=dt, ALIGNED=al, CHUNK=CHUNK, BLOCK=BLOCK,
+                                   enable_fp_fusion=False)

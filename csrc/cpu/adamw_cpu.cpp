@@ -163,8 +163,7 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
                      const std::optional<at::Tensor>& lr_tensor, double lr, double beta1, double beta2, double eps,
                      double weight_decay, bool maximize, int64_t master_mode, bool stochastic_rounding,
                      int64_t seed) {
-  const c10::Device cpu(c10::kCPU);
-  check_adamw_args("mpkern::adamw_step_", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps,
+  check_adamw_args_on("mpkern::adamw_step_", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps,
                    grad_factor, found_inf, lr_tensor, master_mode, c10::DeviceType::CPU);
   // CPU tensors: plain memory reads (no dispatcher round trips, no device sync)
   if (*found_inf.data_ptr<float>() != 0.0f) return;

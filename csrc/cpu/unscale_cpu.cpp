@@ -168,8 +168,7 @@ void scale_item(void* p, int32_t dt, int64_t begin, int64_t end, float s) {
 //   sumsq[t] = sum_i (grads[t][i] * inv_scale)^2   (accumulated per chunk in fp32, chunks in fp64)
 //   amax[t]  = max_i |grads[t][i]|                   (NaN if any NaN, else inf if any inf)
 std::tuple<at::Tensor, at::Tensor> grad_stats_cpu(at::TensorList grads, const at::Tensor& inv_scale) {
-  check_flat_float_list("mpkern::grad_stats", "grads", grads, c10::DeviceType::CPU);
-  check_scalar_f32("mpkern::grad_stats", "inv_scale", inv_scale, c10::Device(c10::kCPU));
+  check_list_op_on("mpkern::grad_stats", "grads", grads, "inv_scale", inv_scale, c10::DeviceType::CPU);
   const int64_t n = static_cast<int64_t>(grads.size());
   const float inv = inv_scale.data_ptr<float>()[0];
   const auto items = make_work(grads, kChunk);
@@ -207,8 +206,7 @@ std::tuple<at::Tensor, at::Tensor> grad_stats_cpu(at::TensorList grads, const at
 
 // scale_(tensors, scale): tensors[t] *= scale, in place, rounded to each tensor's dtype.
 void scale_cpu_(at::TensorList tensors, const at::Tensor& scale) {
-  check_flat_float_list("mpkern::scale_", "tensors", tensors, c10::DeviceType::CPU);
-  check_scalar_f32("mpkern::scale_", "scale", scale, c10::Device(c10::kCPU));
+  check_list_op_on("mpkern::scale_", "tensors", tensors, "scale", scale, c10::DeviceType::CPU);
   const float s = scale.data_ptr<float>()[0];
   if (s == 1.0f) return;  // x * 1 == x bit for bit (NaN payloads aside): skip the pass
   const auto items = make_work(tensors, kChunk);

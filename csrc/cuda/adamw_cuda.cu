@@ -1,6 +1,13 @@
-// CUDA kernel of mpkern::adamw_step_ (contract in csrc/cpu/adamw_cpu.cpp). One multi-tensor
-// launch updates every tensor of the list; a second one-thread-per-tensor launch bumps the step
-// counters. Both read found_inf on the device and do nothing when it is set: no host sync.
+// CUDA kernel of mpkern::adamw_step_ (contract in csrc/cpu/adamw_cpu.cpp).
+//
+// The kernel is specialised at compile time on (param dtype, grad dtype, moment dtype, master
+// mode): one launch per dtype combination present in the list (usually one), never one per
+// tensor. Each thread updates 8 elements at a time with 16-byte loads and stores (two for fp32
+// buffers); a tensor whose buffers are not all 16-byte aligned at a common element gets scalar
+// head and tail elements around the vector body, or the scalar loop when no common alignment
+// exists. A second one-thread-per-tensor launch bumps the step counters. Both read found_inf on
+// the device and do nothing when it is set: no host sync. The metadata table is cached on the
+// device (multi_tensor.cuh), so a step can be captured in a CUDA graph.
 #include <torch/library.h>
 
 #include "../adamw_common.h"
@@ -11,32 +18,134 @@ namespace cuda {
 
 namespace {
 
+constexpr int kAdamBlock = 256;
+constexpr int kVE = 8;  // elements per thread-iteration of the vector body
+
 struct AdamMeta {
   int64_t p, g, m, v, vmax, master, step;  // addresses (vmax / master may be 0)
   int64_t numel;
-  int64_t chunk_begin;
-  int32_t pdt, gdt, sdt, index;
+  int64_t chunk_begin;  // first chunk, counted within this tensor's launch
+  int32_t head;         // elements before the first element at which every buffer is 16-byte aligned; -1: none
+  int32_t index;        // position in the caller's list (stochastic-rounding stream)
 };
+static_assert(sizeof(AdamMeta) == 80, "AdamMeta layout");
 
 struct AdamScalars {
-  float lr;  // used when lr_ptr is null
+  double lr;  // used when lr_ptr is null; kept in double like the CPU and Triton backends and torch.optim
   const float* lr_ptr;
   const float* factor;
   const float* found_inf;
   double beta1, beta2, eps, weight_decay;
-  int mode;
   bool maximize, sr;
   uint32_t seed;
 };
 
-__global__ void __launch_bounds__(kBlock) adamw_kernel(const AdamMeta* __restrict__ meta, int count,
-                                                       int64_t total_chunks, AdamScalars s) {
+// One element, scalar loads and stores.
+template <int PDT, int GDT, int SDT, int MODE>
+__device__ __forceinline__ void adam_scalar(const AdamMeta& t, int64_t i, const AdamWConsts& cs, float factor,
+                                            bool sr, uint32_t seed, uint32_t step) {
+  void* P = reinterpret_cast<void*>(t.p);
+  void* M = reinterpret_cast<void*>(t.m);
+  void* V = reinterpret_cast<void*>(t.v);
+  float* VMAX = reinterpret_cast<float*>(t.vmax);
+  const float g = load_as_f32(reinterpret_cast<const void*>(t.g), i, GDT) * factor;
+  float p;
+  if constexpr (MODE == kMasterF32) {
+    p = reinterpret_cast<const float*>(t.master)[i];
+  } else if constexpr (MODE == kMasterRemainder) {
+    p = join_master(static_cast<const uint16_t*>(P)[i], reinterpret_cast<const int16_t*>(t.master)[i]);
+  } else {
+    p = load_as_f32(P, i, PDT);
+  }
+  float m = load_as_f32(M, i, SDT);
+  float v = load_as_f32(V, i, SDT);
+  p = adamw_update(p, g, m, v, VMAX ? VMAX + i : nullptr, cs);
+  store_from_f32(M, i, SDT, m);
+  store_from_f32(V, i, SDT, v);
+  if constexpr (MODE == kMasterF32) {
+    reinterpret_cast<float*>(t.master)[i] = p;
+    store_from_f32(P, i, PDT, p);
+  } else if constexpr (MODE == kMasterRemainder) {
+    uint16_t hi;
+    int16_t rem;
+    split_master(p, hi, rem);
+    static_cast<uint16_t*>(P)[i] = hi;
+    reinterpret_cast<int16_t*>(t.master)[i] = rem;
+  } else if (PDT == kBF16 && sr) {
+    static_cast<uint16_t*>(P)[i] = f32_to_bf16_sr(p, sr_bits(seed, static_cast<uint32_t>(t.index), i, step));
+  } else {
+    store_from_f32(P, i, PDT, p);
+  }
+}
+
+// kVE elements starting at i, where every buffer is 16-byte aligned.
+template <int PDT, int GDT, int SDT, int MODE>
+__device__ __forceinline__ void adam_vec(const AdamMeta& t, int64_t i, const AdamWConsts& cs, float factor,
+                                         bool sr, uint32_t seed, uint32_t step) {
+  void* P = reinterpret_cast<void*>(t.p);
+  void* M = reinterpret_cast<void*>(t.m);
+  void* V = reinterpret_cast<void*>(t.v);
+  float g[kVE], p[kVE], m[kVE], v[kVE];
+  load8<GDT>(reinterpret_cast<const void*>(t.g), i, g);
+  uint16_t hi[kVE];
+  if constexpr (MODE == kMasterF32) {
+    load8<kF32>(reinterpret_cast<const void*>(t.master), i, p);
+  } else if constexpr (MODE == kMasterRemainder) {
+    uint16_t lo[kVE];
+    load8_u16(P, i, hi);
+    load8_u16(reinterpret_cast<const void*>(t.master), i, lo);
+#pragma unroll
+    for (int k = 0; k < kVE; ++k) p[k] = join_master(hi[k], static_cast<int16_t>(lo[k]));
+  } else {
+    load8<PDT>(P, i, p);
+  }
+  load8<SDT>(M, i, m);
+  load8<SDT>(V, i, v);
+  if (t.vmax != 0) {
+    float vm[kVE];
+    load8<kF32>(reinterpret_cast<const void*>(t.vmax), i, vm);
+#pragma unroll
+    for (int k = 0; k < kVE; ++k) p[k] = adamw_update(p[k], g[k] * factor, m[k], v[k], &vm[k], cs);
+    store8<kF32>(reinterpret_cast<void*>(t.vmax), i, vm);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVE; ++k) p[k] = adamw_update(p[k], g[k] * factor, m[k], v[k], nullptr, cs);
+  }
+  store8<SDT>(M, i, m);
+  store8<SDT>(V, i, v);
+  if constexpr (MODE == kMasterF32) {
+    store8<kF32>(reinterpret_cast<void*>(t.master), i, p);
+    store8<PDT>(P, i, p);
+  } else if constexpr (MODE == kMasterRemainder) {
+    uint16_t lo[kVE];
+#pragma unroll
+    for (int k = 0; k < kVE; ++k) {
+      int16_t rem;
+      split_master(p[k], hi[k], rem);
+      lo[k] = static_cast<uint16_t>(rem);
+    }
+    store8_u16(P, i, hi);
+    store8_u16(reinterpret_cast<void*>(t.master), i, lo);
+  } else if (PDT == kBF16 && sr) {
+#pragma unroll
+    for (int k = 0; k < kVE; ++k)
+      hi[k] = f32_to_bf16_sr(p[k], sr_bits(seed, static_cast<uint32_t>(t.index), i + k, step));
+    store8_u16(P, i, hi);
+  } else {
+    store8<PDT>(P, i, p);
+  }
+}
+
+template <int PDT, int GDT, int SDT, int MODE>
+__global__ void __launch_bounds__(kAdamBlock) adamw_kernel(const AdamMeta* __restrict__ meta, int count,
+                                                           int64_t total_chunks, AdamScalars s) {
   if (*s.found_inf != 0.f) return;
   __shared__ int s_t;
   __shared__ AdamWConsts s_c;
   __shared__ uint32_t s_step;
+  // maximize: -(g * factor) == g * (-factor) exactly (sign flips commute with rounding)
   const float factor = s.maximize ? -*s.factor : *s.factor;
-  const double lr = s.lr_ptr ? static_cast<double>(*s.lr_ptr) : static_cast<double>(s.lr);
+  const double lr = s.lr_ptr ? static_cast<double>(*s.lr_ptr) : s.lr;
   for (int64_t c = blockIdx.x; c < total_chunks; c += gridDim.x) {
     if (threadIdx.x == 0) {
       s_t = find_tensor(meta, count, c);
@@ -51,41 +160,15 @@ __global__ void __launch_bounds__(kBlock) adamw_kernel(const AdamMeta* __restric
     __syncthreads();
     const int64_t begin = (c - t.chunk_begin) * kChunk;
     const int64_t end = min(t.numel, begin + kChunk);
-    void* P = reinterpret_cast<void*>(t.p);
-    const void* G = reinterpret_cast<const void*>(t.g);
-    void* M = reinterpret_cast<void*>(t.m);
-    void* V = reinterpret_cast<void*>(t.v);
-    float* VMAX = reinterpret_cast<float*>(t.vmax);
-    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-      const float g = load_as_f32(G, i, t.gdt) * factor;
-      float p;
-      if (s.mode == kMasterF32) {
-        p = reinterpret_cast<const float*>(t.master)[i];
-      } else if (s.mode == kMasterRemainder) {
-        p = join_master(static_cast<const uint16_t*>(P)[i], reinterpret_cast<const int16_t*>(t.master)[i]);
-      } else {
-        p = load_as_f32(P, i, t.pdt);
-      }
-      float m = load_as_f32(M, i, t.sdt);
-      float v = load_as_f32(V, i, t.sdt);
-      p = adamw_update(p, g, m, v, VMAX ? VMAX + i : nullptr, cs);
-      store_from_f32(M, i, t.sdt, m);
-      store_from_f32(V, i, t.sdt, v);
-      if (s.mode == kMasterF32) {
-        reinterpret_cast<float*>(t.master)[i] = p;
-        store_from_f32(P, i, t.pdt, p);
-      } else if (s.mode == kMasterRemainder) {
-        uint16_t hi;
-        int16_t rem;
-        split_master(p, hi, rem);
-        static_cast<uint16_t*>(P)[i] = hi;
-        reinterpret_cast<int16_t*>(t.master)[i] = rem;
-      } else if (s.sr && t.pdt == kBF16) {
-        static_cast<uint16_t*>(P)[i] = f32_to_bf16_sr(p, sr_bits(s.seed, static_cast<uint32_t>(t.index), i, step));
-      } else {
-        store_from_f32(P, i, t.pdt, p);
-      }
-    }
+    // vector body [vb, ve): starts at the tensor's common aligned element (chunks are multiples of kVE)
+    const int64_t vb = t.head < 0 ? end : min(end, begin + t.head);
+    const int64_t ve = vb + (end - vb) / kVE * kVE;
+    for (int64_t i = begin + threadIdx.x; i < vb; i += blockDim.x)
+      adam_scalar<PDT, GDT, SDT, MODE>(t, i, cs, factor, s.sr, s.seed, step);
+    for (int64_t i = vb + threadIdx.x * kVE; i < ve; i += blockDim.x * kVE)
+      adam_vec<PDT, GDT, SDT, MODE>(t, i, cs, factor, s.sr, s.seed, step);
+    for (int64_t i = ve + threadIdx.x; i < end; i += blockDim.x)
+      adam_scalar<PDT, GDT, SDT, MODE>(t, i, cs, factor, s.sr, s.seed, step);
   }
 }
 
@@ -94,7 +177,47 @@ __global__ void bump_steps_kernel(const AdamMeta* __restrict__ meta, int count, 
   if (t < count && *found_inf == 0.f) *reinterpret_cast<float*>(meta[t].step) += 1.f;
 }
 
+using AdamKernel = void (*)(const AdamMeta*, int, int64_t, AdamScalars);
+
+template <int PDT, int GDT, int MODE>
+AdamKernel pick_s(int32_t sdt) {
+  return sdt == kF32 ? &adamw_kernel<PDT, GDT, kF32, MODE> : &adamw_kernel<PDT, GDT, kBF16, MODE>;
+}
+template <int PDT, int MODE>
+AdamKernel pick_g(int32_t gdt, int32_t sdt) {
+  switch (gdt) {
+    case kF32: return pick_s<PDT, kF32, MODE>(sdt);
+    case kF16: return pick_s<PDT, kF16, MODE>(sdt);
+    default: return pick_s<PDT, kBF16, MODE>(sdt);
+  }
+}
+template <int MODE>
+AdamKernel pick_p(int32_t pdt, int32_t gdt, int32_t sdt) {
+  switch (pdt) {
+    case kF32: return pick_g<kF32, MODE>(gdt, sdt);
+    case kF16: return pick_g<kF16, MODE>(gdt, sdt);
+    default: return pick_g<kBF16, MODE>(gdt, sdt);
+  }
+}
+AdamKernel pick(int32_t pdt, int32_t gdt, int32_t sdt, int64_t mode) {
+  if (mode == kMasterRemainder) return pick_g<kBF16, kMasterRemainder>(gdt, sdt);  // bf16 params (checked)
+  return mode == kMasterF32 ? pick_p<kMasterF32>(pdt, gdt, sdt) : pick_p<kMasterNone>(pdt, gdt, sdt);
+}
+
 int64_t addr(const at::Tensor& t) { return reinterpret_cast<int64_t>(t.data_ptr()); }
+
+// Smallest h in [0, kVE) such that element h of every buffer (address, element size) is 16-byte
+// aligned; -1 if there is none.
+int32_t common_head(const int64_t (&ptrs)[6], const int (&sizes)[6]) {
+  for (int h = 0; h < kVE; ++h) {
+    bool ok = true;
+    for (int k = 0; k < 6; ++k) ok = ok && (ptrs[k] == 0 || ((ptrs[k] + h * sizes[k]) & 15) == 0);
+    if (ok) return h;
+  }
+  return -1;
+}
+
+int esize(const at::Tensor& t) { return static_cast<int>(t.element_size()); }
 
 }  // namespace
 
@@ -104,17 +227,37 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
                       const std::optional<at::Tensor>& lr_tensor, double lr, double beta1, double beta2, double eps,
                       double weight_decay, bool maximize, int64_t master_mode, bool stochastic_rounding,
                       int64_t seed) {
-  check_adamw_args("mpkern::adamw_step_", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps,
-                   grad_factor, found_inf, lr_tensor, master_mode, c10::DeviceType::CUDA);
+  check_adamw_args_on("mpkern::adamw_step_", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps,
+                      grad_factor, found_inf, lr_tensor, master_mode, c10::DeviceType::CUDA);
   if (params.empty()) return;
   const c10::Device dev = params[0].device();
   const c10::cuda::CUDAGuard guard(dev);
-  // All tensors (empty ones too: their step counters still advance) go into the table; only
-  // non-empty ones own chunks.
-  std::vector<AdamMeta> host(params.size());
-  int64_t chunks = 0;
-  for (size_t i = 0; i < params.size(); ++i) {
-    AdamMeta& a = host[i];
+  const size_t n = params.size();
+  // Rows grouped by dtype combination (one launch each), in list order inside a group. Every
+  // tensor has a row (empty ones too: their step counters still advance); only non-empty ones
+  // own chunks.
+  struct Launch {
+    int32_t pdt, gdt, sdt;
+    int first = 0, count = 0;
+    int64_t chunks = 0;
+  };
+  std::vector<Launch> launches;
+  std::vector<int> launch_of(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t pdt = dtype_code(params[i].scalar_type()), gdt = dtype_code(grads[i].scalar_type()),
+                  sdt = dtype_code(exp_avgs[i].scalar_type());
+    size_t l = 0;
+    while (l < launches.size() && !(launches[l].pdt == pdt && launches[l].gdt == gdt && launches[l].sdt == sdt)) ++l;
+    if (l == launches.size()) launches.push_back({pdt, gdt, sdt});
+    launch_of[i] = static_cast<int>(l);
+    launches[l].count++;
+  }
+  for (size_t l = 1; l < launches.size(); ++l) launches[l].first = launches[l - 1].first + launches[l - 1].count;
+  std::vector<AdamMeta> rows(n);
+  std::vector<int> filled(launches.size(), 0);
+  for (size_t i = 0; i < n; ++i) {
+    Launch& L = launches[launch_of[i]];
+    AdamMeta& a = rows[L.first + filled[launch_of[i]]++];
     a.p = addr(params[i]);
     a.g = addr(grads[i]);
     a.m = addr(exp_avgs[i]);
@@ -123,20 +266,17 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
     a.master = masters.empty() ? 0 : addr(masters[i]);
     a.step = addr(steps[i]);
     a.numel = params[i].numel();
-    a.chunk_begin = chunks;
-    a.pdt = dtype_code(params[i].scalar_type());
-    a.gdt = dtype_code(grads[i].scalar_type());
-    a.sdt = dtype_code(exp_avgs[i].scalar_type());
+    a.chunk_begin = L.chunks;
+    const int64_t ptrs[6] = {a.p, a.g, a.m, a.v, a.vmax, a.master};
+    const int sizes[6] = {esize(params[i]), esize(grads[i]), esize(exp_avgs[i]), esize(exp_avg_sqs[i]), 4,
+                          masters.empty() ? 4 : esize(masters[i])};
+    a.head = common_head(ptrs, sizes);
     a.index = static_cast<int32_t>(i);
-    chunks += (a.numel + kChunk - 1) / kChunk;
+    L.chunks += (a.numel + kChunk - 1) / kChunk;
   }
-  const int64_t bytes = static_cast<int64_t>(host.size() * sizeof(AdamMeta));
-  at::Tensor pinned = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(pinned.data_ptr(), host.data(), bytes);
-  at::Tensor table = pinned.to(dev, /*non_blocking=*/true);
-  const AdamMeta* meta = reinterpret_cast<const AdamMeta*>(table.data_ptr());
+  const AdamMeta* meta = cached_rows(dev, rows);
   AdamScalars s;
-  s.lr = static_cast<float>(lr);
+  s.lr = lr;
   s.lr_ptr = lr_tensor.has_value() ? lr_tensor->data_ptr<float>() : nullptr;
   s.factor = grad_factor.data_ptr<float>();
   s.found_inf = found_inf.data_ptr<float>();
@@ -144,16 +284,17 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
   s.beta2 = beta2;
   s.eps = eps;
   s.weight_decay = weight_decay;
-  s.mode = static_cast<int>(master_mode);
   s.maximize = maximize;
   s.sr = stochastic_rounding;
   s.seed = static_cast<uint32_t>(seed);
   auto stream = at::cuda::getCurrentCUDAStream();
-  const int count = static_cast<int>(host.size());
-  if (chunks > 0) {
-    adamw_kernel<<<grid_for(chunks), kBlock, 0, stream>>>(meta, count, chunks, s);
+  for (const Launch& L : launches) {
+    if (L.chunks == 0) continue;
+    pick(L.pdt, L.gdt, L.sdt, master_mode)<<<grid_for(L.chunks, 8), kAdamBlock, 0, stream>>>(meta + L.first, L.count,
+                                                                                             L.chunks, s);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+  const int count = static_cast<int>(n);
   bump_steps_kernel<<<(count + 255) / 256, 256, 0, stream>>>(meta, count, s.found_inf);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

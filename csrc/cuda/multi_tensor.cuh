@@ -1,9 +1,15 @@
 // Multi-tensor apply for CUDA: one launch walks (tensor, chunk) work items of a whole tensor list.
 //
-// The host packs one TensorMeta per non-empty tensor into a pinned buffer and copies it to the
-// device asynchronously (one small H2D copy per call, no sync). Each block takes chunks in a
-// grid-stride loop and finds its tensor by binary search over `chunk_begin`. All element
-// indexing is int64, so a tensor over 2^31 elements works.
+// Metadata: the host describes the list as a table of fixed-size rows (addresses, sizes, chunk
+// offsets). The device copy of a table is cached (csrc/cuda/table_cache.cpp), keyed by its exact
+// bytes: a step over the same tensors (same storage, sizes, dtypes) finds the table built by an
+// earlier step, so there is no host-to-device copy per call, and a CUDA graph can capture the
+// kernels (the table a graph uses stays allocated for the life of the process). Params that move
+// to new storage, a new param group or new grads give new bytes: a new table is built, outside a
+// capture; inside one it is an error that says why.
+//
+// Each block takes chunks in a grid-stride loop and finds its tensor by binary search over
+// `chunk_begin`. All element indexing is int64, so a tensor over 2^31 elements works.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -18,6 +24,20 @@
 namespace mpkern {
 namespace cuda {
 
+constexpr int64_t kChunk = 1 << 16;  // elements per work item (multiple of 8: chunks keep 16 B alignment)
+constexpr int kBlock = 512;
+
+// The device copy of `bytes` on `device` (the current device), from the cache if this exact
+// table was built before. Raises (naming the reason) if it must be built during a CUDA graph
+// capture. Thread-safe.
+const void* cached_table(c10::Device device, const void* bytes, size_t nbytes);
+
+template <typename Row>
+const Row* cached_rows(c10::Device device, const std::vector<Row>& rows) {
+  return static_cast<const Row*>(cached_table(device, rows.data(), rows.size() * sizeof(Row)));
+}
+
+// One row per non-empty tensor of a grad_stats / scale_ list.
 struct TensorMeta {
   int64_t ptr;          // data pointer
   int64_t numel;        // elements
@@ -27,17 +47,13 @@ struct TensorMeta {
 };
 static_assert(sizeof(TensorMeta) == 32, "TensorMeta layout");
 
-constexpr int64_t kChunk = 1 << 16;  // elements per work item (multiple of 8: chunks stay 16B-aligned)
-constexpr int kBlock = 512;
-
 struct MetaTable {
-  at::Tensor device;  // uint8 [count * sizeof(TensorMeta)] on the GPU
+  const TensorMeta* rows = nullptr;  // on the device
   int count = 0;
   int64_t total_chunks = 0;
-  const TensorMeta* ptr() const { return reinterpret_cast<const TensorMeta*>(device.data_ptr()); }
 };
 
-// Pack the table of a tensor list onto `device`. Empty tensors are left out.
+// The (cached) table of a tensor list on `device`. Empty tensors are left out.
 inline MetaTable make_table(at::TensorList ts, c10::Device device) {
   std::vector<TensorMeta> host;
   host.reserve(ts.size());
@@ -52,17 +68,13 @@ inline MetaTable make_table(at::TensorList ts, c10::Device device) {
   MetaTable tab;
   tab.count = static_cast<int>(host.size());
   tab.total_chunks = chunks;
-  if (tab.count == 0) return tab;
-  const int64_t bytes = static_cast<int64_t>(host.size() * sizeof(TensorMeta));
-  at::Tensor pinned = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(pinned.data_ptr(), host.data(), bytes);
-  tab.device = pinned.to(device, /*non_blocking=*/true);
+  if (tab.count > 0) tab.rows = cached_rows(device, host);
   return tab;
 }
 
-inline int grid_for(int64_t total_chunks) {
+inline int grid_for(int64_t total_chunks, int blocks_per_sm = 4) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t g = std::min<int64_t>(total_chunks, static_cast<int64_t>(sms) * 4);
+  const int64_t g = std::min<int64_t>(total_chunks, static_cast<int64_t>(sms) * blocks_per_sm);
   return static_cast<int>(std::max<int64_t>(g, 1));
 }
 
@@ -79,27 +91,48 @@ __device__ __forceinline__ int find_tensor(const Meta* meta, int count, int64_t 
   return lo;
 }
 
+template <int DT>
+constexpr int elem_bytes() { return DT == kF32 ? 4 : 2; }
+
 // Elements per 16-byte vector.
 template <int DT>
 struct Vec {
-  static constexpr int N = DT == kF32 ? 4 : 8;
+  static constexpr int N = 16 / elem_bytes<DT>();
 };
 
-// Load / store a 16-byte vector as N floats.
+// Elements before the first 16-byte-aligned element of a buffer at address `p` (p is aligned to
+// its element size, as every tensor's data is).
+template <int DT>
+__device__ __forceinline__ int64_t align_head(int64_t p) {
+  return ((16 - (p & 15)) & 15) / elem_bytes<DT>();
+}
+
+__device__ __forceinline__ void unpack16(const uint4 raw, uint16_t (&h)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    h[2 * k] = static_cast<uint16_t>(w[k] & 0xffffu);
+    h[2 * k + 1] = static_cast<uint16_t>(w[k] >> 16);
+  }
+}
+
+__device__ __forceinline__ uint4 pack16(const uint16_t (&h)[8]) {
+  return make_uint4(h[0] | (static_cast<uint32_t>(h[1]) << 16), h[2] | (static_cast<uint32_t>(h[3]) << 16),
+                    h[4] | (static_cast<uint32_t>(h[5]) << 16), h[6] | (static_cast<uint32_t>(h[7]) << 16));
+}
+
+// Load / store one 16-byte vector (element i must be 16-byte aligned) as Vec<DT>::N floats.
 template <int DT>
 __device__ __forceinline__ void load_vec(const void* base, int64_t i, float (&x)[Vec<DT>::N]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const char*>(base) + i * (DT == kF32 ? 4 : 2));
+  const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const char*>(base) + i * elem_bytes<DT>());
   if constexpr (DT == kF32) {
     x[0] = __uint_as_float(raw.x); x[1] = __uint_as_float(raw.y);
     x[2] = __uint_as_float(raw.z); x[3] = __uint_as_float(raw.w);
   } else {
-    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+    uint16_t h[8];
+    unpack16(raw, h);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const uint16_t lo = static_cast<uint16_t>(w[k] & 0xffffu), hi = static_cast<uint16_t>(w[k] >> 16);
-      x[2 * k] = DT == kBF16 ? bf16_to_f32(lo) : f16_to_f32(lo);
-      x[2 * k + 1] = DT == kBF16 ? bf16_to_f32(hi) : f16_to_f32(hi);
-    }
+    for (int k = 0; k < 8; ++k) x[k] = DT == kBF16 ? bf16_to_f32(h[k]) : f16_to_f32(h[k]);
   }
 }
 
@@ -110,19 +143,47 @@ __device__ __forceinline__ void store_vec(void* base, int64_t i, const float (&x
     raw.x = __float_as_uint(x[0]); raw.y = __float_as_uint(x[1]);
     raw.z = __float_as_uint(x[2]); raw.w = __float_as_uint(x[3]);
   } else {
-    uint32_t w[4];
+    uint16_t h[8];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const uint32_t lo = DT == kBF16 ? f32_to_bf16_rne(x[2 * k]) : f32_to_f16_rne(x[2 * k]);
-      const uint32_t hi = DT == kBF16 ? f32_to_bf16_rne(x[2 * k + 1]) : f32_to_f16_rne(x[2 * k + 1]);
-      w[k] = lo | (hi << 16);
-    }
-    raw = make_uint4(w[0], w[1], w[2], w[3]);
+    for (int k = 0; k < 8; ++k) h[k] = DT == kBF16 ? f32_to_bf16_rne(x[k]) : f32_to_f16_rne(x[k]);
+    raw = pack16(h);
   }
-  *reinterpret_cast<uint4*>(static_cast<char*>(base) + i * (DT == kF32 ? 4 : 2)) = raw;
+  *reinterpret_cast<uint4*>(static_cast<char*>(base) + i * elem_bytes<DT>()) = raw;
 }
 
-__device__ __forceinline__ bool aligned16(int64_t p) { return (p & 15) == 0; }
+// Eight elements starting at a 16-byte-aligned element i: one 16-byte access for 16-bit
+// buffers, two for fp32.
+template <int DT>
+__device__ __forceinline__ void load8(const void* base, int64_t i, float (&x)[8]) {
+  if constexpr (DT == kF32) {
+    float a[4], b[4];
+    load_vec<kF32>(base, i, a);
+    load_vec<kF32>(base, i + 4, b);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) { x[k] = a[k]; x[k + 4] = b[k]; }
+  } else {
+    load_vec<DT>(base, i, x);
+  }
+}
+
+template <int DT>
+__device__ __forceinline__ void store8(void* base, int64_t i, const float (&x)[8]) {
+  if constexpr (DT == kF32) {
+    const float a[4] = {x[0], x[1], x[2], x[3]}, b[4] = {x[4], x[5], x[6], x[7]};
+    store_vec<kF32>(base, i, a);
+    store_vec<kF32>(base, i + 4, b);
+  } else {
+    store_vec<DT>(base, i, x);
+  }
+}
+
+__device__ __forceinline__ void load8_u16(const void* base, int64_t i, uint16_t (&h)[8]) {
+  unpack16(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + i), h);
+}
+
+__device__ __forceinline__ void store8_u16(void* base, int64_t i, const uint16_t (&h)[8]) {
+  *reinterpret_cast<uint4*>(static_cast<uint16_t*>(base) + i) = pack16(h);
+}
 
 }  // namespace cuda
 }  // namespace mpkern

@@ -3,7 +3,12 @@
 //               second, tiny launch reduces each tensor's partials in a fixed order (deterministic,
 //               no atomics) in fp64.
 //   scale_:     one multi-tensor launch; every block returns at once when the scale is exactly 1.
+// Both read 16-byte vectors: a buffer whose base address is not 16-byte aligned (a view into a
+// bucket, a storage offset) gets a few scalar head elements, then the aligned vector body, then a
+// scalar tail.
 #include <torch/library.h>
+
+#include <string>
 
 #include "multi_tensor.cuh"
 
@@ -37,22 +42,32 @@ struct MaxU32 {
   __device__ uint32_t operator()(uint32_t a, uint32_t b) const { return a > b ? a : b; }
 };
 
+// Calls f(i) for the scalar elements and fv(i) for the 16-byte vectors (Vec<DT>::N elements,
+// starting at an aligned i) of elements [begin, end) of a buffer at address `ptr`, spread over
+// the threads of the block.
+template <int DT, typename F, typename FV>
+__device__ __forceinline__ void for_chunk(int64_t ptr, int64_t begin, int64_t end, F f, FV fv) {
+  constexpr int V = Vec<DT>::N;
+  // first aligned element at or after `begin` (begin is a multiple of V: chunks are)
+  const int64_t vb = min(end, begin + align_head<DT>(ptr));
+  const int64_t nvec = (end - vb) / V;
+  const int64_t ve = vb + nvec * V;
+  for (int64_t i = begin + threadIdx.x; i < vb; i += blockDim.x) f(i);
+  for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) fv(vb + v * V);
+  for (int64_t i = ve + threadIdx.x; i < end; i += blockDim.x) f(i);
+}
+
 template <int DT>
 __device__ void chunk_stats(const TensorMeta& m, int64_t begin, int64_t end, float inv, StatAcc& s) {
   const void* p = reinterpret_cast<const void*>(m.ptr);
-  int64_t tail = begin;
-  if (aligned16(m.ptr)) {
-    constexpr int V = Vec<DT>::N;
-    const int64_t nvec = (end - begin) / V;
-    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
-      float x[V];
-      load_vec<DT>(p, begin + v * V, x);
+  for_chunk<DT>(
+      m.ptr, begin, end, [&](int64_t i) { stat_update(s, load_as_f32(p, i, DT), inv); },
+      [&](int64_t i) {
+        float x[Vec<DT>::N];
+        load_vec<DT>(p, i, x);
 #pragma unroll
-      for (int k = 0; k < V; ++k) stat_update(s, x[k], inv);
-    }
-    tail = begin + nvec * V;
-  }
-  for (int64_t i = tail + threadIdx.x; i < end; i += blockDim.x) stat_update(s, load_as_f32(p, i, DT), inv);
+        for (int k = 0; k < Vec<DT>::N; ++k) stat_update(s, x[k], inv);
+      });
 }
 
 __global__ void __launch_bounds__(kBlock) stats_kernel(const TensorMeta* __restrict__ meta, int count,
@@ -111,20 +126,15 @@ __global__ void stats_finalize_kernel(const TensorMeta* __restrict__ meta, int c
 template <int DT>
 __device__ void chunk_scale(const TensorMeta& m, int64_t begin, int64_t end, float s) {
   void* p = reinterpret_cast<void*>(m.ptr);
-  int64_t tail = begin;
-  if (aligned16(m.ptr)) {
-    constexpr int V = Vec<DT>::N;
-    const int64_t nvec = (end - begin) / V;
-    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
-      float x[V];
-      load_vec<DT>(p, begin + v * V, x);
+  for_chunk<DT>(
+      m.ptr, begin, end, [&](int64_t i) { store_from_f32(p, i, DT, load_as_f32(p, i, DT) * s); },
+      [&](int64_t i) {
+        float x[Vec<DT>::N];
+        load_vec<DT>(p, i, x);
 #pragma unroll
-      for (int k = 0; k < V; ++k) x[k] *= s;
-      store_vec<DT>(p, begin + v * V, x);
-    }
-    tail = begin + nvec * V;
-  }
-  for (int64_t i = tail + threadIdx.x; i < end; i += blockDim.x) store_from_f32(p, i, DT, load_as_f32(p, i, DT) * s);
+        for (int k = 0; k < Vec<DT>::N; ++k) x[k] *= s;
+        store_vec<DT>(p, i, x);
+      });
 }
 
 __global__ void __launch_bounds__(kBlock) scale_kernel(const TensorMeta* __restrict__ meta, int count,
@@ -147,19 +157,11 @@ __global__ void __launch_bounds__(kBlock) scale_kernel(const TensorMeta* __restr
   }
 }
 
-c10::Device common_device(at::TensorList ts, const at::Tensor& scalar) {
-  return ts.empty() ? scalar.device() : ts[0].device();
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> grad_stats_cuda(at::TensorList grads, const at::Tensor& inv_scale) {
-  const c10::Device dev = common_device(grads, inv_scale);
-  check_flat_float_list("mpkern::grad_stats", "grads", grads, c10::DeviceType::CUDA);
-  for (size_t i = 0; i < grads.size(); ++i)
-    TORCH_CHECK(grads[i].device() == dev, "mpkern::grad_stats: grads[", i, "] is on ", grads[i].device(),
-                ", expected ", dev, " (one call per device)");
-  check_scalar_f32("mpkern::grad_stats", "inv_scale", inv_scale, dev);
+  const c10::Device dev =
+      check_list_op_on("mpkern::grad_stats", "grads", grads, "inv_scale", inv_scale, c10::DeviceType::CUDA);
   const c10::cuda::CUDAGuard guard(dev);
   const int64_t n = static_cast<int64_t>(grads.size());
   auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
@@ -171,11 +173,11 @@ std::tuple<at::Tensor, at::Tensor> grad_stats_cuda(at::TensorList grads, const a
   at::Tensor part_max = at::empty({tab.total_chunks}, f32.dtype(at::kInt));
   auto stream = at::cuda::getCurrentCUDAStream();
   stats_kernel<<<grid_for(tab.total_chunks), kBlock, 0, stream>>>(
-      tab.ptr(), tab.count, tab.total_chunks, inv_scale.data_ptr<float>(), part_sum.data_ptr<float>(),
+      tab.rows, tab.count, tab.total_chunks, inv_scale.data_ptr<float>(), part_sum.data_ptr<float>(),
       reinterpret_cast<uint32_t*>(part_max.data_ptr<int32_t>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   stats_finalize_kernel<<<tab.count, 256, 0, stream>>>(
-      tab.ptr(), tab.count, tab.total_chunks, part_sum.data_ptr<float>(),
+      tab.rows, tab.count, tab.total_chunks, part_sum.data_ptr<float>(),
       reinterpret_cast<const uint32_t*>(part_max.data_ptr<int32_t>()), sumsq.data_ptr<float>(),
       amax.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -183,18 +185,26 @@ std::tuple<at::Tensor, at::Tensor> grad_stats_cuda(at::TensorList grads, const a
 }
 
 void scale_cuda_(at::TensorList tensors, const at::Tensor& scale) {
-  const c10::Device dev = common_device(tensors, scale);
-  check_flat_float_list("mpkern::scale_", "tensors", tensors, c10::DeviceType::CUDA);
-  for (size_t i = 0; i < tensors.size(); ++i)
-    TORCH_CHECK(tensors[i].device() == dev, "mpkern::scale_: tensors[", i, "] is on ", tensors[i].device(),
-                ", expected ", dev, " (one call per device)");
-  check_scalar_f32("mpkern::scale_", "scale", scale, dev);
+  const c10::Device dev =
+      check_list_op_on("mpkern::scale_", "tensors", tensors, "scale", scale, c10::DeviceType::CUDA);
   const c10::cuda::CUDAGuard guard(dev);
   const MetaTable tab = make_table(tensors, dev);
   if (tab.count == 0) return;
   scale_kernel<<<grid_for(tab.total_chunks), kBlock, 0, at::cuda::getCurrentCUDAStream()>>>(
-      tab.ptr(), tab.count, tab.total_chunks, scale.data_ptr<float>());
+      tab.rows, tab.count, tab.total_chunks, scale.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Whether the GPU can run this build's kernels: asks the driver for a kernel's attributes on
+// `device_index`, which fails with "no kernel image is available" when the build has neither
+// SASS for the GPU's architecture nor PTX it can compile.
+std::string kernel_image_error(int64_t device_index) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+  cudaFuncAttributes attr;
+  const cudaError_t err = cudaFuncGetAttributes(&attr, scale_kernel);
+  if (err == cudaSuccess) return "";
+  (void)cudaGetLastError();  // clear the sticky-free error so later launches are unaffected
+  return cudaGetErrorString(err);
 }
 
 }  // namespace cuda
