@@ -1,13 +1,75 @@
-"""The ``mpkern`` command line: ``mpkern info`` (more subcommands arrive with their features)."""
+"""The ``mpkern`` command line: ``info``, ``compare``, ``bench``, ``plan``.
+
+A thin layer over importable functions (:func:`mpkern.compare.run`, :func:`mpkern.bench.run`,
+:func:`mpkern.plan.plan_table`): it parses and checks flags (a bad flag exits with status 2 and
+argparse's message), calls the function and prints.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 
-def _cmd_info(args: argparse.Namespace) -> int:
+# ---- argument types (argparse turns their ValueError/ArgumentTypeError into exit code 2) --------
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    return v
+
+
+def _nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}")
+    return v
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {s!r}")
+    return v
+
+
+def _precisions(s: str) -> list[str]:
+    from .compare import PRECISIONS
+
+    names = [p.strip() for p in s.split(",") if p.strip()]
+    bad = [p for p in names if p not in PRECISIONS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"unknown precision(s) {bad or [s]}; choose from {','.join(PRECISIONS)}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"a precision is listed twice: {s!r}")
+    return names
+
+
+def _device(s: str) -> str:
+    import torch
+
+    try:
+        dev = torch.device(s)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a device: {s!r} (use cpu or cuda)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"device must be cpu or cuda, got {s!r}")
+    return s
+
+
+# ---- info ---------------------------------------------------------------------------------------
+def _cmd_info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import mpkern
 
     data = mpkern.info()
@@ -31,27 +93,177 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _version() -> str:
-    from mpkern import __version__
+# ---- compare ------------------------------------------------------------------------------------
+_COMPARE_FLAGS = ("steps", "lr", "batch_size", "seq_len", "d_model", "layers", "heads", "classes", "seed", "warmup",
+                  "optimizer_state", "linear", "threads", "max_grad_norm", "log_every")
 
-    return __version__
+
+def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import torch
+
+    from . import compare
+
+    if args.hf_model:
+        parser.error("--hf-model is not implemented yet: compare trains its built-in classifier only")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {device}: torch.cuda.is_available() is False on this machine")
+    overrides = {k: getattr(args, k) for k in _COMPARE_FLAGS if getattr(args, k) is not None}
+    try:
+        res = compare.run(args.precision, device=device, out=args.out, progress=not args.no_progress,
+                          plot=not args.no_plot, **overrides)
+    except ValueError as e:  # e.g. bf16 asked for on a GPU without it, d_model not divisible by heads
+        parser.error(str(e))
+    print()
+    print(compare._header(res))
+    print()
+    print(compare.format_table(res))
+    print()
+    print(compare.format_details(res))
+    if args.out:
+        print(f"\nwrote {args.out}/results.json, results.md" + (", compare.png" if not args.no_plot else ""))
+    diverged = [r["name"] for r in res["runs"] if r["status"] != "ok"]
+    if diverged:
+        print(f"diverged: {', '.join(diverged)} (the other runs completed)")
+    return 0
 
 
+# ---- bench --------------------------------------------------------------------------------------
+def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import torch
+
+    from . import bench
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {device}: torch.cuda.is_available() is False on this machine")
+    log = (lambda s: print(s, file=sys.stderr, flush=True))
+    res = bench.run(args.which, device=device, quick=args.quick, params=args.params, tensors=args.tensors,
+                    reps=args.reps, log=log)
+    m = res["meta"]
+    print(f"\n{m['device']}, torch {m['torch']}, {m['threads']} threads, {m['timestamp']}"
+          + (f", in-place bandwidth {m['bandwidth']['inplace_GBps']:.1f} GB/s" if "bandwidth" in m else "")
+          + f"; optimizer-side sizes: {m['params'] / 1e6:g}M params in {m['tensors']} tensors\n")
+    print(bench.format_table(res["rows"]))
+    if args.json:
+        bench.write_json(res, args.json)
+        print(f"\nwrote {args.json}")
+    if args.plot and bench.plot(res, args.plot):
+        print(f"wrote {args.plot}")
+    return 0
+
+
+# ---- plan ---------------------------------------------------------------------------------------
+def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from . import plan
+
+    if args.params is None and args.hf_config is None:
+        parser.error("give --params N (e.g. 7e9) or --hf-config PATH")
+    if args.hf_config is not None:
+        try:
+            n = plan.params_from_hf_config(args.hf_config)
+        except (ValueError, OSError) as e:
+            parser.error(f"--hf-config: {e}")
+        source = f"{args.hf_config} ({n:,} params)"
+    else:
+        n = args.params
+        source = f"{n:,.0f} params"
+    rows = plan.plan_table(n, world_size=args.world_size, gpu_mem=args.gpu_mem)
+    if args.json:
+        print(json.dumps({"params": n, "world_size": args.world_size, "gpu_mem_GB": args.gpu_mem, "rows": rows},
+                         indent=1))
+        return 0
+    shard = f", sharded over {args.world_size} ranks (FSDP2-style: all state / N)" if args.world_size > 1 else ""
+    mem = f", {args.gpu_mem:g} GB per device" if args.gpu_mem else ""
+    print(f"Training state per recipe for {source}{shard}{mem}.")
+    print("Bytes/param measured from the optimizers' real state tensors on a small model, then scaled.\n")
+    print(plan.format_plan(rows))
+    print("\nActivations, temporaries and (for FSDP) the gathered layer params come on top of this.")
+    return 0
+
+
+# ---- parser -------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``mpkern`` command (exposed for tests and docs)."""
     p = argparse.ArgumentParser(prog="mpkern", description="mpkern: fused mixed-precision training kernels")
-    p.add_argument("--version", action="version", version=f"mpkern {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
+
     pi = sub.add_parser("info", help="device, dtype support and which backends are available (and why not)")
-    pi.add_argument("--json", action="store_true",
-                    help="print mpkern.info() as JSON (version, torch, device, capability, bf16/fp16, backends with "
-                         "availability and reason, matmul notes)")
+    pi.add_argument("--json", action="store_true", help="print as JSON")
     pi.set_defaults(func=_cmd_info)
+
+    pc = sub.add_parser(
+        "compare", help="train the same small model in fp32 / bf16 / fp16 / mpkern and compare speed, memory, accuracy",
+        description="Train one small transformer classifier several ways (same init, data, order and "
+                    "hyperparameters) and report tokens/s, speedup vs fp32, peak memory, state bytes/param, "
+                    "final loss, validation accuracy, skipped steps and the fp16 loss scale. "
+                    "Default: every run the device supports; about two minutes on a 2-core CPU.")
+    pc.add_argument("--precision", type=_precisions, default=None, metavar="LIST",
+                    help="comma-separated runs: fp32,bf16,fp16,bf16-naive,mpkern-bf16,mpkern-fp16 "
+                         "(default: all the device supports; CPU leaves out fp16 autocast, which is very slow there)")
+    pc.add_argument("--device", type=_device, default=None, help="cpu or cuda (default: cuda if available)")
+    pc.add_argument("--steps", type=_positive_int, help="training steps per run (CPU default 360)")
+    pc.add_argument("--lr", type=_positive_float,
+                    help="learning rate (default 3e-4). Lower it (e.g. 3e-5) to watch bf16-naive's updates round "
+                         "away while the fp32-master runs still learn")
+    pc.add_argument("--batch-size", type=_positive_int, help="sequences per step (CPU default 32)")
+    pc.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (CPU default 32)")
+    pc.add_argument("--d-model", type=_positive_int, help="model width (CPU default 128)")
+    pc.add_argument("--layers", type=_positive_int, help="transformer blocks (CPU default 2)")
+    pc.add_argument("--heads", type=_positive_int, help="attention heads (CPU default 4)")
+    pc.add_argument("--classes", type=_positive_int, help="number of classes of the task (default 32)")
+    pc.add_argument("--seed", type=_nonneg_int, help="seed of data and init (default 0)")
+    pc.add_argument("--warmup", type=_nonneg_int, help="untimed first steps (default 20)")
+    pc.add_argument("--log-every", type=_positive_int, help="steps between progress updates / divergence checks")
+    pc.add_argument("--max-grad-norm", type=_positive_float, help="gradient clipping norm (default 1.0)")
+    pc.add_argument("--optimizer-state", choices=("fp32", "remainder", "bf16-moments"), default=None,
+                    help="FusedAdamWMP state of the mpkern runs: fp32 masters+moments (default), int16 remainder "
+                         "masters (bf16 only), or bf16 moments -- changes the bytes per parameter")
+    pc.add_argument("--linear", choices=("auto", "mpkern", "torch"), default=None,
+                    help="Linear layers of the 16-bit-param runs: mpkern.nn.Linear or torch.nn.Linear "
+                         "(auto: mpkern on CUDA and for fp16; on CPU ATen's bf16 GEMM, which is faster there)")
+    pc.add_argument("--threads", type=_positive_int, help="torch intra-op threads (default: torch's choice)")
+    pc.add_argument("--out", default="mpkern-compare", help="output directory (default ./mpkern-compare)")
+    pc.add_argument("--no-plot", action="store_true", help="do not write compare.png")
+    pc.add_argument("--no-progress", action="store_true", help="no progress bars")
+    pc.add_argument("--hf-model", default=None, metavar="CONFIG_PATH", help=argparse.SUPPRESS)
+    pc.set_defaults(func=_cmd_compare)
+
+    pb = sub.add_parser(
+        "bench", help="kernel benchmarks vs the PyTorch peers, with the byte-model limit of each ratio",
+        description="Time mpkern's kernels against the PyTorch recipe a user would otherwise run, in one process, "
+                    "and print time, GB/s (TFLOP/s for matmul), %% of measured bandwidth, the speed ratio and "
+                    "its byte-model limit (peer bytes / mpkern bytes).")
+    pb.add_argument("which", nargs="?", default="all", choices=("unscale", "adamw", "matmul", "all"))
+    pb.add_argument("--device", type=_device, default=None, help="cpu or cuda (default: cuda if available)")
+    pb.add_argument("--quick", action="store_true", help="small sizes: under a minute on a 2-core CPU")
+    pb.add_argument("--json", metavar="FILE", help="write the results (with machine and versions) as JSON")
+    pb.add_argument("--plot", metavar="FILE", help="write a PNG of speedups vs byte-model limits (needs matplotlib)")
+    pb.add_argument("--params", type=_positive_int, help="parameters of the optimizer-side benchmarks")
+    pb.add_argument("--tensors", type=_positive_int, help="number of tensors they are split into")
+    pb.add_argument("--reps", type=_positive_int, help="timed repetitions (median reported)")
+    pb.set_defaults(func=_cmd_bench)
+
+    pp = sub.add_parser(
+        "plan", help="memory per recipe for a model of N params (bytes/param measured from real optimizer state)",
+        description="Bytes per parameter of weights, grads, master weights and moments for each mixed-precision "
+                    "recipe, measured once from the real state tensors of each optimizer on a small model and "
+                    "scaled to --params; optionally sharded over --world-size ranks, against --gpu-mem.")
+    pp.add_argument("--params", type=_positive_float, help="number of parameters, e.g. 7e9")
+    pp.add_argument("--hf-config", metavar="PATH", help="take the parameter count from a transformers config.json")
+    pp.add_argument("--world-size", type=_positive_int, default=1, help="ranks the state is sharded over (FSDP2)")
+    pp.add_argument("--gpu-mem", type=_positive_float, default=None, metavar="GB", help="memory per device in GB")
+    pp.add_argument("--json", action="store_true", help="print as JSON")
+    pp.set_defaults(func=_cmd_plan)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Entry point of the ``mpkern`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    sub = parser._subparsers._group_actions[0].choices[args.cmd]  # the subcommand's parser, for its errors
+    return args.func(args, sub)
 
 
 if __name__ == "__main__":
