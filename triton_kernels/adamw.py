@@ -49,12 +49,10 @@ def _sr_bits(seed, tensor, idx, step):
 
 
 @triton.jit
-def _addr_at(base, k, ALIGNED: tl.constexpr):
-    """Address in column k of a table row; 16-byte aligned (and the compiler told so) in ALIGNED rows."""
-    a = tl.load(base + k)
-    if ALIGNED:
-        a = tl.multiple_of(a, 16)
-    return a
+def _ptr_at(base, k, DT: tl.constexpr, ALIGNED: tl.constexpr):
+    """Typed pointer in column k of a table row (DT as in _typed_ptr), marked 16-byte aligned in
+    ALIGNED rows."""
+    return _typed_ptr(tl.load(base + k), DT, ALIGNED)
 
 
 @triton.jit(do_not_specialize=["seed"])  # seed == 1 would otherwise become a constexpr int
@@ -73,10 +71,10 @@ def _adamw_kernel(
     found = tl.load(found_ptr)
     if found == 0.0:
         base = table_ptr + item * ROW
-        p_ptr = _typed_ptr(_addr_at(base, 0, ALIGNED), PDT)
-        g_ptr = _typed_ptr(_addr_at(base, 1, ALIGNED), GDT)
-        m_ptr = _typed_ptr(_addr_at(base, 2, ALIGNED), SDT)
-        v_ptr = _typed_ptr(_addr_at(base, 3, ALIGNED), SDT)
+        p_ptr = _ptr_at(base, 0, PDT, ALIGNED)
+        g_ptr = _ptr_at(base, 1, GDT, ALIGNED)
+        m_ptr = _ptr_at(base, 2, SDT, ALIGNED)
+        v_ptr = _ptr_at(base, 3, SDT, ALIGNED)
         begin = tl.load(base + 6)
         end = tl.load(base + 7)
         t = tl.load(base + 8)
@@ -94,10 +92,10 @@ def _adamw_kernel(
             mask = idx < end
             g = _load_f32(g_ptr, idx, mask, GDT) * factor
             if MODE == 1:
-                w_ptr = _addr_at(base, 5, ALIGNED).to(tl.pointer_type(tl.float32))
+                w_ptr = _ptr_at(base, 5, 0, ALIGNED)
                 w = tl.load(w_ptr + idx, mask=mask, other=0.0)
             elif MODE == 2:
-                r_ptr = _addr_at(base, 5, ALIGNED).to(tl.pointer_type(tl.int16))
+                r_ptr = _ptr_at(base, 5, 3, ALIGNED)
                 hi = tl.load(p_ptr + idx, mask=mask, other=0).to(tl.uint32) << 16
                 lo = tl.load(r_ptr + idx, mask=mask, other=0).to(tl.int32).to(tl.uint32, bitcast=True)
                 w = (hi + lo).to(tl.float32, bitcast=True)
@@ -110,7 +108,7 @@ def _adamw_kernel(
             v = v * beta2 + one_m_b2 * g * g
             vv = v
             if AMSGRAD:
-                vm_ptr = _addr_at(base, 4, ALIGNED).to(tl.pointer_type(tl.float32))
+                vm_ptr = _ptr_at(base, 4, 0, ALIGNED)
                 old = tl.load(vm_ptr + idx, mask=mask, other=0.0)
                 vv = tl.where(old > v, old, v)
                 tl.store(vm_ptr + idx, vv, mask=mask)

@@ -40,14 +40,22 @@ _CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 @triton.jit
-def _typed_ptr(addr, DT: tl.constexpr):
-    """Pointer of the element type; bfloat16 is handled as raw uint16 bits (see _load/_store)."""
+def _typed_ptr(addr, DT: tl.constexpr, ALIGNED: tl.constexpr = False):
+    """Pointer of the element type (DT: 0 f32, 1 f16, 2 bf16 as raw uint16 bits -- see _load/_store
+    -- 3 int16), marked 16-byte aligned when ALIGNED. The hint must be put on the pointer in the
+    function that converts the address (on the integer, or in a caller, it is lost and every
+    access stays scalar)."""
     if DT == 0:
-        return addr.to(tl.pointer_type(tl.float32))
+        ptr = addr.to(tl.pointer_type(tl.float32))
     elif DT == 1:
-        return addr.to(tl.pointer_type(tl.float16))
+        ptr = addr.to(tl.pointer_type(tl.float16))
+    elif DT == 2:
+        ptr = addr.to(tl.pointer_type(tl.uint16))
     else:
-        return addr.to(tl.pointer_type(tl.uint16))
+        ptr = addr.to(tl.pointer_type(tl.int16))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
 
 
 @triton.jit
@@ -88,19 +96,18 @@ def _work_item(table_ptr, DT: tl.constexpr, ALIGNED: tl.constexpr):
     end = tl.load(table_ptr + item * 4 + 2)
     slot = tl.load(table_ptr + item * 4 + 3)
     if ALIGNED:
-        addr = tl.multiple_of(addr, 16)
         begin = tl.multiple_of(begin, 16)
         end = tl.multiple_of(end, 8)
-    return _typed_ptr(addr, DT), begin, end, slot
+    return _typed_ptr(addr, DT, ALIGNED), begin, end, slot
 
 
 @triton.jit
 def _block_index(begin, off, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """Element indices begin + off + [0, BLOCK), with the alignment known to the compiler."""
-    start = begin + off
+    idx = begin + off + tl.arange(0, BLOCK).to(tl.int64)
     if ALIGNED:
-        start = tl.multiple_of(start, 16)
-    return tl.max_contiguous(start + tl.arange(0, BLOCK).to(tl.int64), BLOCK)
+        idx = tl.max_contiguous(tl.multiple_of(idx, 16), BLOCK)
+    return idx
 
 
 @triton.jit
