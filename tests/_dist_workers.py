@@ -278,6 +278,25 @@ def hand_sharded(rank: int, world: int, store: str, out: str, backend: str = "gl
     coef = 1.0 / (float(ref_norm) + 1e-6)
     for p, c in zip(mine, chunks):
         torch.testing.assert_close(p.grad, c[rank] * 0.25 * coef, rtol=1e-6, atol=1e-7)
+    # tensor-parallel placements: Shard(1) summed over ranks, Replicate and a plain (replicated)
+    # tensor counted once -- not world-size times
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh(dev.type, (world,))
+    a, b = torch.randn(6, 8, generator=g).to(dev), torch.randn(5, 4, generator=g).to(dev)
+    pa = torch.nn.Parameter(distribute_tensor(a.clone(), mesh, [Shard(1)]))
+    pb = torch.nn.Parameter(distribute_tensor(b.clone(), mesh, [Replicate()]))
+    pc = torch.nn.Parameter(torch.ones(3, device=dev))
+    pa.grad = distribute_tensor(a * 2, mesh, [Shard(1)])
+    pb.grad = distribute_tensor(b * 3, mesh, [Replicate()])
+    pc.grad = torch.tensor([1.0, 2.0, 2.0], device=dev)
+    with count_all_reduce() as calls:
+        r = mpkern.unscale_([pa, pb, pc], 1.0, per_tensor=True)
+    assert len(calls) == 1
+    want = torch.stack([(a * 2).double().norm(), (b * 3).double().norm(), torch.tensor(3.0, dtype=torch.float64)])
+    torch.testing.assert_close(r.per_tensor_norm.double().cpu(), want.cpu(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(r.total_norm.double().cpu(), want.norm().cpu(), rtol=1e-6, atol=0)
     # the optimizer carries the group for max_grad_norm; an inf on one rank skips everywhere
     opt = mpkern.FusedAdamWMP(mine, lr=0.1, max_grad_norm=1.0, process_group=dist.group.WORLD)
     for p, c in zip(mine, chunks):
