@@ -32,6 +32,7 @@ from .distributed import version as _ver
 from .reference import MASTER_F32, MASTER_NONE, MASTER_REMAINDER
 
 Tensor = torch.Tensor
+Parameter = torch.nn.Parameter
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 # mpkern's own param-group keys; the storage-layout ones are the constructor's choice even when a
 # checkpoint says otherwise (the state is converted, with a warning)
@@ -129,6 +130,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True
     _mpkern_fuses_unscale = True
+    _mpkern_check_writes = True  # the external-write check (benchmarks switch it off to time it)
 
     def __init__(
         self,
@@ -178,7 +180,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
         self._pending: tuple[Tensor, Tensor, Tensor] | None = None
         self.last_grad_norm: Tensor | None = None
         self.last_found_inf: Tensor | None = None
-        self._versions: dict[Tensor, Any] = {}
+        self._versions: dict[int, Any] = {}  # id(param) -> its version after our last write
         self._mpkern_process_group = process_group
         super().__init__(params, defaults)
 
@@ -276,7 +278,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
             for key, val in (("amsgrad", False), ("maximize", False), ("capturable", False)):
                 group.setdefault(key, val)
         # params and masters were copied together: they agree now
-        self._versions = {p: _ver(p) for p in self.state if isinstance(p, Tensor)}
+        self._versions = {id(p): _ver(p) for p in self.state if isinstance(p, Tensor)}
 
     # ---- the unscale_/clip hand-off -----------------------------------------------------------
     def _mpkern_set_pending_unscale(self, factor: Tensor, found_inf: Tensor, total_norm: Tensor) -> None:
@@ -377,7 +379,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
 
     def _reseed_if_written(self, p: Tensor, st: dict[str, Any]) -> None:
         """Re-seed the master of ``p`` if the param was written since the optimizer's last write."""
-        rec = self._versions.get(p, -1)
+        rec = self._versions.get(id(p), -1)
         if rec == _ver(p):
             return
         if "master_param" in st:
@@ -386,7 +388,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
             m.copy_(torch.where(pl == m.to(pl.dtype), m, pl.float()))
         elif "master_remainder" in st and rec is not None:
             _local(st["master_remainder"]).zero_()  # the written bf16 value is the master now
-        self._versions[p] = _ver(p)
+        self._versions[id(p)] = _ver(p)
 
     def _check_capture(self, work: list) -> None:
         """During a CUDA graph capture, raise (naming the reason) unless the step can be captured:
@@ -438,7 +440,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
         if found_ext is not None:
             found = torch.maximum(found, found_ext.to(found.device, torch.float32).reshape(()))
         self.last_found_inf = found
-        check_writes = not torch.compiler.is_compiling()
+        check_writes = self._mpkern_check_writes and not torch.compiler.is_compiling()
         per_dev: dict[torch.device, tuple[Tensor, Tensor]] = {}
         for group, dev, mode, pairs in work:
             if dev not in per_dev:
@@ -453,7 +455,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
             if check_writes and mode != MASTER_NONE:
                 versions = self._versions
                 for p, _ in pairs:
-                    versions[p] = _ver(p)
+                    versions[id(p)] = p._version if type(p) is Parameter else _ver(p)
         self._consume_main_grads(work)
         return loss
 
@@ -468,15 +470,16 @@ class FusedAdamWMP(torch.optim.Optimizer):
             if st is None or "step" not in st:
                 st = self._init_state(group, p)
                 if check_writes and mode != MASTER_NONE:
-                    self._versions[p] = _ver(p)
-            elif check_writes and mode != MASTER_NONE and self._versions.get(p, -1) != _ver(p):
+                    self._versions[id(p)] = _ver(p)
+            elif check_writes and mode != MASTER_NONE and self._versions.get(id(p), -1) != (
+                    p._version if type(p) is Parameter else _ver(p)):
                 self._reseed_if_written(p, st)
             ts = [st["exp_avg"], st["exp_avg_sq"]]
             if amsgrad:
                 ts.append(st["max_exp_avg_sq"])
             if mkey is not None:
                 ts.append(st[mkey])
-            if distributed.is_dtensor(p):  # FSDP2 / tensor parallel: the kernel updates the local shard
+            if type(p) is not Parameter and distributed.is_dtensor(p):  # FSDP2 / tensor parallel: the kernel updates the local shard
                 p, g, ts = _local(p), _local(g), [_local(t) for t in ts]
             if p.is_contiguous():
                 pp, gg = p, (g if g.is_contiguous() else g.contiguous())
@@ -556,7 +559,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
         self.__setstate__({"state": state, "param_groups": new_groups})
         # a master loaded here is checked against its param at the next step (elementwise, on the
         # device), whichever of model and optimizer was loaded first
-        self._versions = {p: None for p in state if isinstance(p, Tensor)}
+        self._versions = {id(p): None for p in state if isinstance(p, Tensor)}
         if converted:
             warnings.warn("FusedAdamWMP.load_state_dict: the checkpoint's state layout differs from this optimizer's; "
                           "converted (" + "; ".join(converted) + ")", UserWarning, stacklevel=2)
