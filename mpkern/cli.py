@@ -183,13 +183,22 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 # ---- parser -------------------------------------------------------------------------------------
+def _version() -> str:
+    from mpkern import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``mpkern`` command (exposed for tests and docs)."""
     p = argparse.ArgumentParser(prog="mpkern", description="mpkern: fused mixed-precision training kernels")
+    p.add_argument("--version", action="version", version=f"mpkern {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     pi = sub.add_parser("info", help="device, dtype support and which backends are available (and why not)")
-    pi.add_argument("--json", action="store_true", help="print as JSON")
+    pi.add_argument("--json", action="store_true",
+                    help="print mpkern.info() as JSON (version, torch, device, capability, bf16/fp16, backends with "
+                         "availability and reason, matmul notes)")
     pi.set_defaults(func=_cmd_info)
 
     pc = sub.add_parser(
