@@ -37,7 +37,7 @@ KERNELS = ("unscale", "adamw", "matmul")
 
 #: sizes: (params, tensors, reps) for the optimizer-side benchmarks
 FULL = {"params": 32_000_000, "tensors": 200, "reps": 15}
-QUICK = {"params": 4_000_000, "tensors": 50, "reps": 7}
+QUICK = {"params": 16_000_000, "tensors": 100, "reps": 7}
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -401,7 +401,7 @@ def run(which: str = "all", *, device: str | torch.device | None = None, quick: 
     bw = None
     if "unscale" in kernels or "adamw" in kernels:
         log(f"measuring memory bandwidth on {dev} ...")
-        bw = measure_bandwidth(dev, nbytes=(1 << 26) if quick else (1 << 28))
+        bw = measure_bandwidth(dev)
         meta["bandwidth"] = bw
         log(f"  in-place fp32 multiply {bw['inplace_GBps']:.1f} GB/s, copy {bw['copy_GBps']:.1f} GB/s")
     rows: list[dict[str, Any]] = []
