@@ -87,6 +87,18 @@ def measure_bandwidth(device: torch.device, nbytes: int = 1 << 28) -> dict[str, 
     return {"inplace_GBps": 2 * nbytes / t_inplace / 1e9, "copy_GBps": 2 * nbytes / t_copy / 1e9}
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info(device: torch.device) -> dict[str, Any]:
     """Timestamp, versions and device name for result files."""
     info: dict[str, Any] = {
@@ -98,7 +110,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         info["device"] = torch.cuda.get_device_name(device)
     else:
-        info["device"] = (f"CPU {platform.machine()} ({os.cpu_count()} cores, "
+        info["device"] = (f"{cpu_name()} {platform.machine()} ({os.cpu_count()} cores, "
                           f"ATen {torch.backends.cpu.get_cpu_capability()})")
     return info
 

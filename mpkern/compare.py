@@ -648,20 +648,11 @@ def _device_info(dev: torch.device) -> dict[str, Any]:
     if dev.type == "cuda":
         return {"type": "cuda", "name": torch.cuda.get_device_name(dev),
                 "capability": list(torch.cuda.get_device_capability(dev))}
-    return {"type": "cpu", "name": _cpu_name(),
+    from .bench import cpu_name
+
+    return {"type": "cpu", "name": cpu_name(),
             "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "aten_capability": torch.backends.cpu.get_cpu_capability()}
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _jsonable(v: Any) -> Any:
