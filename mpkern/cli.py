@@ -227,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--max-grad-norm", type=_positive_float, help="gradient clipping norm (default 1.0)")
     pc.add_argument("--optimizer-state", choices=("fp32", "remainder", "bf16-moments"), default=None,
                     help="FusedAdamWMP state of the mpkern runs: fp32 masters+moments (default), int16 remainder "
-                         "masters (bf16 only), or bf16 moments -- changes the bytes per parameter")
+                         "masters (mpkern-bf16; mpkern-fp16 keeps fp32 masters), or bf16 moments -- changes "
+                         "the bytes per parameter")
     pc.add_argument("--linear", choices=("auto", "mpkern", "torch"), default=None,
                     help="Linear layers of the 16-bit-param runs: mpkern.nn.Linear or torch.nn.Linear "
                          "(auto: mpkern on CUDA and for fp16; on CPU ATen's bf16 GEMM, which is faster there)")

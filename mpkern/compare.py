@@ -362,6 +362,8 @@ def _build(name: str, cfg: Config, base: nn.Module, device: torch.device) -> _Re
                         "optimizer": "torch.optim.AdamW(fused), no master weights", "clip": "clip_grad_norm_"}
         else:
             fused_clip = name == "mpkern-bf16"
+            if pdt == torch.float16 and "master_weights" in mp_state:
+                mp_state = {}  # an int16 remainder completes a bf16 param only: fp16 keeps fp32 masters
             opt = FusedAdamWMP(params, lr=lr, weight_decay=wd, max_grad_norm=clip if fused_clip else None, **mp_state)
             if name == "mpkern-fp16":
                 scaler = torch.amp.GradScaler(dt)

@@ -93,6 +93,13 @@ def test_optimizer_state_variants_change_bytes_per_param():
     assert res["runs"][0]["state_bytes_per_param"]["total"] == pytest.approx(2 + 2 + 4 + 4)
 
 
+def test_remainder_applies_to_bf16_and_fp16_keeps_fp32_masters():
+    res = _run("mpkern-bf16,mpkern-fp16", optimizer_state="remainder")
+    bf16, fp16 = res["runs"]
+    assert bf16["state_bytes_per_param"]["masters"] == pytest.approx(2)
+    assert fp16["state_bytes_per_param"]["masters"] == pytest.approx(4) and "master_weights=True" in fp16["optimizer"]
+
+
 def test_fp16_runs_report_loss_scale():
     res = _run("mpkern-fp16")
     r = res["runs"][0]
