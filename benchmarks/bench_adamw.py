@@ -15,7 +15,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common
 
 if __name__ == "__main__":
     raise SystemExit(common.script_main("adamw", out_dir=common.OUT_DIR, doc=__doc__))

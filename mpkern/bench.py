@@ -26,6 +26,7 @@ import statistics
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
+from functools import partial
 from typing import Any
 
 import torch
@@ -164,8 +165,11 @@ def bench_unscale(device: torch.device | str, *, params: int = FULL["params"], t
     def fused() -> None:
         mpkern.unscale_(ps, inv, max_norm=1.0)
 
-    restore(); recipe(); ref = [x.float().clone() for x in grads]  # noqa: E702
-    restore(); fused()  # noqa: E702
+    restore()
+    recipe()
+    ref = [x.float().clone() for x in grads]
+    restore()
+    fused()
     worst = max(((x.float() - r).abs() / r.abs().clamp(min=1e-30)).max().item() for x, r in zip(grads, ref))
     log(f"unscale_: max relative difference of grads, mpkern vs recipe {worst:.2e} (bf16 eps 7.8e-3)")
     t_ref = time_fn(recipe, dev, reps=reps, setup=restore)
@@ -295,6 +299,7 @@ def bench_matmul(device: torch.device | str, *, quick: bool = False, dtypes: str
                  log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """``mpkern.matmul`` vs ``torch`` in TFLOP/s, 16-bit and fp32 outputs (and ``+= main_grad`` on CUDA)."""
     import mpkern
+
     from .matmul import backend_for, matmul_accumulate_
 
     dev = torch.device(device)
@@ -317,13 +322,13 @@ def bench_matmul(device: torch.device | str, *, quick: bool = False, dtypes: str
             a = a * 0.1
             flops = 2.0 * m * n * k
             for out_name, od in ((dname, dt), ("fp32", torch.float32)):
-                t_ours = time_fn(lambda: mpkern.matmul(a, b, out_dtype=od), dev, reps=reps, warmup=2)
+                t_ours = time_fn(partial(mpkern.matmul, a, b, out_dtype=od), dev, reps=reps, warmup=2)
                 if od == dt:
-                    peer, fn = "torch.matmul", (lambda: torch.matmul(a, b))
+                    peer, fn = "torch.matmul", partial(torch.matmul, a, b)
                 elif mm_out:
-                    peer, fn = "torch.mm(out_dtype=fp32)", (lambda: torch.mm(a, b, out_dtype=torch.float32))
+                    peer, fn = "torch.mm(out_dtype=fp32)", partial(torch.mm, a, b, out_dtype=torch.float32)
                 else:
-                    peer, fn = "torch.matmul + .float()", (lambda: torch.matmul(a, b).float())
+                    peer, fn = "torch.matmul + .float()", (lambda a=a, b=b: torch.matmul(a, b).float())
                 t_ref = time_fn(fn, dev, reps=reps, warmup=2)
                 label = f"{name} {dname}->{out_name}"
                 ref_rate = flops / t_ref / 1e12
@@ -333,8 +338,8 @@ def bench_matmul(device: torch.device | str, *, quick: bool = False, dtypes: str
                 log(f"matmul {label}: mpkern {flops / t_ours / 1e12:.3f} TFLOP/s, {peer} {ref_rate:.3f} TFLOP/s")
             if dev.type == "cuda" and name.startswith("wgrad"):
                 mg = torch.zeros(m, n, device=dev, dtype=torch.float32)
-                t_ours = time_fn(lambda: matmul_accumulate_(a, b, mg), dev, reps=reps)
-                t_ref = time_fn(lambda: mg.add_(torch.matmul(a, b)), dev, reps=reps)
+                t_ours = time_fn(partial(matmul_accumulate_, a, b, mg), dev, reps=reps)
+                t_ref = time_fn(lambda a=a, b=b, mg=mg: mg.add_(torch.matmul(a, b)), dev, reps=reps)
                 ref_rate = flops / t_ref / 1e12
                 rows.append(_row("matmul", f"{ours_name}: {name} +=main_grad {dname}", t_ours, flops=flops,
                                  bound=ref_rate))
@@ -456,15 +461,23 @@ def write_json(result: dict[str, Any], path: str) -> None:
         json.dump(result, f, indent=1)
 
 
-def plot(result: dict[str, Any], path: str) -> bool:
-    """Bars of mpkern's speedup over each peer beside the byte-model limit. False without matplotlib."""
+def pyplot(who: str, what: str) -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or None after a one-line notice (``[who] ... no what``)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("[bench] matplotlib is not installed: no plot (pip install matplotlib)")
+        print(f"[{who}] matplotlib is not installed: no {what} (pip install matplotlib)")
+        return None
+    return plt
+
+
+def plot(result: dict[str, Any], path: str) -> bool:
+    """Bars of mpkern's speedup over each peer beside the byte-model limit. False without matplotlib."""
+    plt = pyplot("bench", "plot")
+    if plt is None:
         return False
     peers = [r for r in result["rows"] if r["mpkern_speedup"] is not None]
     if not peers:

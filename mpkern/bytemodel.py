@@ -151,7 +151,7 @@ def build_recipe(name: str, seed: int = 0) -> tuple[list[Tensor], torch.optim.Op
 
     if name not in RECIPES:
         raise ValueError(f"recipe must be one of {list(RECIPES)}, got {name!r}")
-    fp32 = name.startswith("fp32") or name.startswith("AMP")
+    fp32 = name.startswith(("fp32", "AMP"))
     model = _probe_model(torch.float32 if fp32 else torch.bfloat16, seed)
     params = list(model.parameters())
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(seed + 1)).to(params[0].dtype)

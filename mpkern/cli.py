@@ -14,34 +14,23 @@ import sys
 
 
 # ---- argument types (argparse turns their ValueError/ArgumentTypeError into exit code 2) --------
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    return v
+def _number(cast: type, what: str, *, allow_zero: bool = False):
+    """An argparse type: ``cast(s)``, finite and > 0 (>= 0 with ``allow_zero``), else exit 2 with ``what``."""
+    def parse(s: str):
+        try:
+            v = cast(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}") from None
+        if not (math.isfinite(v) and (v >= 0 if allow_zero else v > 0)):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}")
+        return v
+
+    return parse
 
 
-def _nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}")
-    return v
-
-
-def _positive_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}") from None
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {s!r}")
-    return v
+_positive_int = _number(int, "a positive integer")
+_nonneg_int = _number(int, "a non-negative integer", allow_zero=True)
+_positive_float = _number(float, "a positive finite number")
 
 
 def _precisions(s: str) -> list[str]:
@@ -66,6 +55,16 @@ def _device(s: str) -> str:
     if dev.type not in ("cpu", "cuda"):
         raise argparse.ArgumentTypeError(f"device must be cpu or cuda, got {s!r}")
     return s
+
+
+def _resolve_device(device: str | None, parser: argparse.ArgumentParser) -> str:
+    """``--device`` or the default (cuda if available, else cpu); CUDA without a GPU exits 2."""
+    import torch
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {device}: torch.cuda.is_available() is False on this machine")
+    return device
 
 
 # ---- info ---------------------------------------------------------------------------------------
@@ -99,15 +98,11 @@ _COMPARE_FLAGS = ("steps", "lr", "batch_size", "seq_len", "d_model", "layers", "
 
 
 def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import torch
-
     from . import compare
 
     if args.hf_model:
         parser.error("--hf-model is not implemented yet: compare trains its built-in classifier only")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {device}: torch.cuda.is_available() is False on this machine")
+    device = _resolve_device(args.device, parser)
     overrides = {k: getattr(args, k) for k in _COMPARE_FLAGS if getattr(args, k) is not None}
     try:
         res = compare.run(args.precision, device=device, out=args.out, progress=not args.no_progress,
@@ -130,13 +125,9 @@ def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
 # ---- bench --------------------------------------------------------------------------------------
 def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import torch
-
     from . import bench
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {device}: torch.cuda.is_available() is False on this machine")
+    device = _resolve_device(args.device, parser)
     log = (lambda s: print(s, file=sys.stderr, flush=True))
     res = bench.run(args.which, device=device, quick=args.quick, params=args.params, tensors=args.tensors,
                     reps=args.reps, log=log)

@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
+from functools import partial
 from typing import Any
 
 import torch
@@ -316,7 +317,8 @@ def _fused_ok(device: torch.device) -> dict[str, bool]:
 
 def _build(name: str, cfg: Config, base: nn.Module, device: torch.device) -> _Recipe:
     """Model, optimizer and step function of run ``name``, from a copy of ``base``."""
-    from . import FusedAdamWMP, nn as mpnn, unscale_
+    from . import FusedAdamWMP, unscale_
+    from . import nn as mpnn
     from .matmul import backend_for
 
     model = copy.deepcopy(base).to(device)
@@ -340,7 +342,7 @@ def _build(name: str, cfg: Config, base: nn.Module, device: torch.device) -> _Re
         opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=wd, **_fused_ok(device))
         if name != "fp32":
             adt = torch.bfloat16 if name == "bf16" else torch.float16
-            autocast = lambda: torch.autocast(dt, dtype=adt)  # noqa: E731
+            autocast = lambda: torch.autocast(dt, dtype=adt)
             linear_note = f"torch.nn.Linear under autocast ({_DTYPE_NAME[adt]} GEMM)"
         if name == "fp16":
             scaler = torch.amp.GradScaler(dt)
@@ -465,7 +467,7 @@ def train_one(name: str, cfg: Config, task: Task, base: nn.Module, *, progress: 
             t0 = time.perf_counter()
         x, y = x_all[i * bsz:(i + 1) * bsz], y_all[i * bsz:(i + 1) * bsz]
         if i == 0:
-            loss, act_bytes = _saved_bytes(lambda: r.step(x, y))
+            loss, act_bytes = _saved_bytes(partial(r.step, x, y))
         else:
             loss = r.step(x, y)
         losses[i] = loss
@@ -747,13 +749,10 @@ def write_outputs(results: dict[str, Any], out: str, *, plot: bool = True) -> di
 
 def plot_results(results: dict[str, Any], path: str) -> bool:
     """Loss curves, validation accuracy, tokens/s and peak memory in one PNG. False without matplotlib."""
-    try:
-        import matplotlib
+    from .bench import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("[compare] matplotlib is not installed: no compare.png (pip install matplotlib)")
+    plt = pyplot("compare", "compare.png")
+    if plt is None:
         return False
     runs = results["runs"]
     names = [r["name"] for r in runs]

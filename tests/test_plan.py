@@ -21,7 +21,7 @@ def _model(dtype):
 def _counted(params, opt, masters=()):
     """weights, grads, masters, moments per param, summed here from the tensors themselves."""
     n = sum(p.numel() for p in params)
-    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+    size = lambda t: t.numel() * t.element_size()
     out = {"weights": sum(size(p) for p in params),
            "grads": sum(size(p.grad) for p in params) + sum(size(m.grad) for m in masters),
            "masters": sum(size(m) for m in masters), "moments": 0}
@@ -43,7 +43,7 @@ def _step(model, opt):
 
 
 def _build(name):
-    if name.startswith("fp32") or name.startswith("AMP"):
+    if name.startswith(("fp32", "AMP")):
         m = _model(torch.float32)
         opt = torch.optim.AdamW(m.parameters())
         _step(m, opt)

@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-import mpkern  # noqa: E402
+import mpkern
 
 VOCAB, LEN = 24, 16
 
