@@ -93,15 +93,13 @@ def _cmd_info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 # ---- compare ------------------------------------------------------------------------------------
-_COMPARE_FLAGS = ("steps", "lr", "batch_size", "seq_len", "d_model", "layers", "heads", "classes", "seed", "warmup",
+_COMPARE_FLAGS = ("hf_model", "steps", "lr", "batch_size", "seq_len", "d_model", "layers", "heads", "classes", "seed", "warmup",
                   "optimizer_state", "linear", "threads", "max_grad_norm", "log_every")
 
 
 def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from . import compare
 
-    if args.hf_model:
-        parser.error("--hf-model is not implemented yet: compare trains its built-in classifier only")
     device = _resolve_device(args.device, parser)
     overrides = {k: getattr(args, k) for k in _COMPARE_FLAGS if getattr(args, k) is not None}
     try:
@@ -227,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--out", default="mpkern-compare", help="output directory (default ./mpkern-compare)")
     pc.add_argument("--no-plot", action="store_true", help="do not write compare.png")
     pc.add_argument("--no-progress", action="store_true", help="no progress bars")
-    pc.add_argument("--hf-model", default=None, metavar="CONFIG_PATH", help=argparse.SUPPRESS)
+    pc.add_argument("--hf-model", default=None, metavar="CONFIG_PATH",
+                    help="train a transformers sequence classifier built (random init, no download) from this local "
+                         "config.json or folder instead of the built-in model; vocab/labels are set to the task's")
     pc.set_defaults(func=_cmd_compare)
 
     pb = sub.add_parser(

@@ -90,6 +90,7 @@ class Config:
     optimizer_state: str = "fp32"
     linear: str = "auto"
     threads: int = 0
+    hf_model: str | None = None
     skipped_precisions: dict[str, str] = field(default_factory=dict)
 
 
@@ -240,6 +241,36 @@ class Classifier(nn.Module):
         return self.head(self.ln(h).mean(dim=1))
 
 
+class HFClassifier(nn.Module):
+    """A ``transformers`` sequence classifier built from a local config (random init, no download).
+
+    The config's vocabulary, positions and labels are set to the task's (``vocab_size`` = task
+    vocabulary + 1 for a padding id that never occurs, ``num_labels`` = classes); ``forward``
+    returns the logits. Needs ``transformers``.
+    """
+
+    def __init__(self, config_path: str, vocab: int, seq_len: int, classes: int) -> None:
+        super().__init__()
+        try:
+            from transformers import AutoConfig, AutoModelForSequenceClassification
+        except ImportError as e:
+            raise ValueError(f"hf_model needs the optional dependency transformers ({e})") from e
+        if not os.path.exists(config_path):
+            raise ValueError(f"hf_model: {config_path!r} does not exist (a config.json or a folder holding one)")
+        config = AutoConfig.from_pretrained(config_path)
+        config.vocab_size = vocab + 1
+        config.pad_token_id = vocab
+        config.num_labels = classes
+        for name in ("max_position_embeddings", "n_positions"):
+            if getattr(config, name, None) is not None:
+                setattr(config, name, max(getattr(config, name), seq_len))
+        self.name = type(config).__name__
+        self.model = AutoModelForSequenceClassification.from_config(config)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.model(input_ids=ids).logits
+
+
 # ---- memory -------------------------------------------------------------------------------------
 class _CpuPeak:
     """Peak RSS growth of this process over a region (Linux: VmHWM reset via /proc/self/clear_refs)."""
@@ -328,7 +359,8 @@ def _build(name: str, cfg: Config, base: nn.Module, device: torch.device) -> _Re
                 "bf16-moments": {"state_dtype": torch.bfloat16}}[cfg.optimizer_state]
     scaler = None
     autocast: Any = nullcontext
-    linear_note = "torch.nn.Linear (ATen)"
+    layers = "the model's own layers" if cfg.hf_model else "torch.nn.Linear"
+    linear_note = f"{layers} (ATen)"
 
     def use_mpkern_linear(dtype: torch.dtype) -> bool:
         if cfg.linear != "auto":
@@ -343,7 +375,7 @@ def _build(name: str, cfg: Config, base: nn.Module, device: torch.device) -> _Re
         if name != "fp32":
             adt = torch.bfloat16 if name == "bf16" else torch.float16
             autocast = lambda: torch.autocast(dt, dtype=adt)
-            linear_note = f"torch.nn.Linear under autocast ({_DTYPE_NAME[adt]} GEMM)"
+            linear_note = f"{layers} under autocast ({_DTYPE_NAME[adt]} GEMM)"
         if name == "fp16":
             scaler = torch.amp.GradScaler(dt)
         describe = {"param_dtype": "float32", "compute": "float32" if name == "fp32" else f"autocast {_DTYPE_NAME[adt]}",
@@ -354,9 +386,10 @@ def _build(name: str, cfg: Config, base: nn.Module, device: torch.device) -> _Re
         model = model.to(pdt)
         if use_mpkern_linear(pdt):
             mpnn.convert(model)
-            linear_note = f"mpkern.nn.Linear -> mpkern.linear ({backend_for(device)} backend)"
+            n_conv = sum(isinstance(m, mpnn.Linear) for m in model.modules())
+            linear_note = f"mpkern.nn.Linear -> mpkern.linear ({backend_for(device)} backend), {n_conv} layers"
         else:
-            linear_note = f"torch.nn.Linear (ATen {_DTYPE_NAME[pdt]} GEMM)"
+            linear_note = f"{layers} (ATen {_DTYPE_NAME[pdt]} GEMM)"
         params = list(model.parameters())
         if name == "bf16-naive":
             opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, **_fused_ok(device))
@@ -608,7 +641,10 @@ def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.de
     t_all = time.perf_counter()
     task = make_task(cfg)
     torch.manual_seed(cfg.seed)
-    base = Classifier(task.vocab, cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads, cfg.classes)
+    if cfg.hf_model:
+        base: nn.Module = HFClassifier(cfg.hf_model, task.vocab, cfg.seq_len, cfg.classes)
+    else:
+        base = Classifier(task.vocab, cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads, cfg.classes)
     for p, why in skipped.items():
         print(f"[compare] skipping {p}: {why}", flush=True)
     runs = [train_one(name, cfg, task, base, progress=progress) for name in cfg.precisions]
@@ -629,6 +665,8 @@ def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.de
                  "train_sequences": len(task.y_train), "val_sequences": len(task.y_val),
                  "chance_acc": 1.0 / task.classes, "ignore_query_ceiling_acc": 0.5,
                  "tokens_per_step": cfg.batch_size * cfg.seq_len},
+        "model": {"class": base.model.__class__.__name__ if isinstance(base, HFClassifier) else "Classifier",
+                  "params": sum(p.numel() for p in base.parameters())},
         "memory_note": _MEMORY_NOTE[dev.type == "cuda"],
         "runs": runs,
         "plan": plan_table(runs[0]["params"]) if runs else [],
@@ -721,9 +759,13 @@ def format_details(results: dict[str, Any]) -> str:
 
 def _header(results: dict[str, Any]) -> str:
     c, d, t = results["config"], results["device"], results["task"]
+    if c.get("hf_model"):
+        model = f"transformers {results['model']['class']} from {c['hf_model']}"
+    else:
+        model = f"d_model {c['d_model']}, {c['layers']} layers, {c['heads']} heads"
     return (f"mpkern compare -- {d['name']} ({d['type']}), torch {results['versions']['torch']}, "
             f"{results['timestamp']}\n"
-            f"model: d_model {c['d_model']}, {c['layers']} layers, {c['heads']} heads, seq {c['seq_len']}, "
+            f"model: {model} ({results['model']['params']:,} params), seq {c['seq_len']}, "
             f"batch {c['batch_size']}, {c['steps']} steps (first {c['warmup']} untimed), lr {c['lr']:g}, "
             f"clip {c['max_grad_norm']:g}, seed {c['seed']}\n"
             f"task: {t['name']}, {t['classes']} classes (chance {100 * t['chance_acc']:.1f} %, ignoring the "

@@ -161,3 +161,21 @@ def test_plot_with_matplotlib(tmp_path):
     res = _run("fp32,mpkern-bf16")
     paths = compare.write_outputs(res, str(tmp_path))
     assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "png" in paths
+
+
+def test_hf_model_from_a_local_config(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=2, vocab_size=100, max_position_embeddings=16).save_pretrained(tmp_path)
+    res = _run("fp32,mpkern-fp16", hf_model=str(tmp_path), steps=4, log_every=2)
+    assert res["model"]["class"] == "LlamaForSequenceClassification"
+    # the same model built here: the task's vocabulary (+1 padding id) and classes
+    cfg = transformers.AutoConfig.from_pretrained(tmp_path)
+    cfg.vocab_size, cfg.pad_token_id, cfg.num_labels = res["task"]["vocab"] + 1, res["task"]["vocab"], TINY["classes"]
+    want = sum(p.numel() for p in transformers.AutoModelForSequenceClassification.from_config(cfg).parameters())
+    assert res["model"]["params"] == want and all(r["params"] == want for r in res["runs"])
+    assert all(r["status"] == "ok" for r in res["runs"])
+    # Llama's projections are nn.Linear: the fp16 run swapped them for mpkern.nn.Linear (4 attn + 3 MLP + head)
+    assert "mpkern.nn.Linear" in res["runs"][1]["linear"] and "8 layers" in res["runs"][1]["linear"]
+    with pytest.raises(ValueError, match="hf_model"):
+        _run("fp32", hf_model=str(tmp_path / "nope"))
