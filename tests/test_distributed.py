@@ -28,6 +28,14 @@ def _spawn(fn, world: int, tmp_path, *args, backend: str = "gloo") -> None:
     mp.spawn(fn, args=(world, store, *args, backend), nprocs=world, join=True)
 
 
+def _assert_same_continuation(got: dict, want: dict) -> None:
+    """Masters to fp32 rounding of the norm reduction order; bf16 params to one rounding."""
+    for a, b in zip(got["masters"], want["masters"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(got["params"], want["params"]):
+        torch.testing.assert_close(a, b, rtol=2**-8, atol=0)
+
+
 @pytest.fixture(scope="module")
 def fsdp2_run(tmp_path_factory):
     """One 2-rank FSDP2 run (norm, trajectory, skip, scaler, DCP save); its files for the others."""
@@ -46,11 +54,7 @@ def test_dcp_two_ranks_to_one_continues_the_same_trajectory(fsdp2_run):
     m = W.model(torch.bfloat16, dev)
     opt = __import__("mpkern").FusedAdamWMP(m.parameters(), lr=1e-2, max_grad_norm=0.5)
     params, masters = W.load_and_continue(m, opt, str(fsdp2_run / "ckpt"), dev)
-    want = torch.load(fsdp2_run / "continuation.pt")
-    for a, b in zip(masters, want["masters"]):  # clip norms reduce in another order: fp32 rounding
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    for a, b in zip(params, want["params"]):
-        torch.testing.assert_close(a, b, rtol=2**-8, atol=0)
+    _assert_same_continuation({"params": params, "masters": masters}, torch.load(fsdp2_run / "continuation.pt"))
 
 
 def test_dcp_two_ranks_to_four_continues_the_same_trajectory(fsdp2_run, tmp_path):
@@ -58,11 +62,7 @@ def test_dcp_two_ranks_to_four_continues_the_same_trajectory(fsdp2_run, tmp_path
     store = str(tmp_path / "store-load4")
     mp.spawn(W.fsdp2_load, args=(4, store, str(fsdp2_run / "ckpt"), str(tmp_path / "loaded4.pt"), "gloo"),
              nprocs=4, join=True)
-    want, got = torch.load(fsdp2_run / "continuation.pt"), torch.load(tmp_path / "loaded4.pt")
-    for a, b in zip(got["masters"], want["masters"]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    for a, b in zip(got["params"], want["params"]):
-        torch.testing.assert_close(a, b, rtol=2**-8, atol=0)
+    _assert_same_continuation(torch.load(tmp_path / "loaded4.pt"), torch.load(fsdp2_run / "continuation.pt"))
 
 
 def test_dcp_one_rank_to_two_continues_the_same_trajectory(tmp_path):
@@ -70,11 +70,7 @@ def test_dcp_one_rank_to_two_continues_the_same_trajectory(tmp_path):
     store = str(tmp_path / "store-load")
     mp.spawn(W.fsdp2_load, args=(2, store, str(tmp_path / "ckpt1"), str(tmp_path / "loaded.pt"), "gloo"),
              nprocs=2, join=True)
-    want, got = torch.load(tmp_path / "single.pt"), torch.load(tmp_path / "loaded.pt")
-    for a, b in zip(got["masters"], want["masters"]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    for a, b in zip(got["params"], want["params"]):
-        torch.testing.assert_close(a, b, rtol=2**-8, atol=0)
+    _assert_same_continuation(torch.load(tmp_path / "loaded.pt"), torch.load(tmp_path / "single.pt"))
 
 
 def test_ddp_bucket_views_and_no_sync_equal_full_batch(tmp_path):
