@@ -124,8 +124,9 @@ class FusedAdamWMP(torch.optim.Optimizer):
     of every grad).
 
     ``main_grad`` (fp32 grads from ``mpkern.nn`` with ``fp32_main_grad=True``) is consumed by
-    ``step()``: it is set to None after every step (taken or skipped), so ``model.zero_grad()``,
-    ``opt.zero_grad()`` or no zero_grad at all cannot make it accumulate across steps.
+    ``step()``: it is set to None after every step (taken or skipped; zeroed in place inside a CUDA
+    graph capture), so ``model.zero_grad()``, ``opt.zero_grad()`` or no zero_grad at all cannot
+    make it accumulate across steps.
     """
 
     _step_supports_amp_scaling = True
@@ -440,7 +441,9 @@ class FusedAdamWMP(torch.optim.Optimizer):
         if found_ext is not None:
             found = torch.maximum(found, found_ext.to(found.device, torch.float32).reshape(()))
         self.last_found_inf = found
-        check_writes = self._mpkern_check_writes and not torch.compiler.is_compiling()
+        # the external-write check is host-side: it runs in eager steps (not while compiling or
+        # capturing a CUDA graph, whose replays run no Python)
+        check_writes = self._mpkern_check_writes and not torch.compiler.is_compiling() and not _ops.capturing()
         per_dev: dict[torch.device, tuple[Tensor, Tensor]] = {}
         for group, dev, mode, pairs in work:
             if dev not in per_dev:
@@ -504,10 +507,17 @@ class FusedAdamWMP(torch.optim.Optimizer):
 
     @staticmethod
     def _consume_main_grads(work) -> None:
-        for _group, _dev, _mode, pairs in work:
-            for p, _g in pairs:
-                if getattr(p, "main_grad", None) is not None:
-                    p.main_grad = None
+        """Set every ``main_grad`` that fed this step to None -- or, inside a CUDA graph capture,
+        zero it in place (a replay must find the same buffers, and the zeroing is captured)."""
+        mains = [p for _group, _dev, _mode, pairs in work for p, _g in pairs
+                 if getattr(p, "main_grad", None) is not None]
+        if not mains:
+            return
+        if _ops.capturing():
+            torch._foreach_zero_([p.main_grad for p in mains])
+            return
+        for p in mains:
+            p.main_grad = None
 
     # ---- checkpoints --------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
