@@ -388,7 +388,8 @@ def check_matmul_interpreter(dtypes: str = "bf16,fp16", log: Callable[[str], Non
                 err = ((c.double() - want).abs() / (mag + 1)).max().item()
                 rows.append({"problem": "wgrad +=main_grad", "dtype": dname, "out": "fp32 acc", "max_rel_err": err,
                              "torch_same_dtype_rel_err": float("nan"), "ok": err <= 1e-5})
-                log(f"{'wgrad +=main_grad':<28} {dname} -> fp32 acc rel err {err:.2e}  {'ok' if err <= 1e-5 else 'FAIL'}")
+                verdict = "ok" if err <= 1e-5 else "FAIL"
+                log(f"{'wgrad +=main_grad':<28} {dname} -> fp32 acc rel err {err:.2e}  {verdict}")
     return rows
 
 

@@ -93,8 +93,8 @@ def _cmd_info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 # ---- compare ------------------------------------------------------------------------------------
-_COMPARE_FLAGS = ("hf_model", "steps", "lr", "batch_size", "seq_len", "d_model", "layers", "heads", "classes", "seed", "warmup",
-                  "optimizer_state", "linear", "threads", "max_grad_norm", "log_every")
+_COMPARE_FLAGS = ("hf_model", "steps", "lr", "batch_size", "seq_len", "d_model", "layers", "heads", "classes", "seed",
+                  "warmup", "optimizer_state", "linear", "threads", "max_grad_norm", "log_every")
 
 
 def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

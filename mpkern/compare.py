@@ -378,7 +378,8 @@ def _build(name: str, cfg: Config, base: nn.Module, device: torch.device) -> _Re
             linear_note = f"{layers} under autocast ({_DTYPE_NAME[adt]} GEMM)"
         if name == "fp16":
             scaler = torch.amp.GradScaler(dt)
-        describe = {"param_dtype": "float32", "compute": "float32" if name == "fp32" else f"autocast {_DTYPE_NAME[adt]}",
+        describe = {"param_dtype": "float32",
+                    "compute": "float32" if name == "fp32" else f"autocast {_DTYPE_NAME[adt]}",
                     "optimizer": "torch.optim.AdamW(fused)" + (" + GradScaler" if scaler else ""),
                     "clip": "scaler.unscale_ + clip_grad_norm_" if scaler else "clip_grad_norm_"}
     else:

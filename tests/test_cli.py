@@ -94,7 +94,8 @@ def test_compare_quick_path(tmp_path, capsys):
 
 def test_bench_quick_path(tmp_path, capsys):
     path = tmp_path / "b.json"
-    rc = main(["bench", "unscale", "--quick", "--params", "30000", "--tensors", "5", "--reps", "2", "--json", str(path)])
+    rc = main(["bench", "unscale", "--quick", "--params", "30000", "--tensors", "5", "--reps", "2",
+               "--json", str(path)])
     assert rc == 0
     assert "byte-model limit" in capsys.readouterr().out
     data = json.loads(path.read_text())

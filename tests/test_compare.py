@@ -166,7 +166,8 @@ def test_plot_with_matplotlib(tmp_path):
 def test_hf_model_from_a_local_config(tmp_path):
     transformers = pytest.importorskip("transformers")
     transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                             num_key_value_heads=2, vocab_size=100, max_position_embeddings=16).save_pretrained(tmp_path)
+                             num_key_value_heads=2, vocab_size=100,
+                             max_position_embeddings=16).save_pretrained(tmp_path)
     res = _run("fp32,mpkern-fp16", hf_model=str(tmp_path), steps=4, log_every=2)
     assert res["model"]["class"] == "LlamaForSequenceClassification"
     # the same model built here: the task's vocabulary (+1 padding id) and classes
