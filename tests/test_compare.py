@@ -180,3 +180,11 @@ def test_hf_model_from_a_local_config(tmp_path):
     assert "mpkern.nn.Linear" in res["runs"][1]["linear"] and "8 layers" in res["runs"][1]["linear"]
     with pytest.raises(ValueError, match="hf_model"):
         _run("fp32", hf_model=str(tmp_path / "nope"))
+
+
+def test_progress_without_tqdm_prints_plain_lines(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    compare.run("fp32", device="cpu", progress=True, plot=False, **TINY)
+    err = capsys.readouterr().err
+    assert f"fp32        : {TINY['steps']}/{TINY['steps']} steps" in err and "tok/s" in err
