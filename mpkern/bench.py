@@ -247,6 +247,14 @@ def bench_adamw(device: torch.device | str, *, params: int = FULL["params"], ten
     t_a = time_fn(recipe_a, dev, reps=reps, setup=restore_a)
     t_b = time_fn(recipe_b, dev, reps=reps)  # reads the bf16 grads, never writes them
     t_c = time_fn(fused, dev, reps=reps)     # reads the bf16 grads, never writes them
+    # the host-side check that re-seeds masters after external writes to the params (issue 7):
+    # timed with it off, then on again, so drift between the two timings shows as noise
+    opt_c._mpkern_check_writes = False
+    t_off = time_fn(fused, dev, reps=reps)
+    opt_c._mpkern_check_writes = True
+    t_on = time_fn(fused, dev, reps=reps)
+    log(f"adamw: external-write check ({tensors} tensors): on {1e3 * t_c:.3f} / {1e3 * t_on:.3f} ms, "
+        f"off {1e3 * t_off:.3f} ms -> {1e6 * (min(t_c, t_on) - t_off):+.0f} us per step")
     tr = bytemodel.STEP_TRAFFIC
     bwi = bw["inplace_GBps"]
     return [
@@ -256,6 +264,8 @@ def bench_adamw(device: torch.device | str, *, params: int = FULL["params"], ten
              params=params, bw=bwi, peer_ratio=t_a / t_c, limit=bytemodel.limit(tr["amp_fp32"], tr["mpkern"])),
         _row("adamw", "torch bf16 params + hand-kept fp32 masters", t_b, bpp=tr["bf16_masters"], params=params,
              bw=bwi, peer_ratio=t_b / t_c, limit=bytemodel.limit(tr["bf16_masters"], tr["mpkern"])),
+        _row("adamw", "mpkern, external-write check off (its cost: the difference)", t_off, bpp=tr["mpkern"],
+             params=params, bw=bwi),
     ]
 
 

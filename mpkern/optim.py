@@ -456,9 +456,15 @@ class FusedAdamWMP(torch.optim.Optimizer):
             for p, tmp in copies:  # params that are not one dense block went through a copy
                 p.copy_(tmp)
             if check_writes and mode != MASTER_NONE:
+                # _prepare recorded each param's version before the kernel. The native and Triton
+                # kernels write through data pointers (no version bump): nothing to do. A backend
+                # that bumps (the torch reference, the contiguous-copy path) is seen on the param
+                # it touched and recorded again -- one host read per bucket in the common case.
                 versions = self._versions
-                for p, _ in pairs:
-                    versions[id(p)] = p._version if type(p) is Parameter else _ver(p)
+                p0 = pairs[0][0]
+                if copies or versions.get(id(p0)) != _ver(p0):
+                    for p, _ in pairs:
+                        versions[id(p)] = _ver(p)
         self._consume_main_grads(work)
         return loss
 
@@ -476,7 +482,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
                     self._versions[id(p)] = _ver(p)
             elif check_writes and mode != MASTER_NONE and self._versions.get(id(p), -1) != (
                     p._version if type(p) is Parameter else _ver(p)):
-                self._reseed_if_written(p, st)
+                self._reseed_if_written(p, st)  # records the version
             ts = [st["exp_avg"], st["exp_avg_sq"]]
             if amsgrad:
                 ts.append(st["max_exp_avg_sq"])
