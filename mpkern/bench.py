@@ -255,6 +255,9 @@ def bench_adamw(device: torch.device | str, *, params: int = FULL["params"], ten
     t_on = time_fn(fused, dev, reps=reps)
     log(f"adamw: external-write check ({tensors} tensors): on {1e3 * t_c:.3f} / {1e3 * t_on:.3f} ms, "
         f"off {1e3 * t_off:.3f} ms -> {1e6 * (min(t_c, t_on) - t_off):+.0f} us per step")
+    on_us, off_us = write_check_host_cost(dev, tensors)
+    log(f"adamw: external-write check, host cost alone ({tensors} tensors of 64 elements, interleaved): "
+        f"on {on_us:.0f} us, off {off_us:.0f} us -> {on_us - off_us:+.1f} us per step")
     tr = bytemodel.STEP_TRAFFIC
     bwi = bw["inplace_GBps"]
     return [
@@ -267,6 +270,33 @@ def bench_adamw(device: torch.device | str, *, params: int = FULL["params"], ten
         _row("adamw", "mpkern, external-write check off (its cost: the difference)", t_off, bpp=tr["mpkern"],
              params=params, bw=bwi),
     ]
+
+
+def write_check_host_cost(device: torch.device, tensors: int = 200, rounds: int = 40,
+                          steps: int = 20) -> tuple[float, float]:
+    """Median step time (us) of FusedAdamWMP on ``tensors`` tiny bf16 params with the external-write
+    check on and off, interleaved ``rounds`` times -- the step is host-bound there, so the
+    difference is the check's host cost."""
+    import mpkern
+
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.nn.Parameter(torch.randn(64, generator=g).to(torch.bfloat16).to(device)) for _ in range(tensors)]
+    for p in ps:
+        p.grad = torch.randn(64, generator=g).to(torch.bfloat16).to(device)
+    opt = mpkern.FusedAdamWMP(ps, lr=1e-3)
+    for _ in range(3):
+        opt.step()
+    res: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds):
+        for check in (True, False):
+            opt._mpkern_check_writes = check
+            sync(device)
+            t = time.perf_counter()
+            for _ in range(steps):
+                opt.step()
+            sync(device)
+            res[check].append((time.perf_counter() - t) / steps * 1e6)
+    return statistics.median(res[True]), statistics.median(res[False])
 
 
 # ---- matmul -------------------------------------------------------------------------------------
