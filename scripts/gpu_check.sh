@@ -13,7 +13,7 @@
 #           matmul config (MPKERN_MATMUL_CONFIG=fixed: no autotuning inside tests)
 #   bench   `mpkern bench all --device cuda --json` if that command exists, else the
 #           benchmarks/bench_*.py scripts
-#   compare `mpkern compare --device cuda` if that command exists
+#   compare `mpkern compare --device cuda --steps 60 --warmup 10` if that command exists
 # It never changes GPU settings (no clocks, persistence mode, MIG or resets) and needs no network.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,11 +27,11 @@ OUT=${1:-${OUT:-gpu_out}}
 
 # Stage time limits in seconds (sum 465 s = 7 min 45 s), so the whole run fits in 8 minutes.
 T_BUILD=140     # one arch, a few .cu files, all cores
-T_ASSERT=25
+T_ASSERT=20
 T_TEST_FILE=60  # per test file (a cold Triton cache compiles each kernel variant once)
-T_TESTS=220     # all test files together (files left when this runs out are reported as not run)
-T_BENCH=55
-T_COMPARE=25
+T_TESTS=210     # all test files together (files left when this runs out are reported as not run)
+T_BENCH=60
+T_COMPARE=35    # the CUDA default model (GPT-2 small) for 60 steps per run, 10 of them untimed
 
 PY=${PYTHON:-python3}
 CORES=$(nproc 2>/dev/null || echo 8)
@@ -44,7 +44,7 @@ if [[ $DRY -eq 1 ]]; then
   printf '  %-8s %4ss  %s\n' tests "$T_TESTS" "each file alone, <= ${T_TEST_FILE}s each, MPKERN_MATMUL_CONFIG=fixed, no -x:"
   for f in $TEST_FILES; do printf '  %-8s %4s   %s\n' "" "" "$f"; done
   printf '  %-8s %4ss  %s\n' bench "$T_BENCH" "mpkern bench all --device cuda --json $OUT/bench.json (if 'mpkern bench --help' works), else benchmarks/bench_*.py"
-  printf '  %-8s %4ss  %s\n' compare "$T_COMPARE" "mpkern compare --device cuda --out $OUT/compare (if 'mpkern compare --help' works)"
+  printf '  %-8s %4ss  %s\n' compare "$T_COMPARE" "mpkern compare --device cuda --steps 60 --warmup 10 --out $OUT/compare (if 'mpkern compare --help' works)"
   printf '  %-8s %4s   %s\n' summary "" "$OUT/summary.txt: tests per file, GB/s and % of copy bandwidth per kernel, GEMM TFLOP/s vs cuBLAS"
   total=$((T_BUILD + T_ASSERT + T_TESTS + T_BENCH + T_COMPARE))
   echo "  total limit: ${total}s ($((total / 60)) min $((total % 60)) s)"
@@ -123,7 +123,7 @@ else
   done
 fi
 if $PY -m mpkern compare --help > /dev/null 2>&1; then
-  stage compare "$T_COMPARE" "$OUT/compare.log" $PY -m mpkern compare --device cuda --out "$OUT/compare" --no-plot --no-progress
+  stage compare "$T_COMPARE" "$OUT/compare.log" $PY -m mpkern compare --device cuda --steps 60 --warmup 10 --out "$OUT/compare" --no-plot --no-progress
 else
   echo "[gpu_check] 'mpkern compare' does not exist here: skipped" > "$OUT/compare.log"
 fi
