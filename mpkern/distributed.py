@@ -21,6 +21,7 @@ the default (world) group -- every rank of it must then make the call. ``Partial
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -81,7 +82,7 @@ def _owned(t: Tensor, plain_owned: bool) -> bool:
 
 def plan(grads: list[Tensor], process_group: Any = None) -> ReducePlan | None:
     """The reduction for ``grads`` (None when nothing needs the other ranks)."""
-    has_dt = any(is_dtensor(g) for g in grads)
+    has_dt = DTensor is not None and any(map(isinstance, grads, repeat(DTensor)))  # C-level loop: hot path
     if process_group is None and not has_dt:
         return None
     import torch.distributed as dist
