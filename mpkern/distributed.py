@@ -31,7 +31,7 @@ Tensor = torch.Tensor
 try:  # torch >= 2.5 has the public DTensor module; mpkern must import without it
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 except ImportError:  # pragma: no cover - depends on the torch build
-    DTensor = None  # type: ignore[assignment,misc]
+    DTensor = Partial = Replicate = Shard = None  # type: ignore[assignment,misc]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -169,5 +169,15 @@ def wrap_like(p: Tensor, local_value: Tensor) -> Tensor:
                               stride=p.stride())
 
 
-__all__ = ["ReducePlan", "is_dtensor", "like_param", "local", "plan", "reduce_stats", "version", "wrap_like",
-           "Shard", "Replicate"]
+__all__ = [
+    "ReducePlan",
+    "Replicate",
+    "Shard",
+    "is_dtensor",
+    "like_param",
+    "local",
+    "plan",
+    "reduce_stats",
+    "version",
+    "wrap_like",
+]

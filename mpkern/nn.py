@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +52,7 @@ class _LinearMainGrad(torch.autograd.Function):
     """y = x W^T + b; backward accumulates dW into ``W.main_grad`` (fp32) and returns no dW."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype]):
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, out_dtype: torch.dtype | None):
         ctx.save_for_backward(x)
         ctx.weight = weight  # the Parameter itself: main_grad lives on it
         ctx.bias_dtype = None if bias is None else bias.dtype

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-import _dist_workers as W  # noqa: E402
+import _dist_workers as W
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DEVICE
 
 import mpkern
-from conftest import DEVICE
 from mpkern import FusedAdamWMP
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -318,7 +318,7 @@ def test_convert_reports_skipped_linear_like_layers():
 def test_readme_usage_snippet_runs_on_cpu():
     """The README's usage block, executed as written (on this machine's device)."""
     text = (ROOT / "README.md").read_text()
-    block = re.search(r"## Usage\n.*?```python\n(.*?)```", text, re.S)
+    block = re.search(r"## Usage\n.*?```python\n(.*?)```", text, re.DOTALL)
     assert block is not None, "README has no Usage code block"
     ns: dict = {}
     exec(compile(block.group(1), "README-usage", "exec"), ns)

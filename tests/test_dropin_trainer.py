@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-import mpkern  # noqa: E402
+import mpkern
 
 VOCAB, SEQ = 64, 16
 
