@@ -77,9 +77,10 @@ def test_report_schema_and_state_bytes(tmp_path):
     assert fp32["speedup_vs_fp32"] == pytest.approx(1.0)
     for r in on_disk["runs"][1:]:
         assert r["speedup_vs_fp32"] == pytest.approx(r["tokens_per_s"] / fp32["tokens_per_s"])
-    # same init and same first batch: the first losses agree to bf16 precision
+    # same init and same first batch: the first losses agree to within a few bf16 roundings
+    # (bf16 forward vs fp32 forward of a tiny random model: measured spread < 1 %)
     first = [r["losses"][0] for r in on_disk["runs"]]
-    assert max(first) - min(first) < 0.05 * abs(first[0])
+    assert max(first) - min(first) < 0.02 * abs(first[0])
     # the memory plan for the trained model is included
     assert on_disk["plan"] and all(row["per_rank_GB"] == pytest.approx(row["total_B"] * n / 1e9)
                                    for row in on_disk["plan"])
@@ -106,10 +107,30 @@ def test_fp16_runs_report_loss_scale():
     assert r["status"] == "ok"
     hist = r["loss_scale_history"]
     assert hist[0] == [0, 65536.0]  # GradScaler's default initial scale
-    # every change of the scale is a backoff (skipped step) or a growth; backoffs are counted
-    backoffs = sum(1 for (_, a), (_, b) in zip(hist, hist[1:]) if b < a)
-    assert r["skipped_steps"] == backoffs
     assert r["state_bytes_per_param"]["total"] == pytest.approx(2 + 2 + 4 + 8)
+
+
+def test_fp16_skipped_steps_match_what_gradscaler_saw(monkeypatch):
+    """Start the scale at 2**20 so the first steps overflow: the report's skipped steps must equal
+    the overflows GradScaler itself recorded (read from its per-optimizer state in update())."""
+    seen: list[bool] = []
+
+    class Recording(torch.amp.GradScaler):
+        def __init__(self, *a, **k):
+            k.setdefault("init_scale", 2.0**20)
+            super().__init__(*a, **k)
+
+        def update(self, new_scale=None):
+            found = sum(float(v) for st in self._per_optimizer_states.values()
+                        for v in st["found_inf_per_device"].values())
+            seen.append(found > 0)
+            super().update(new_scale)
+
+    monkeypatch.setattr(torch.amp, "GradScaler", Recording)
+    r = _run("mpkern-fp16", steps=10)["runs"][0]
+    assert len(seen) == 10 and 0 < sum(seen) < 10  # some steps skipped, some taken
+    assert r["skipped_steps"] == sum(seen)
+    assert r["loss_scale_history"][0] == [0, 2.0**20]
 
 
 def test_divergence_is_reported_and_other_runs_complete():

@@ -30,6 +30,8 @@ def _spawn(fn, world: int, tmp_path, *args, backend: str = "gloo") -> None:
 
 def _assert_same_continuation(got: dict, want: dict) -> None:
     """Masters to fp32 rounding of the norm reduction order; bf16 params to one rounding."""
+    n = len(list(W.model(torch.bfloat16, torch.device("cpu")).parameters()))
+    assert len(got["masters"]) == len(want["masters"]) == n and len(got["params"]) == len(want["params"]) == n
     for a, b in zip(got["masters"], want["masters"]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     for a, b in zip(got["params"], want["params"]):

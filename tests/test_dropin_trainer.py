@@ -45,8 +45,12 @@ def _train(tmp_path, main_grad: bool, max_steps: int, resume: str | None = None,
     model = _model(0, main_grad)
     opt = mpkern.FusedAdamWMP(model.parameters(), lr=3e-3, weight_decay=0.0, max_grad_norm=1.0)
     norms: list[float] = []
+    used_main_grad: list[bool] = []
 
     class Norms(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            used_main_grad.append(getattr(model.lm_head.weight, "main_grad", None) is not None)
+
         def on_optimizer_step(self, args, state, control, **kw):
             norms.append(float(opt.last_grad_norm))  # a host read, in the test only
 
@@ -59,6 +63,7 @@ def _train(tmp_path, main_grad: bool, max_steps: int, resume: str | None = None,
                                    optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)),
                                    callbacks=[Norms()])
     trainer.train(resume_from_checkpoint=resume)
+    assert used_main_grad and all(u == main_grad for u in used_main_grad)  # the fp32 path really ran
     return model, norms
 
 

@@ -28,6 +28,7 @@ def forbid_host_reads(monkeypatch):
 
 @pytest.fixture
 def forbid_host_to_device_tensor(monkeypatch):
+    """torch.tensor / torch.as_tensor with a device: on CUDA a blocking copy from pageable memory."""
     real = torch.tensor
 
     def checked(*args, **kwargs):
@@ -35,7 +36,15 @@ def forbid_host_to_device_tensor(monkeypatch):
             raise AssertionError("torch.tensor(..., device=...) in the hot path: a blocking host-to-device copy")
         return real(*args, **kwargs)
 
+    real_as = torch.as_tensor
+
+    def checked_as(*args, **kwargs):
+        if kwargs.get("device") is not None:
+            raise AssertionError("torch.as_tensor(..., device=...) in the hot path: a blocking host-to-device copy")
+        return real_as(*args, **kwargs)
+
     monkeypatch.setattr(torch, "tensor", checked)
+    monkeypatch.setattr(torch, "as_tensor", checked_as)
     yield
 
 

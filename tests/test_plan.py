@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -122,4 +121,3 @@ def test_hf_config_param_count(tmp_path):
     assert plan.params_from_hf_config(os.path.join(tmp_path, "config.json")) == want
     with pytest.raises(ValueError, match="hf_config"):
         plan.params_from_hf_config(str(tmp_path / "missing.json"))
-    assert json.loads((tmp_path / "config.json").read_text())["n_embd"] == 32
