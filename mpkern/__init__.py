@@ -17,7 +17,7 @@ import torch
 
 from . import _backend, _ops, reference  # noqa: F401  (_ops registers the op schemas and fakes)
 from . import nn  # noqa: E402
-from .amp import UnscaleResult, nonfinite_report, unscale_
+from .amp import NonfiniteEntry, NonfiniteReport, UnscaleResult, clip_grad_norm_, nonfinite_report, unscale_
 from .matmul import linear, matmul
 from .optim import FusedAdamWMP
 
@@ -30,6 +30,9 @@ __all__ = [
     "matmul",
     "nn",
     "bf16_supported",
+    "clip_grad_norm_",
+    "NonfiniteEntry",
+    "NonfiniteReport",
     "info",
     "nonfinite_report",
     "reference",

@@ -353,6 +353,32 @@ def unscale_(
     return res
 
 
+def clip_grad_norm_(
+    parameters: Iterable[Tensor] | Tensor,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> Tensor:
+    """Drop-in for ``torch.nn.utils.clip_grad_norm_`` that also sees ``main_grad``.
+
+    Same arguments and return value (the total norm, a 0-dim tensor); the grads (``main_grad``
+    where present, else ``.grad``) are scaled in place by ``min(1, max_norm / (norm + 1e-6))`` in
+    one fused statistics pass and one multiply (:func:`unscale_` with ``inv_scale=1``).
+    Differences: ``norm_type`` is 2 or inf only (``ValueError`` otherwise); ``foreach`` is ignored
+    (always fused); with inf/NaN grads the grads are left as they are (torch multiplies them by a
+    NaN coefficient). ``error_if_nonfinite=True`` reads the flag back to the host (a sync, as in
+    torch).
+    """
+    res = unscale_([parameters] if isinstance(parameters, Tensor) else parameters, 1.0, max_norm=max_norm,
+                   norm_type=norm_type)
+    if error_if_nonfinite and bool(res.found_inf):
+        raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                           "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
+                           "by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    return res.total_norm
+
+
 class NonfiniteEntry(NamedTuple):
     """One gradient that held inf/NaN: its parameter's name, its norm and which kind it held."""
 

@@ -13,9 +13,9 @@
 
 What works with ``main_grad``: :class:`mpkern.FusedAdamWMP` (reads it, and consumes it in
 ``step()`` so it cannot accumulate across steps whatever zero_grad the loop calls),
-:func:`mpkern.unscale_`, ``FusedAdamWMP(max_grad_norm=...)`` and ``FusedAdamWMP.clip_grad_norm_``.
-What does not: ``torch.optim`` optimizers and ``torch.nn.utils.clip_grad_norm_`` only see
-``.grad`` -- they would skip the weights. Hugging Face ``Trainer`` clips with the latter, so with
+:func:`mpkern.unscale_`, ``FusedAdamWMP(max_grad_norm=...)``, ``FusedAdamWMP.clip_grad_norm_`` and
+:func:`mpkern.clip_grad_norm_` (a drop-in for torch's). What does not: ``torch.optim`` optimizers
+and ``torch.nn.utils.clip_grad_norm_`` only see ``.grad`` -- they would skip the weights. Hugging Face ``Trainer`` clips with the latter, so with
 ``main_grad`` use ``TrainingArguments(max_grad_norm=0)`` and ``FusedAdamWMP(max_grad_norm=1.0)``.
 Once a model was converted with ``fp32_main_grad=True``, a ``torch.optim`` optimizer stepping
 over params that hold a ``main_grad`` but no ``.grad`` warns.

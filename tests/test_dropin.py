@@ -348,3 +348,30 @@ def test_cli_version():
     with pytest.raises(SystemExit) as e:
         cli.main(["--version"])
     assert e.value.code == 0
+
+
+def test_clip_grad_norm_drop_in_sees_main_grad(backend):
+    """mpkern.clip_grad_norm_: torch's signature; with main_grad it clips what the optimizer reads."""
+    torch.manual_seed(3)
+    model = mpkern.nn.convert(torch.nn.Linear(16, 8).to(DEVICE).to(torch.bfloat16), fp32_main_grad=True)
+    model(torch.randn(4, 16, device=DEVICE).to(torch.bfloat16)).float().pow(2).sum().backward()
+    w_g, b_g = model.weight.main_grad.double().clone(), model.bias.grad.double().clone()
+    ref = torch.sqrt(w_g.pow(2).sum() + b_g.pow(2).sum())  # float64, from the tensors themselves
+    assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)) < 0.9 * float(ref)  # torch misses W
+    total = mpkern.clip_grad_norm_(model.parameters(), 0.25)
+    torch.testing.assert_close(total.double(), ref, rtol=1e-6, atol=0)
+    coef = 0.25 / (float(ref) + 1e-6)
+    torch.testing.assert_close(model.weight.main_grad.double(), w_g * coef, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(model.bias.grad.double(), b_g * coef, rtol=2**-8, atol=0)
+    # plain fp32 grads: same result as torch's own clip_grad_norm_
+    a = [torch.nn.Parameter(torch.randn(30, device=DEVICE)) for _ in range(3)]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    for p, q in zip(a, b):
+        p.grad = torch.randn_like(p) * 3
+        q.grad = p.grad.clone()
+    torch.testing.assert_close(mpkern.clip_grad_norm_(a, 1.0), torch.nn.utils.clip_grad_norm_(b, 1.0))
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+    a[0].grad[0] = float("nan")
+    with pytest.raises(RuntimeError, match="non-finite"):
+        mpkern.clip_grad_norm_(a, 1.0, error_if_nonfinite=True)
