@@ -162,11 +162,6 @@ def _inv_scale_tensor(inv_scale: Any, scaler: Any) -> Tensor | float:
     return float(inv_scale)
 
 
-def _scalar_on(value: Tensor | float, device: torch.device) -> Tensor:
-    """``value`` as a 0-dim float32 tensor on ``device`` with no host sync (see ``_ops.scalar_on``)."""
-    return _ops.scalar_on(value, device)
-
-
 def _flat(g: Tensor) -> bool:
     """True if ``g`` covers one dense block of memory (contiguous up to a permutation of dims)."""
     if g.is_contiguous():
@@ -240,7 +235,8 @@ def unscale_(
     if scaler is not None and optimizer is None:
         raise ValueError("unscale_: scaler= needs the optimizer as first argument (its inf check is recorded "
                          "per optimizer)")
-    defer = optimizer is not None and getattr(optimizer, "_mpkern_fuses_unscale", False) and not apply
+    fuses = optimizer is not None and getattr(optimizer, "_mpkern_fuses_unscale", False)
+    defer = fuses and not apply
     if scaler is not None and scaler.is_enabled() and not defer and any(g.dtype == torch.float16 for g in grads):
         # GradScaler's own guard: unscaled fp16 grads lose their small values (keep fp32 params and
         # autocast, or let FusedAdamWMP apply the factor in fp32 inside its step)
@@ -252,7 +248,8 @@ def unscale_(
     if reduce_plan is not None:
         grads = [distributed.local(g) for g in grads]  # the kernels work on local shards
     if not grads and reduce_plan is None:
-        what = "an empty iterable (an exhausted generator?)" if n_items == 0 else f"{n_items} parameters, none with a grad"
+        what = ("an empty iterable (an exhausted generator?)" if n_items == 0
+                else f"{n_items} parameters, none with a grad")
         warnings.warn(f"unscale_: no gradient was processed ({what}); found_inf and total_norm are 0",
                       UserWarning, stacklevel=2)
     if scaler is not None and scaler.is_enabled():
@@ -287,11 +284,11 @@ def unscale_(
             gs = grads
         else:
             gs = [grads[i] if flat[i] else grads[i].contiguous() for i in idx]
-        s, m = _ops.grad_stats(gs, _scalar_on(inv, dev), backend[dev])
+        s, m = _ops.grad_stats(gs, _ops.scalar_on(inv, dev), backend[dev])
         sums.append(s if dev == out_device else s.to(out_device, non_blocking=True))
         maxs.append(m if dev == out_device else m.to(out_device, non_blocking=True))
         order.extend(idx)
-    inv_out = _scalar_on(inv, out_device)
+    inv_out = _ops.scalar_on(inv, out_device)
     if sums:
         sumsq = torch.cat(sums) if len(sums) > 1 else sums[0]
         amax = torch.cat(maxs) if len(maxs) > 1 else maxs[0]
@@ -325,7 +322,7 @@ def unscale_(
     if defer:
         optimizer._mpkern_set_pending_unscale(factor, found_inf, total_norm)
     else:
-        if optimizer is not None and getattr(optimizer, "_mpkern_fuses_unscale", False):
+        if fuses:
             # apply=True: the grads are final now; the step still needs the skip decision
             optimizer._mpkern_set_pending_unscale(torch.ones_like(factor), found_inf, total_norm)
         for dev, idx in by_dev.items():

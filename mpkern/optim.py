@@ -269,8 +269,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
         token = self.__dict__.pop("_mpkern_process_group_token", None)
         if token is not None:
             if token not in _GROUPS:
-                raise RuntimeError("FusedAdamWMP: this optimizer was pickled with a process_group, which only exists in "
-                                   "the process that created it; build the optimizer anew in this process")
+                raise RuntimeError("FusedAdamWMP: this optimizer was pickled with a process_group, which only "
+                                   "exists in the process that created it; build the optimizer anew in this process")
             self._mpkern_process_group = _GROUPS[token]
         for key, val in (("max_grad_norm", None), ("master_weights", True), ("state_dtype", torch.float32),
                          ("stochastic_rounding", False), ("seed", 0)):
@@ -426,17 +426,19 @@ class FusedAdamWMP(torch.optim.Optimizer):
         if not work:
             return loss
         out_dev = work[0][1]
-        if pending is None and self.max_grad_norm is not None:
-            inv = (grad_scale.double().reciprocal().float() if grad_scale is not None
-                   else torch.ones((), dtype=torch.float32, device=out_dev))
-            amp.unscale_(self, inv, max_norm=self.max_grad_norm)
-            pending, self._pending = self._pending, None
+        if pending is None:
+            # GradScaler's scale (amp-scaling protocol): its reciprocal in fp64 like GradScaler,
+            # on the scale's device; else the cached constant 1 (read-only)
+            inv = (grad_scale.double().reciprocal().float().reshape(()) if grad_scale is not None
+                   else _ops.scalar_on(1.0, out_dev))
+            if self.max_grad_norm is not None:
+                amp.unscale_(self, inv, max_norm=self.max_grad_norm)
+                pending, self._pending = self._pending, None
         if pending is not None:
             factor, found, total_norm = pending
             self.last_grad_norm = total_norm
         else:
-            factor = (grad_scale.double().reciprocal().float().reshape(()) if grad_scale is not None
-                      else torch.ones((), dtype=torch.float32, device=out_dev))
+            factor = inv
             found = torch.zeros((), dtype=torch.float32, device=factor.device)
         if found_ext is not None:
             found = torch.maximum(found, found_ext.to(found.device, torch.float32).reshape(()))
@@ -488,7 +490,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
                 ts.append(st["max_exp_avg_sq"])
             if mkey is not None:
                 ts.append(st[mkey])
-            if type(p) is not Parameter and distributed.is_dtensor(p):  # FSDP2 / tensor parallel: the kernel updates the local shard
+            if type(p) is not Parameter and distributed.is_dtensor(p):
+                # FSDP2 / tensor parallel: the kernel updates the local shard
                 p, g, ts = _local(p), _local(g), [_local(t) for t in ts]
             if p.is_contiguous():
                 pp, gg = p, (g if g.is_contiguous() else g.contiguous())
