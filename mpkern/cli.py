@@ -150,10 +150,10 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("give --params N (e.g. 7e9) or --hf-config PATH")
     if args.hf_config is not None:
         try:
-            n = plan.params_from_hf_config(args.hf_config)
+            n, model_class = plan.hf_config_count(args.hf_config)
         except (ValueError, OSError) as e:
             parser.error(f"--hf-config: {e}")
-        source = f"{args.hf_config} ({n:,} params)"
+        source = f"{args.hf_config} ({model_class}: {n:,} params)"
     else:
         n = args.params
         source = f"{n:,.0f} params"

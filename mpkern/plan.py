@@ -23,15 +23,31 @@ GB = 1e9
 
 
 def params_from_hf_config(path: str) -> int:
-    """Parameter count of a ``transformers`` model built (on the meta device, no weights) from the
-    ``config.json`` at ``path`` (a file or a directory holding one). Needs ``transformers``."""
+    """Parameter count of the ``transformers`` model a user trains from the ``config.json`` at
+    ``path`` (a file or a directory holding one), built on the meta device (no weights, no
+    download). Needs ``transformers``. Which model is built: see :func:`hf_config_count`."""
+    return hf_config_count(path)[0]
+
+
+def hf_config_count(path: str) -> tuple[int, str]:
+    """``(parameter count, model class name)`` for the ``config.json`` at ``path``.
+
+    The model counted is the one a user trains, head included: the class the config names in
+    ``architectures`` (what ``save_pretrained`` of a trained model writes, e.g.
+    ``LlamaForCausalLM``); without that, the causal-LM class of the config's model type
+    (``AutoModelForCausalLM``); for a config that has none (e.g. an encoder-only or seq2seq
+    type), the bare ``AutoModel``. Tied weights (``tie_word_embeddings``: the LM head shares the
+    embedding matrix) count once -- ``Module.parameters()`` yields a shared ``Parameter`` once.
+    """
     if not os.path.exists(path):
         raise ValueError(f"hf_config: {path!r} does not exist")
     try:
         import torch
-        from transformers import AutoConfig, AutoModel
+        import transformers
+        from transformers import AutoConfig
     except ImportError as e:
-        raise ValueError(f"hf_config needs the optional dependency transformers ({e}); pip install transformers") from e
+        raise ValueError(f"hf_config needs the optional dependency transformers ({e}); "
+                         "pip install transformers") from e
     cfg_path = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(path):
         with open(path) as f:
@@ -40,8 +56,21 @@ def params_from_hf_config(path: str) -> int:
     else:
         config = AutoConfig.from_pretrained(cfg_path)
     with torch.device("meta"):
-        model = AutoModel.from_config(config)
-    return sum(p.numel() for p in model.parameters())
+        model = _hf_model_builder(transformers, config)(config)
+    return sum(p.numel() for p in model.parameters()), type(model).__name__
+
+
+def _hf_model_builder(transformers: Any, config: Any) -> Any:
+    """``config -> model`` for the model a user trains (see :func:`hf_config_count`)."""
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls  # the constructor takes the config (and ties the head, like from_config)
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModel, AutoModelForCausalLM
+
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return AutoModelForCausalLM.from_config
+    return AutoModel.from_config
 
 
 def plan_table(params: float, *, world_size: int = 1, gpu_mem: float | None = None,

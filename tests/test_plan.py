@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -121,3 +122,57 @@ def test_hf_config_param_count(tmp_path):
     assert plan.params_from_hf_config(os.path.join(tmp_path, "config.json")) == want
     with pytest.raises(ValueError, match="hf_config"):
         plan.params_from_hf_config(str(tmp_path / "missing.json"))
+
+
+def _llama_config(tmp_path, name, *, tie, architectures):
+    cfg = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 160,
+           "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 128, "tie_word_embeddings": tie}
+    if architectures:
+        cfg["architectures"] = ["LlamaForCausalLM"]
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d), cfg
+
+
+def _llama_count(cfg):
+    """Llama's parameter count from its config, by the architecture's formula (no transformers)."""
+    v, h, i, n = cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    head_dim = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * head_dim
+    attn = h * h + 2 * h * kv + h * h          # q, k, v, o projections (no biases)
+    mlp = 3 * h * i                            # gate, up, down (no biases)
+    layer = attn + mlp + 2 * h                 # + input and post-attention RMSNorm weights
+    body = v * h + n * layer + h               # embeddings, layers, final norm
+    return body + (0 if cfg["tie_word_embeddings"] else v * h)  # the LM head: its own matrix unless tied
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("architectures", [True, False], ids=["architectures", "model_type only"])
+def test_hf_config_counts_the_causal_lm_head(tmp_path, tie, architectures):
+    """issue 13 item 8: the model a user trains has an LM head (AutoModel has none); tied, it is the
+    embedding matrix and counts once."""
+    pytest.importorskip("transformers")
+    path, cfg = _llama_config(tmp_path, "llama", tie=tie, architectures=architectures)
+    want = _llama_count(cfg)
+    n, cls = plan.hf_config_count(path)
+    assert (n, cls) == (want, "LlamaForCausalLM")
+    assert plan.params_from_hf_config(os.path.join(path, "config.json")) == want
+
+
+def test_hf_config_without_a_causal_lm_class_counts_the_base_model(tmp_path):
+    """A config type with no causal-LM class (T5: encoder-decoder) falls back to the bare model."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.T5Config(d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4, vocab_size=120)
+    cfg.save_pretrained(tmp_path)
+    n, cls = plan.hf_config_count(str(tmp_path))
+    assert cls == "T5Model"
+    # T5: shared embedding + encoder/decoder blocks; counted here from the module tree by hand
+    d, f, inner, v, L = 32, 64, 8 * 4, 120, 2
+    attn = 4 * d * inner
+    enc_layer = attn + d + 2 * d * f + d        # self-attention + its norm, dense-relu-dense + its norm
+    dec_layer = 2 * attn + 2 * d + 2 * d * f + d
+    rel_bias = 2 * cfg.relative_attention_num_buckets * 4  # first block of encoder and decoder
+    want = v * d + L * enc_layer + d + L * dec_layer + d + rel_bias
+    assert n == want
