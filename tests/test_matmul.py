@@ -372,3 +372,41 @@ def test_bad_inputs(call, exc, words):
         call()
     for w in words:
         assert w in str(info.value), (w, str(info.value))
+
+
+def _tuning_key(a, b, c, accumulate=False):
+    """The GPU autotuner's cache key for ``a @ b -> c``, computed the way triton's Autotuner.run does
+    (the values of its ``keys`` among the launch arguments, then the dtypes of the tensors)."""
+    tk = pytest.importorskip("mpkern.triton_kernels.matmul")
+    tuner = tk._matmul_kernel_tuned
+    args = dict(zip(tuner.arg_names, tk.kernel_args(a, b, c, None)))
+    args.update(HAS_BIAS=False, ACCUMULATE=accumulate, OUT_BF16=c.dtype == torch.bfloat16, UPCAST=False)
+    key = [args[k] for k in tuner.keys if k in args]
+    return tuple(key + [str(v.dtype) for v in args.values() if hasattr(v, "dtype")])
+
+
+def _wgrad(tokens, n_out=256, k_in=512):
+    """nn.Linear's weight-gradient GEMM: grad_out.t() (n_out, tokens) @ x (tokens, k_in) += main_grad."""
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    return (torch.empty(tokens, n_out, **meta).t(), torch.empty(tokens, k_in, **meta),
+            torch.empty(n_out, k_in, device="meta", dtype=torch.float32))
+
+
+def test_autotune_key_buckets_the_token_count_in_every_gemm():
+    """issue 13 item 9: in the weight-gradient GEMM the token count is K (and in a plain contiguous
+    (tokens, K) @ (K, N) product with a varying K, also A's row stride): two token counts in one
+    power-of-two bucket share one tuning; a count in another bucket gets its own."""
+    assert _tuning_key(*_wgrad(3000), accumulate=True) == _tuning_key(*_wgrad(4000), accumulate=True)
+    assert _tuning_key(*_wgrad(3000), accumulate=True) != _tuning_key(*_wgrad(1000), accumulate=True)
+    meta = dict(device="meta", dtype=torch.float16)
+
+    def plain(m, k, n):
+        return torch.empty(m, k, **meta), torch.empty(k, n, **meta), torch.empty(m, n, **meta)
+
+    # K and A's row stride, N and B's row stride (a stride's class -- 1, a multiple of 16 -- stays in the key)
+    assert _tuning_key(*plain(64, 3008, 96)) == _tuning_key(*plain(64, 4000, 96))
+    assert _tuning_key(*plain(64, 96, 3008)) == _tuning_key(*plain(64, 96, 4000))
+    assert _tuning_key(*plain(64, 96, 3008)) != _tuning_key(*plain(64, 96, 5008))
+    # the layout still tells a transposed operand apart (a different kernel specialisation)
+    a, b, c = plain(64, 96, 128)
+    assert _tuning_key(a, b, c) != _tuning_key(a, b.t().contiguous().t(), c)

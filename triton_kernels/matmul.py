@@ -22,11 +22,14 @@ Under ``TRITON_INTERPRET=1`` (CPU tensors):
   the GPU, whose cast rounds to nearest even too;
 * autotuning is off: one small fixed config keeps the tests fast.
 
-On the GPU the kernel is autotuned. The tuning key buckets M to the next power of two (token
-counts change every batch; each new exact M would re-run the host-synchronising tuning
-benchmark), and the fp32 ``main_grad`` accumulate epilogue -- which holds the loaded C tile next
-to the accumulator -- only tries configs with at most 64 accumulator values per thread (the
-larger tiles spill there). ``MPKERN_MATMUL_CONFIG=fixed`` turns tuning off on the GPU too (one
+On the GPU the kernel is autotuned. The tuning key buckets M, N and K to the next power of two
+and reduces the operand strides to a layout code (per stride: is it 1, is it a multiple of 16 --
+the classes Triton specialises on). The token count is M in the forward and input-gradient GEMMs
+and K in the weight-gradient GEMMs (N or a stride in other uses); it changes with the batch
+shape, and each new exact value would re-run the host-synchronising tuning benchmark for every
+layer shape. The fp32 ``main_grad`` accumulate epilogue -- which holds the loaded C tile next to
+the accumulator -- only tries configs with at most 64 accumulator values per thread (the larger
+tiles spill there). ``MPKERN_MATMUL_CONFIG=fixed`` turns tuning off on the GPU too (one
 fixed config: the tests and the GPU check use it, so no test waits on tuning).
 """
 
@@ -59,8 +62,19 @@ def _fixed_config() -> bool:
 
 
 def m_bucket(m: int) -> int:
-    """The autotuning bucket of M: the next power of two (M = 3000 and 4000 share one tuning)."""
+    """The autotuning bucket of a GEMM size (M, N or K): the next power of two (3000 and 4000 share
+    one tuning)."""
     return 1 << max(0, int(m) - 1).bit_length()
+
+
+def layout_code(*strides: int) -> int:
+    """The autotuning key of the operand strides (A's, then B's): per stride, whether it is 1 and
+    whether it is a multiple of 16 -- the classes Triton specialises integer arguments on -- not its
+    value: a contiguous (tokens, K) operand's row stride is K, and K is the token count in wgrad."""
+    code = 0
+    for i, s in enumerate(strides):
+        code |= (int(s == 1) | int(s % 16 == 0) << 1) << (2 * i)
+    return code
 
 
 def _acc_per_thread(cfg: triton.Config) -> int:
@@ -105,11 +119,11 @@ def _configs() -> list[triton.Config]:
     ]
 
 
-@triton.jit(do_not_specialize=["M_BUCKET"])
+@triton.jit(do_not_specialize=["M_BUCKET", "N_BUCKET", "K_BUCKET", "LAYOUT"])
 def _matmul_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr,
     M, N, K,
-    M_BUCKET,  # m_bucket(M): the autotuning key (unused by the kernel)
+    M_BUCKET, N_BUCKET, K_BUCKET, LAYOUT,  # m_bucket(M/N/K), layout_code(strides): the autotuning key (unused)
     stride_am, stride_ak,
     stride_bk, stride_bn,
     stride_cm, stride_cn,
@@ -168,11 +182,12 @@ def _matmul_kernel(
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-# GPU entry point: autotuned per (M bucket, N, K, layout). restore_value keeps C intact while the
+# GPU entry point: autotuned per (M, N, K buckets, layout code). restore_value keeps C intact while the
 # tuner benchmarks candidates on an accumulating call (C += A @ B would otherwise be applied repeatedly).
+TUNING_KEY = ["M_BUCKET", "N_BUCKET", "K_BUCKET", "LAYOUT", "ACCUMULATE", "OUT_BF16"]
 _matmul_kernel_tuned = triton.autotune(
     configs=_configs(),
-    key=["M_BUCKET", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "ACCUMULATE", "OUT_BF16"],
+    key=TUNING_KEY,
     prune_configs_by={"early_config_prune": prune_configs},
     restore_value=["c_ptr"],
 )(_matmul_kernel)
@@ -197,6 +212,15 @@ def _check(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor
         raise ValueError("matmul kernel: all tensors must be on one device")
 
 
+def kernel_args(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """The positional arguments of ``_matmul_kernel`` (up to the strides of C) for 2-D ``a @ b -> c``."""
+    M, K = a.shape
+    N = b.shape[1]
+    return (a, b, c, bias if bias is not None else c, M, N, K, m_bucket(M), m_bucket(N), m_bucket(K),
+            layout_code(a.stride(0), a.stride(1), b.stride(0), b.stride(1)),
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
+
+
 def matmul_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
                 accumulate: bool = False) -> torch.Tensor:
     """``out = a @ b (+ bias)`` or, with ``accumulate``, ``out += a @ b (+ bias)``; returns ``out``.
@@ -216,8 +240,7 @@ def matmul_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch
     out_bf16 = out.dtype == torch.bfloat16
     c = out.view(torch.int16) if out_bf16 else out
     interp = _interpreting() or a.device.type == "cpu"
-    args = (a, b, c, bias if bias is not None else c, M, N, K, m_bucket(M),
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
+    args = kernel_args(a, b, c, bias)
     flags = dict(HAS_BIAS=bias is not None, ACCUMULATE=bool(accumulate), OUT_BF16=out_bf16, UPCAST=interp)
     if interp:
         cfg = INTERPRET_CONFIG
