@@ -315,6 +315,41 @@ def _has_mm_out_dtype(device: torch.device) -> bool:
         return False
 
 
+def wgrad_accumulate_peer(device: torch.device | str) -> tuple[str, Callable[[Tensor, Tensor, Tensor], Tensor]]:
+    """``(name, fn)``: what a PyTorch user runs for ``main_grad += a @ b`` with 16-bit ``a``, ``b`` and
+    an fp32 ``main_grad`` -- fp32 accumulation throughout, the product never rounded to 16 bits:
+
+    * ``torch.addmm(mg, a, b, out_dtype=fp32, out=mg)``: one GEMM with an fp32 C and beta 1 (what
+      Megatron's fused wgrad kernel does), where this torch has it on ``device``;
+    * else ``mg.add_(torch.mm(a, b, out_dtype=fp32))`` (an fp32 product, then an add pass);
+    * else ``mg.addmm_(a.float(), b.float())`` (upcast copies, an fp32 GEMM; older torch, CPU).
+    """
+    dev = torch.device(device)
+
+    def fused(a, b, mg):
+        return torch.addmm(mg, a, b, out_dtype=torch.float32, out=mg)
+
+    def two_pass(a, b, mg):
+        return mg.add_(torch.mm(a, b, out_dtype=torch.float32))
+
+    def upcast(a, b, mg):
+        return mg.addmm_(a.float(), b.float())
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(16, 16, generator=g).to(torch.bfloat16).to(dev)
+    b = torch.randn(16, 16, generator=g).to(torch.bfloat16).to(dev)
+    want = a.double() @ b.double() + 1.0
+    for name, fn in (("torch.addmm(out_dtype=fp32, out=main_grad)", fused),
+                     ("torch.mm(out_dtype=fp32) + main_grad.add_", two_pass)):
+        try:
+            got = fn(a, b, torch.ones(16, 16, device=dev)).double()
+        except (RuntimeError, NotImplementedError, TypeError):  # this torch or device lacks it
+            continue
+        if torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+            return name, fn
+    return "main_grad.addmm_(a.float(), b.float())", upcast
+
+
 def _gpu_problems(quick: bool) -> list[tuple[str, int, int, int, Callable]]:
     """(name, M, N, K, make(dtype, device) -> (a, b)) in nn.Linear's layouts."""
     out = []
@@ -379,11 +414,12 @@ def bench_matmul(device: torch.device | str, *, quick: bool = False, dtypes: str
             if dev.type == "cuda" and name.startswith("wgrad"):
                 mg = torch.zeros(m, n, device=dev, dtype=torch.float32)
                 t_ours = time_fn(partial(matmul_accumulate_, a, b, mg), dev, reps=reps)
-                t_ref = time_fn(lambda a=a, b=b, mg=mg: mg.add_(torch.matmul(a, b)), dev, reps=reps)
+                peer, fn = wgrad_accumulate_peer(dev)
+                t_ref = time_fn(partial(fn, a, b, mg), dev, reps=reps)
                 ref_rate = flops / t_ref / 1e12
                 rows.append(_row("matmul", f"{ours_name}: {name} +=main_grad {dname}", t_ours, flops=flops,
                                  bound=ref_rate))
-                rows.append(_row("matmul", f"torch.matmul + main_grad.add_: {name} {dname}", t_ref, flops=flops,
+                rows.append(_row("matmul", f"{peer}: {name} {dname}", t_ref, flops=flops,
                                  bound=ref_rate, peer_ratio=t_ref / t_ours))
             del a, b
             if dev.type == "cuda":
@@ -439,9 +475,13 @@ def run(which: str = "all", *, device: str | torch.device | None = None, quick: 
         log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run benchmark ``which`` (``unscale``, ``adamw``, ``matmul`` or ``all``); return ``{"meta", "rows"}``.
 
-    ``quick``: 4M params in 50 tensors, fewer repetitions, a 64 MiB bandwidth probe and one small
-    matmul shape (under a minute on a 2-core CPU). ``params``/``tensors``/``reps`` override the
-    sizes of the optimizer-side benchmarks.
+    Sizes (``params``/``tensors``/``reps`` override those of the optimizer-side benchmarks): full
+    32M params in 200 tensors, 15 repetitions (``FULL``); ``quick`` 16M params in 100 tensors, 7
+    repetitions (``QUICK``; the AdamW benchmark runs 5 fewer, at least 3, in both). The bandwidth
+    probe is 256 MiB in both. matmul: on CPU one shape, 1024x512x1024 (quick, at most 5
+    repetitions) or 2048x1024x2048 (at most 10); on CUDA the 4096^3 square (quick; also 8192^3 in
+    full) and the LLM-layer forward, input-gradient and weight-gradient GEMMs with 4096 tokens
+    (quick) or 16384.
     """
     if which not in KERNELS + ("all",):
         raise ValueError(f"which must be one of {KERNELS + ('all',)}, got {which!r}")
