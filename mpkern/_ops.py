@@ -13,12 +13,14 @@ The public API calls :func:`grad_stats` / :func:`scale_` here with the backend c
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from . import _backend, reference
+from .triton_kernels._tables import StreamUse
 
 Tensor = torch.Tensor
 
@@ -112,7 +114,24 @@ def capturing() -> bool:
 
 
 # ---- device scalars without host synchronisation ---------------------------------------------------
-_CONSTS: dict[tuple[float, torch.device], Tensor] = {}
+def non_blocking_to(device: torch.device) -> bool:
+    """Whether a copy to ``device`` may be asynchronous. Not to the CPU: a device-to-host copy with
+    ``non_blocking=True`` returns before the data lands, and a CPU kernel reads it at once (CPU
+    code does not wait on a CUDA stream). To a GPU it is ordered on the stream like a kernel."""
+    return torch.device(device).type != "cpu"
+
+
+def copy_f32(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` as float32 on ``device`` (detached); asynchronous only where that is safe (see
+    :func:`non_blocking_to`)."""
+    return t.detach().to(device=device, dtype=torch.float32, non_blocking=non_blocking_to(device))
+
+
+# Cached device constants, (value, device) -> (tensor, StreamUse or None): least recently used first.
+# Constants a captured CUDA graph reads are pinned (moved to _PINNED_CONSTS, never evicted): freeing
+# one would let the allocator hand its memory to another tensor while the graph still reads it.
+_CONSTS: OrderedDict[tuple[float, torch.device], tuple[Tensor, Any]] = OrderedDict()
+_PINNED_CONSTS: dict[tuple[float, torch.device], tuple[Tensor, Any]] = {}
 _MAX_CONSTS = 64
 
 
@@ -124,7 +143,11 @@ def scalar_on(value: Tensor | float, device: torch.device) -> Tensor:
     * a CPU tensor for a GPU: its value is read on the host (a CPU read, not a GPU sync) and
       handled like a float -- a pageable host-to-device copy would block the stream;
     * a float: a cached constant tensor (filled once per (value, device) by a fill kernel, never
-      copied from the host). Callers must not write into it.
+      copied from the host). Callers must not write into it. The cache keeps the 64 least
+      recently used constants, plus every constant a CUDA graph capture used (never evicted). A
+      constant that does not exist yet when a capture asks for it is a fresh tensor filled inside
+      the capture, not cached: its fill only runs on replay, so no other call may read it. A cached
+      constant used on another CUDA stream than the one that filled it is ordered after its fill.
     """
     device = torch.device(device)
     if isinstance(value, Tensor):
@@ -132,16 +155,32 @@ def scalar_on(value: Tensor | float, device: torch.device) -> Tensor:
             t = value.detach().reshape(())
             return t if t.dtype == torch.float32 else t.to(torch.float32)
         if value.device.type != "cpu" or device.type == "cpu":
-            return value.detach().to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
+            return copy_f32(value, device).reshape(())
         value = value.item()  # a CPU tensor: a host read, no device involved
     if torch.compiler.is_compiling():  # traced: a fill op in the graph, no global cache
         return torch.full((), float(value), dtype=torch.float32, device=device)
     key = (float(value), device)
-    t = _CONSTS.get(key)
-    if t is None:
-        if len(_CONSTS) >= _MAX_CONSTS:
-            _CONSTS.pop(next(iter(_CONSTS)))
-        t = _CONSTS[key] = torch.full((), key[0], dtype=torch.float32, device=device)
+    cuda = device.type == "cuda"
+    capture = cuda and torch.cuda.is_current_stream_capturing()
+    item = _PINNED_CONSTS.get(key)
+    if item is None:
+        item = _CONSTS.get(key)
+        if item is not None:
+            if capture:
+                _PINNED_CONSTS[key] = _CONSTS.pop(key)
+            else:
+                _CONSTS.move_to_end(key)
+    if item is not None:
+        t, use = item
+        if use is not None:
+            use.use(device, capture)
+        return t
+    t = torch.full((), key[0], dtype=torch.float32, device=device)
+    if capture:
+        return t  # filled on replay only (see above)
+    _CONSTS[key] = (t, StreamUse([t], device) if cuda else None)
+    while len(_CONSTS) > _MAX_CONSTS:
+        _CONSTS.popitem(last=False)
     return t
 
 
@@ -161,7 +200,7 @@ def lr_args(lr: Tensor | float, device: torch.device) -> tuple[Tensor | None, fl
         return (t if t.dtype == torch.float32 else t.to(torch.float32)), 0.0
     if lr.device.type == "cpu":
         return None, float(lr.item())
-    return lr.detach().to(device=device, dtype=torch.float32, non_blocking=True).reshape(()), 0.0
+    return copy_f32(lr, device).reshape(()), 0.0
 
 
 # ---- Triton ops ---------------------------------------------------------------------------------

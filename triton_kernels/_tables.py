@@ -26,6 +26,59 @@ _CAPTURE_MESSAGE = (
     "between warm-up and capture.")
 
 
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors of a cached entry: itself, or those in its tuple/list items or attributes."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        items = value
+    elif hasattr(value, "__dict__"):
+        items = list(vars(value).values())
+    else:
+        return []
+    return [t for item in items for t in _tensors_in(item)]
+
+
+class StreamUse:
+    """Cross-stream safety of a cached CUDA buffer made on one stream and used on others.
+
+    The buffer's filling work (a host-to-device copy, a fill kernel) is ordered on the stream that
+    made it; a kernel on another stream is not ordered after it, and the caching allocator only
+    knows the making stream. So, on use from another stream: that stream waits on an event
+    recorded after the filling work, until the event is seen complete (then never again), and
+    the buffer is recorded on the stream (``record_stream``) once, so that freeing it on eviction
+    waits for that stream's kernels. Inside a CUDA graph capture neither can be done (an event
+    recorded outside the capture cannot be queried or waited on there; ``record_stream`` is not
+    needed for a buffer a graph uses: such buffers are never evicted): ``torch.cuda.graph``
+    synchronises the device before capturing, so a buffer made in a warm-up step has landed.
+    """
+
+    __slots__ = ("tensors", "stream", "event", "done", "streams")
+
+    def __init__(self, tensors: list[torch.Tensor], device: torch.device) -> None:
+        self.tensors = tensors
+        self.stream = torch.cuda.current_stream(device)
+        self.event = torch.cuda.Event()
+        self.event.record(self.stream)
+        self.done = False
+        self.streams = [self.stream]  # streams the tensors are known to the allocator on
+
+    def use(self, device: torch.device, capturing: bool) -> None:
+        """Order the current stream of ``device`` after the filling work (no host sync)."""
+        stream = torch.cuda.current_stream(device)
+        if stream == self.stream or capturing:
+            return
+        if not self.done:
+            if self.event.query():
+                self.done = True
+            else:
+                stream.wait_event(self.event)
+        if stream not in self.streams:
+            for t in self.tensors:
+                t.record_stream(stream)
+            self.streams.append(stream)
+
+
 class TableCache:
     """Least-recently-used cache of device work tables, keyed by layout.
 
@@ -36,26 +89,34 @@ class TableCache:
     def __init__(self, max_entries: int = MAX_TABLES) -> None:
         self.max_entries = max_entries
         self.builds = 0
-        self._entries: OrderedDict[Hashable, Any] = OrderedDict()
-        self._captured: dict[Hashable, Any] = {}  # used by a captured graph: never evicted
+        # key -> (entry, StreamUse or None), least recently used first
+        self._entries: OrderedDict[Hashable, tuple[Any, StreamUse | None]] = OrderedDict()
+        self._captured: dict[Hashable, tuple[Any, StreamUse | None]] = {}  # used by a captured graph: never evicted
 
     def get(self, key: Hashable, device: torch.device, build: Callable[[], Any]) -> Any:
-        """The table for ``key``; ``build()`` makes it on a miss (never during a CUDA graph capture)."""
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        entry = self._captured.get(key)
-        if entry is None:
-            entry = self._entries.get(key)
-        if entry is not None:
+        """The table for ``key``; ``build()`` makes it on a miss (never during a CUDA graph capture).
+
+        On a GPU the current stream is ordered after the table's host-to-device copy, also when
+        the table was built on another stream (see :class:`StreamUse`)."""
+        cuda = device.type == "cuda"
+        capturing = cuda and torch.cuda.is_current_stream_capturing()
+        item = self._captured.get(key)
+        if item is None:
+            item = self._entries.get(key)
+        if item is not None:
             if key in self._entries:
                 self._entries.move_to_end(key)
             if capturing:
-                self._captured[key] = entry
+                self._captured[key] = item
+            entry, use = item
+            if use is not None:
+                use.use(device, capturing)
             return entry
         if capturing:
             raise RuntimeError(_CAPTURE_MESSAGE)
         entry = build()
         self.builds += 1
-        self._entries[key] = entry
+        self._entries[key] = (entry, StreamUse(_tensors_in(entry), device) if cuda else None)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
         return entry
