@@ -48,10 +48,37 @@ class UnscaleResult(_UnscaleFields):
 
 
 def _grad_of(p: Tensor) -> Tensor | None:
-    """The gradient mpkern uses for ``p``: ``p.main_grad`` (fp32) if present, else ``p.grad``.
-    (``_collect`` below inlines the same rule in its hot loop.)"""
+    """The gradient mpkern uses for ``p``: ``p.main_grad`` (fp32) if present, else ``p.grad``; when
+    both are present (a tied weight: an ``fp32_main_grad`` linear layer and, say, an embedding
+    share it) they are summed into ``main_grad`` (see :func:`_main_grad_of`). The hot loops of
+    ``_collect`` here and in ``FusedAdamWMP`` inline the lookup and call :func:`_main_grad_of`."""
     g = getattr(p, "main_grad", None)
-    return g if g is not None else p.grad
+    return p.grad if g is None else _main_grad_of(p, g)
+
+
+def _main_grad_of(p: Tensor, main_grad: Tensor) -> Tensor:
+    """``main_grad`` -- with ``p.grad`` added into it first when ``p`` has both.
+
+    A weight shared by an ``fp32_main_grad`` layer (which accumulates into ``main_grad``) and
+    another use (an embedding, a plain ``F.linear``) gets the other part of its gradient in
+    ``.grad``; the gradient is the sum. It is folded in place (``main_grad += grad``, then
+    ``p.grad = None``; zeroed instead inside a CUDA graph capture), so every consumer --
+    ``FusedAdamWMP``, :func:`unscale_`, :func:`clip_grad_norm_` -- sees the same, whole gradient
+    and a second consumer does not add it twice.
+    """
+    g16 = p.grad
+    if g16 is None:
+        return main_grad
+    if g16.shape != main_grad.shape or g16.layout != torch.strided:
+        raise ValueError(f"a parameter of shape {tuple(p.shape)} has both .main_grad {tuple(main_grad.shape)} and "
+                         f".grad {tuple(g16.shape)} ({g16.layout}); they cannot be summed")
+    with torch.no_grad():
+        main_grad.add_(g16)
+        if _ops.capturing():
+            g16.zero_()
+        else:
+            p.grad = None
+    return main_grad
 
 
 def _collect(
@@ -95,6 +122,8 @@ def _collect(
             g = p.grad
             if g is None:
                 continue
+        elif p.grad is not None:
+            g = _main_grad_of(p, g)
         # one combined test per grad (the hot path); the precise message only on failure
         if not (isinstance(g, Tensor) and g.layout == strided and g.dtype in floats):
             _raise_bad_grad(i, g)
@@ -160,6 +189,13 @@ def _inv_scale_tensor(inv_scale: Any, scaler: Any) -> Tensor | float:
         warnings.warn(f"unscale_: inv_scale={inv_scale!r} is > 1, so the gradients are scaled *up*; inv_scale is "
                       "1 / loss_scale (or pass scaler=)", UserWarning, stacklevel=3)
     return float(inv_scale)
+
+
+def _to_device(t: Tensor, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
+    """``t`` on ``device`` without a host sync where that is safe: asynchronous between GPUs and
+    host-to-GPU, but **blocking** into CPU memory -- a non-blocking device-to-host copy returns
+    before the data lands, and a CPU kernel would read it at once."""
+    return t.to(device=device, dtype=dtype, non_blocking=torch.device(device).type != "cpu")
 
 
 def _flat(g: Tensor) -> bool:
@@ -285,8 +321,8 @@ def unscale_(
         else:
             gs = [grads[i] if flat[i] else grads[i].contiguous() for i in idx]
         s, m = _ops.grad_stats(gs, _ops.scalar_on(inv, dev), backend[dev])
-        sums.append(s if dev == out_device else s.to(out_device, non_blocking=True))
-        maxs.append(m if dev == out_device else m.to(out_device, non_blocking=True))
+        sums.append(s if dev == out_device else _to_device(s, out_device))
+        maxs.append(m if dev == out_device else _to_device(m, out_device))
         order.extend(idx)
     inv_out = _ops.scalar_on(inv, out_device)
     if sums:
@@ -295,7 +331,7 @@ def unscale_(
         if len(by_dev) > 1:  # back to the caller's order
             perm = torch.empty(len(order), dtype=torch.int64)
             perm[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order))
-            perm = perm.to(out_device, non_blocking=True)
+            perm = _to_device(perm, out_device)
             sumsq, amax = sumsq[perm], amax[perm]
     else:
         sumsq = torch.zeros(0, dtype=torch.float32, device=out_device)
@@ -320,13 +356,15 @@ def unscale_(
     factor = inv_out * clip_coef
 
     if defer:
-        optimizer._mpkern_set_pending_unscale(factor, found_inf, total_norm)
+        optimizer._mpkern_set_pending_unscale(factor, found_inf, total_norm, inv=inv_out, coef=clip_coef,
+                                              inf_norm=inf_norm)
     else:
         if fuses:
             # apply=True: the grads are final now; the step still needs the skip decision
-            optimizer._mpkern_set_pending_unscale(torch.ones_like(factor), found_inf, total_norm)
+            optimizer._mpkern_set_pending_unscale(factor, found_inf, total_norm, inv=inv_out, coef=clip_coef,
+                                                  applied=True, inf_norm=inf_norm)
         for dev, idx in by_dev.items():
-            f = factor if dev == out_device else factor.to(dev, non_blocking=True)
+            f = factor if dev == out_device else _to_device(factor, dev)
             if all_flat and len(by_dev) == 1:
                 _ops.scale_(grads, f, backend[dev])
                 continue

@@ -50,6 +50,28 @@ def version(t: Tensor) -> Any:
     return t._version
 
 
+def stamp(t: Tensor) -> Any:
+    """What tells, on the host and without a sync, that ``t`` was written or replaced since the
+    stamp was taken: its version counter (in-place writes through ``t`` or its views) and its data
+    pointer (``t.data = other``, ``Module._apply`` / ``.to()``, ``set_``, swaps). Writes through a
+    ``.data`` alias (``t.data.fill_(x)``) change neither -- PyTorch gives ``.data`` its own
+    version counter -- and cannot be seen here. DTensors: the wrapper's and the local shard's."""
+    if is_dtensor(t):
+        lt = t._local_tensor
+        return (t._version, lt._version, lt.data_ptr())
+    return (t._version, t.data_ptr())
+
+
+def check_reduced(g: Tensor, where: str) -> None:
+    """Raise if ``g`` is a DTensor with a ``Partial`` placement (its local values are unreduced
+    partial sums: using them as the gradient would make the replicas diverge)."""
+    if is_dtensor(g) and any(isinstance(pl, Partial) for pl in g.placements):
+        raise ValueError(f"{where}: the gradient is a DTensor with a Partial placement {tuple(g.placements)} (not "
+                         "reduced across ranks yet); reduce it first (e.g. g.redistribute(placements=[Replicate()]) "
+                         "or let FSDP2/DDP reduce it) -- updating from unreduced partial sums would make the "
+                         "replicas diverge")
+
+
 @dataclass(frozen=True)
 class ReducePlan:
     """How the per-tensor partial statistics of one ``unscale_`` call are combined across ranks."""
@@ -177,7 +199,9 @@ __all__ = [
     "like_param",
     "local",
     "plan",
+    "check_reduced",
     "reduce_stats",
+    "stamp",
     "version",
     "wrap_like",
 ]

@@ -85,17 +85,34 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.fp32_main_grad = bool(fp32_main_grad)
 
-    def _fused(self, x: Tensor) -> bool:
-        w = self.weight
-        return (x.dtype in _IN_DTYPES and w.dtype == x.dtype and x.device == w.device
-                and not torch.is_autocast_enabled(x.device.type))
-
     def forward(self, x: Tensor) -> Tensor:
-        if not self._fused(x):
-            return F.linear(x, self.weight, self.bias)
-        if self.fp32_main_grad and self.weight.requires_grad and torch.is_grad_enabled():
-            return _LinearMainGrad.apply(x, self.weight, self.bias, None)
-        return linear(x, self.weight, self.bias)
+        w = self.weight
+        if x.device == w.device and w.dtype in _IN_DTYPES and torch.is_autocast_enabled(x.device.type):
+            # autocast: a 16-bit weight of the autocast dtype runs the fused path on x cast to it
+            # (what F.linear under autocast would compute from); other weights fall back below
+            if w.dtype == torch.get_autocast_dtype(x.device.type):
+                x = x.to(w.dtype)
+            else:
+                return self._fallback(x)
+        if not (x.dtype in _IN_DTYPES and w.dtype == x.dtype and x.device == w.device):
+            return self._fallback(x)
+        if self.fp32_main_grad and w.requires_grad and torch.is_grad_enabled():
+            return _LinearMainGrad.apply(x, w, self.bias, None)
+        return linear(x, w, self.bias)
+
+    def _fallback(self, x: Tensor) -> Tensor:
+        """``F.linear`` for inputs the fused GEMM does not take (fp32 weights, mixed dtypes, autocast
+        with fp32 weights); with ``fp32_main_grad`` it says once that main_grad is not used."""
+        if self.fp32_main_grad and not getattr(self, "_mpkern_fallback_warned", False) and torch.is_grad_enabled():
+            self._mpkern_fallback_warned = True
+            why = ("autocast is on and the weight is " + str(self.weight.dtype)
+                   if torch.is_autocast_enabled(x.device.type) else
+                   f"the weight is {self.weight.dtype} and the input {x.dtype} on {x.device}")
+            warnings.warn(f"mpkern.nn.Linear(fp32_main_grad=True): {why}, so this layer runs F.linear and its weight "
+                          "gradient goes to .grad, not main_grad (with fp32 weights it is fp32 already; for main_grad "
+                          "keep bf16/fp16 weights, e.g. model.to(torch.bfloat16) or autocast over 16-bit weights)",
+                          UserWarning, stacklevel=3)
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", fp32_main_grad=True" if self.fp32_main_grad else "")
@@ -133,6 +150,21 @@ def _install_main_grad_guard() -> None:
         _hook_handle = register_optimizer_step_pre_hook(_warn_torch_optimizer_over_main_grad)
 
 
+def _refuse_fsdp(module: nn.Module) -> None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        FSDPModule = ()  # noqa: N806
+    from .distributed import is_dtensor
+
+    for name, m in module.named_modules():
+        if isinstance(m, FSDPModule) or any(is_dtensor(p) for p in m.parameters(recurse=False)):
+            raise ValueError(f"mpkern.nn.convert(fp32_main_grad=True): module {name or '<root>'!r} is sharded "
+                             "(FSDP2 fully_shard / DTensor params); FSDP2 reduces .grad, so a main_grad on its "
+                             "unsharded params would never reach the optimizer -- convert without fp32_main_grad "
+                             "(use fully_shard(mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)))")
+
+
 def convert(module: nn.Module, *, fp32_main_grad: bool = False, report: bool = False) -> Any:
     """Turn every ``torch.nn.Linear`` in ``module`` (itself included) into :class:`Linear`, in place.
 
@@ -144,8 +176,19 @@ def convert(module: nn.Module, *, fp32_main_grad: bool = False, report: bool = F
     ``F.multi_head_attention_forward`` directly). With ``fp32_main_grad=True`` a warning names the
     skipped ones (their gradients stay in ``.grad``; FusedAdamWMP handles the mix).
 
+    Tied weights (GPT-2's ``lm_head`` sharing ``wte.weight``): the linear layer's part of the gradient
+    goes to ``main_grad``, the other use's to ``.grad``; every mpkern consumer (``FusedAdamWMP``,
+    ``unscale_``, ``clip_grad_norm_``) adds ``.grad`` into ``main_grad`` first, so the gradient is the sum.
+
+    ``fp32_main_grad=True`` is refused for FSDP2 (``fully_shard``) models: FSDP2 reduce-scatters
+    ``.grad`` of the unsharded params, and a ``main_grad`` on them would never reach the sharded
+    params the optimizer holds (use ``MixedPrecisionPolicy(reduce_dtype=torch.float32)`` for fp32
+    gradient reduction). Convert before ``fully_shard`` without ``fp32_main_grad``, or not at all.
+
     Returns ``module``, or ``(module, ConvertReport)`` when ``report=True``.
     """
+    if fp32_main_grad:
+        _refuse_fsdp(module)
     rep = ConvertReport()
     mha_children: set[int] = set()
     for name, m in module.named_modules():

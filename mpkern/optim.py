@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from . import _backend, _ops, amp, distributed
-from .amp import _flat, _grad_of
+from .amp import _flat, _main_grad_of, _to_device
 from .distributed import local as _local
-from .distributed import version as _ver
+from .distributed import stamp as _stamp
 from .reference import MASTER_F32, MASTER_NONE, MASTER_REMAINDER
 
 Tensor = torch.Tensor
@@ -39,6 +40,32 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _GROUPS: dict[int, Any] = {}  # process groups of pickled optimizers (see __getstate__)
 _OWN_KEYS = ("max_grad_norm", "master_weights", "state_dtype", "stochastic_rounding", "seed")
 _LAYOUT_KEYS = ("master_weights", "state_dtype")
+# state_dtype is kept in the param groups as a plain string (torch.distributed.checkpoint's full /
+# CPU-offload state dicts refuse torch.dtype values); the constructor takes either
+_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_STATE_DTYPE_NAMES = {v: k for k, v in _STATE_DTYPES.items()}
+
+
+def _state_dtype(group: dict[str, Any]) -> torch.dtype:
+    """The torch dtype of a group's moments (``group["state_dtype"]`` is its name)."""
+    sdt = group["state_dtype"]
+    return sdt if isinstance(sdt, torch.dtype) else _STATE_DTYPES[sdt]
+
+
+class _Pending(NamedTuple):
+    """What :func:`mpkern.unscale_` / ``clip_grad_norm_`` left for the next ``step()``.
+
+    ``inv`` and ``coef`` are still to be applied to the grads (both 1 when ``apply=True`` wrote
+    them already); ``norm`` is the norm of ``grads * inv`` (what the step sees before ``coef``),
+    ``reported`` the norm the caller got back (``last_grad_norm``), ``inf_norm`` which norm it is.
+    """
+
+    inv: Tensor
+    coef: Tensor
+    found: Tensor
+    norm: Tensor
+    reported: Tensor
+    inf_norm: bool
 
 
 def _flat_view(t: Tensor) -> Tensor:
@@ -106,11 +133,19 @@ class FusedAdamWMP(torch.optim.Optimizer):
     place as flat buffers with state laid out like the param; other strided views go through a
     contiguous copy (correct, slower).
 
-    Writes to the params are kept: when a 16-bit param was written by someone else since the
-    optimizer's last write (``model.load_state_dict``, ``fill_``, ``copy_``, re-initialisation; seen
-    from the param's version counter, a host-side integer, so no sync), its master is re-seeded
-    from it before the next update -- elementwise, keeping the master's low bits where the param
-    still equals the rounded master. With ``"remainder"`` the remainder of such a param is reset.
+    Writes to the params are kept: when a param was written or replaced by someone else since the
+    optimizer's last write (``model.load_state_dict``, ``fill_``, ``copy_``, re-initialisation,
+    ``p.data = t``, ``model.to(memory_format=...)``, ``model.to(dtype)``; seen from the param's version
+    counter and data pointer, host-side integers, so no sync), its state is made to fit before the
+    next update: state re-laid like the param (values kept by index), the master re-seeded
+    elementwise (kept where the param still equals the rounded master, else the param's value),
+    a master built or dropped when the param's dtype changed (``model.float()`` after steps gives the
+    params their fp32 masters back). With ``"remainder"`` the remainder of a written param is reset,
+    except for params that share one storage (views of a flat buffer share a version counter, so
+    the written one cannot be told apart: remainders are kept, the written param's master is then
+    within half a bf16 ulp of the written value). **Not seen**: in-place writes through a ``.data``
+    alias (``p.data.fill_(x)``, ``p.data.copy_(ema)``) -- PyTorch gives ``.data`` its own version
+    counter; call :meth:`resync_masters` after such writes.
 
     Overflow: ``_step_supports_amp_scaling = True`` -- ``GradScaler.step`` hands over ``grad_scale``
     and ``found_inf``; when found_inf is set nothing changes (params, masters, moments, steps).
@@ -174,15 +209,16 @@ class FusedAdamWMP(torch.optim.Optimizer):
         if ignored:
             warnings.warn(f"FusedAdamWMP ignores {', '.join(ignored)}: it always runs one fused multi-tensor "
                           "kernel", UserWarning, stacklevel=2)
-        _check_own_args(master_weights, state_dtype, max_grad_norm, stochastic_rounding)
+        state_dtype = _check_own_args(master_weights, state_dtype, max_grad_norm, stochastic_rounding)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         capturable=capturable, max_grad_norm=max_grad_norm, master_weights=master_weights,
                         state_dtype=state_dtype, stochastic_rounding=stochastic_rounding, seed=int(seed))
-        self._pending: tuple[Tensor, Tensor, Tensor] | None = None
+        self._pending: _Pending | None = None
         self.last_grad_norm: Tensor | None = None
         self.last_found_inf: Tensor | None = None
-        self._versions: dict[int, Any] = {}  # id(param) -> its version after our last write
+        self._versions: dict[int, Any] = {}  # id(param) -> its stamp (version, data pointer) after our last write
         self._mpkern_process_group = process_group
+        self._storage_count: dict[int, int] | None = None  # see _shares_storage (rebuilt every step)
         super().__init__(params, defaults)
 
     # ---- settings ----------------------------------------------------------------------------
@@ -207,8 +243,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
         group = self.param_groups[-1]
         gi = len(self.param_groups) - 1
         try:
-            _check_own_args(group["master_weights"], group["state_dtype"], group["max_grad_norm"],
-                            group["stochastic_rounding"])
+            group["state_dtype"] = _check_own_args(group["master_weights"], group["state_dtype"],
+                                                   group["max_grad_norm"], group["stochastic_rounding"])
             if group["max_grad_norm"] != self.param_groups[0]["max_grad_norm"]:
                 raise ValueError(f"FusedAdamWMP: max_grad_norm is a global norm threshold; group {gi} has "
                                  f"{group['max_grad_norm']!r}, group 0 has {self.param_groups[0]['max_grad_norm']!r}")
@@ -239,7 +275,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
         state = self.state[p]
         if "step" in state:
             return state
-        sdt = group["state_dtype"]
+        sdt = _state_dtype(group)
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         state["exp_avg"] = _like(p, sdt).zero_()
         state["exp_avg_sq"] = _like(p, sdt).zero_()
@@ -264,7 +300,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        for key in ("_pending", "last_grad_norm", "last_found_inf", "_mpkern_process_group"):
+        for key in ("_pending", "last_grad_norm", "last_found_inf", "_mpkern_process_group", "_storage_count"):
             self.__dict__.setdefault(key, None)
         token = self.__dict__.pop("_mpkern_process_group_token", None)
         if token is not None:
@@ -272,29 +308,49 @@ class FusedAdamWMP(torch.optim.Optimizer):
                 raise RuntimeError("FusedAdamWMP: this optimizer was pickled with a process_group, which only "
                                    "exists in the process that created it; build the optimizer anew in this process")
             self._mpkern_process_group = _GROUPS[token]
-        for key, val in (("max_grad_norm", None), ("master_weights", True), ("state_dtype", torch.float32),
+        for key, val in (("max_grad_norm", None), ("master_weights", True), ("state_dtype", "float32"),
                          ("stochastic_rounding", False), ("seed", 0)):
             self.defaults.setdefault(key, val)
-        for group in self.param_groups:  # groups saved before a flag existed: AdamW's fallbacks
+        for group in chain(self.param_groups, [self.defaults]):
             for key, val in (("amsgrad", False), ("maximize", False), ("capturable", False)):
-                group.setdefault(key, val)
+                group.setdefault(key, val)  # groups saved before a flag existed: AdamW's fallbacks
+            if isinstance(group.get("state_dtype"), torch.dtype):  # saved by an older mpkern
+                group["state_dtype"] = _STATE_DTYPE_NAMES.get(group["state_dtype"], group["state_dtype"])
         # params and masters were copied together: they agree now
-        self._versions = {id(p): _ver(p) for p in self.state if isinstance(p, Tensor)}
+        self._versions = {id(p): _stamp(p) for p in self.state if isinstance(p, Tensor)}
 
     # ---- the unscale_/clip hand-off -----------------------------------------------------------
-    def _mpkern_set_pending_unscale(self, factor: Tensor, found_inf: Tensor, total_norm: Tensor) -> None:
-        """Called by :func:`mpkern.unscale_`: apply ``factor`` to the grads in the next step."""
-        self._pending = (factor, found_inf, total_norm)
+    def _mpkern_set_pending_unscale(self, factor: Tensor, found_inf: Tensor, total_norm: Tensor, *,
+                                    inv: Tensor | None = None, coef: Tensor | None = None,
+                                    applied: bool = False, inf_norm: bool = False) -> None:
+        """Called by :func:`mpkern.unscale_`: apply ``inv * coef`` (= ``factor``) in the next step.
+
+        ``applied=True``: the grads were already multiplied (``unscale_(..., apply=True)``); only the
+        skip decision and the norm are left for the step."""
+        if applied or inv is None or coef is None:
+            one = torch.ones_like(factor)
+            seen = total_norm if coef is None or not applied else total_norm * coef
+            self._pending = _Pending(one, one, found_inf, seen, total_norm, inf_norm)
+        else:
+            self._pending = _Pending(inv, coef, found_inf, total_norm, total_norm, inf_norm)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the grads' global norm in the next ``step()`` (grads are not modified); return the norm.
 
-        For fp16 with a GradScaler use ``mpkern.unscale_(opt, scaler=scaler, max_norm=...)`` instead:
-        this method sees the grads as they are (scaled, if a scaler scaled the loss).
+        Composes with what is already pending: after ``mpkern.unscale_(opt, scaler=scaler)`` the
+        norm is that of the *unscaled* grads and the unscale factor stays; every clip threshold
+        applies (``max_grad_norm``, an earlier ``unscale_(max_norm=)``, this one): the smallest
+        coefficient wins. Without a pending unscale it sees the grads as they are (scaled, if a
+        scaler scaled the loss: use ``mpkern.unscale_(opt, scaler=scaler, max_norm=...)`` then).
         ``clip_grad_norm`` is the same method under the name some wrappers (sharded optimizers,
         older ``transformers.Trainer``) look for.
         """
-        res = amp.unscale_(self, 1.0, max_norm=max_norm, norm_type=norm_type)
+        prev = self._pending
+        res = amp.unscale_(self, prev.inv if prev is not None else 1.0, max_norm=max_norm, norm_type=norm_type)
+        if prev is not None and self._pending is not None:
+            new = self._pending
+            self._pending = new._replace(coef=torch.minimum(prev.coef, new.coef),
+                                         found=torch.maximum(prev.found, new.found))
         return res.total_norm
 
     clip_grad_norm = clip_grad_norm_
@@ -327,18 +383,38 @@ class FusedAdamWMP(torch.optim.Optimizer):
         Use it for an fp32 export, EMA or evaluation; see :meth:`copy_master_params_to`.
         """
         out = []
+        self._storage_count = None
         for group in self.param_groups:
             for p in group["params"]:
                 st = self.state.get(p, {})
+                if "step" in st and self._versions.get(id(p), -1) != _stamp(p):
+                    self._conform(group, self._mode(group, p), p, st)  # written since our last step
                 if "master_param" in st:
-                    self._reseed_if_written(p, st)
                     out.append(st["master_param"])
-                elif "master_remainder" in st:
-                    self._reseed_if_written(p, st)
+                elif "master_remainder" in st and p.dtype == torch.bfloat16:
                     out.append(_remainder_to_master(p.detach(), st["master_remainder"]))
                 else:
                     out.append(p.detach() if p.dtype == torch.float32 else p.detach().float())
         return out
+
+    @torch.no_grad()
+    def resync_masters(self, params: Iterable[Tensor] | None = None) -> None:
+        """Re-seed the masters of ``params`` (default: every param) from the params as they are now.
+
+        Writes the optimizer cannot see need this: writes through a ``.data`` alias
+        (``p.data.fill_(x)``, ``p.data.copy_(ema)``; old ``_init_weights`` code) bypass the version
+        counter the automatic check reads. Masters are re-seeded elementwise (kept where the param
+        still equals the rounded master, else the param's value); remainders are reset (except for
+        params sharing one storage, see the class docs). Params without state are ignored.
+        """
+        wanted = None if params is None else {id(p) for p in ([params] if isinstance(params, Tensor) else params)}
+        self._storage_count = None
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and "step" in st and (wanted is None or id(p) in wanted):
+                    self._versions[id(p)] = -1  # "written"
+                    self._conform(group, self._mode(group, p), p, st)
 
     @torch.no_grad()
     def copy_master_params_to(self, target: torch.nn.Module | Iterable[Tensor]) -> None:
@@ -358,38 +434,126 @@ class FusedAdamWMP(torch.optim.Optimizer):
             d.copy_(s)
 
     # ---- step ---------------------------------------------------------------------------------
-    def _collect(self):
-        """Validated work per (group, device, mode); raises before anything is modified."""
+    def _collect(self) -> tuple[list[tuple[dict[str, Any], torch.device, int, list[tuple[Tensor, Tensor]]]], bool]:
+        """(work per (group, device, mode), whether any grad is a ``main_grad``), validated;
+        raises before any param or state is modified.
+
+        A param listed twice in one group (``torch.optim`` warns about it) is stepped twice, like
+        ``torch.optim.AdamW`` does on its single-tensor path: each repeat goes to a later pass.
+        A param with both ``main_grad`` and ``.grad`` (a tied weight) gets their sum.
+        """
         work = []
+        uses_main = False
         for gi, group in enumerate(self.param_groups):
-            buckets: dict[tuple[torch.device, int], list[tuple[Tensor, Tensor]]] = {}
+            passes: list[dict[tuple[torch.device, int], list[tuple[Tensor, Tensor]]]] = [{}]
+            seen: dict[int, int] = {}
             for pi, p in enumerate(group["params"]):
-                g = _grad_of(p)
+                g = getattr(p, "main_grad", None)
                 if g is None:
-                    continue
+                    g = p.grad
+                    if g is None:
+                        continue
+                else:
+                    uses_main = True
+                    if p.grad is not None:
+                        g = _main_grad_of(p, g)
                 # one cheap combined test per param; the detailed message only on failure
                 if not (isinstance(g, Tensor) and g.layout == torch.strided and g.dtype in _FLOATS
                         and g.shape == p.shape and g.device == p.device):
                     _raise_bad_grad(f"group {gi} param {pi}", p, g)
-                buckets.setdefault((p.device, self._mode(group, p)), []).append((p, g))
-            for (dev, mode), pairs in buckets.items():
-                work.append((group, dev, mode, pairs))
+                if type(g) is not Tensor:
+                    distributed.check_reduced(g, f"FusedAdamWMP: group {gi} param {pi}")
+                k = seen.get(id(p), -1) + 1
+                seen[id(p)] = k
+                if k == len(passes):
+                    passes.append({})
+                passes[k].setdefault((p.device, self._mode(group, p)), []).append((p, g))
+            for buckets in passes:
+                for (dev, mode), pairs in buckets.items():
+                    work.append((group, dev, mode, pairs))
         for dev in {w[1] for w in work}:
             _backend.select(dev)
-        return work
+        return work, uses_main
 
-    def _reseed_if_written(self, p: Tensor, st: dict[str, Any]) -> None:
-        """Re-seed the master of ``p`` if the param was written since the optimizer's last write."""
+    def _shares_storage(self, p: Tensor) -> bool:
+        """True if ``p``'s storage also holds another param of this optimizer (views of one flat
+        buffer share one version counter, so a write to one of them cannot be told apart)."""
+        if self._storage_count is None:
+            count: dict[int, int] = {}
+            for group in self.param_groups:
+                for q in group["params"]:
+                    key = _local(q).untyped_storage().data_ptr()
+                    count[key] = count.get(key, 0) + 1
+            self._storage_count = count
+        return self._storage_count.get(_local(p).untyped_storage().data_ptr(), 0) > 1
+
+    @torch.no_grad()
+    def _conform(self, group: dict[str, Any], mode: int, p: Tensor, st: dict[str, Any]) -> None:
+        """Make the state of ``p`` fit the param as it is now, after someone else wrote or replaced it
+        (or a checkpoint was loaded); record its stamp.
+
+        * layout or device changed (``.to(memory_format=...)``, ``.to(device)``): every state tensor
+          is re-laid like the param, values kept by index (the kernel pairs flat buffers by memory
+          position, so they must share the param's strides);
+        * fp32 master: re-seeded elementwise -- kept where the param still equals the master
+          rounded to the param's dtype, else the param's value; built from a remainder (a
+          converted checkpoint, whichever of model and optimizer was loaded first) or from the param;
+        * remainder: reset to 0 for a param that was written (the written bf16 value is the master),
+          kept after a checkpoint load, and kept for a param sharing its storage with other params
+          (a write to one view cannot be attributed: the others' low bits must survive; the written
+          one's master is then within half a bf16 ulp of the written value);
+        * no master (fp32 params, ``master_weights=False``): a master left from a 16-bit past
+          (``model.float()`` after steps) restores the param's low bits where the param still is its
+          rounding; master state that no longer applies is dropped.
+        """
         rec = self._versions.get(id(p), -1)
-        if rec == _ver(p):
-            return
-        if "master_param" in st:
-            # elementwise: keep the master where the param is still its rounding, else take the param
-            m, pl = _local(st["master_param"]), _local(p.detach())
-            m.copy_(torch.where(pl == m.to(pl.dtype), m, pl.float()))
-        elif "master_remainder" in st and rec is not None:
-            _local(st["master_remainder"]).zero_()  # the written bf16 value is the master now
-        self._versions[id(p)] = _ver(p)
+        ref = st.get("exp_avg")
+        if isinstance(ref, Tensor) and tuple(ref.shape) != tuple(p.shape):
+            raise ValueError(f"FusedAdamWMP: a param now has shape {tuple(p.shape)}, its optimizer state "
+                             f"{tuple(ref.shape)} (it was replaced by a tensor of another shape after the first "
+                             "step); rebuild the optimizer or load a matching state dict")
+        if not distributed.is_dtensor(p):
+            for key, t in list(st.items()):
+                if key == "step" or not isinstance(t, Tensor) or t.shape != p.shape:
+                    continue
+                want = _like(p, t.dtype)
+                if want.device != t.device or want.stride() != t.stride():
+                    st[key] = want.copy_(t)
+        pl = _local(p.detach())
+        master = st.get("master_param")
+        rem = st.get("master_remainder")
+        if mode == MASTER_F32:
+            if master is not None:
+                m = _local(master)
+                m.copy_(torch.where(pl == m.to(pl.dtype), m, pl.float()))
+            elif rem is not None and p.dtype == torch.bfloat16:
+                st["master_param"] = _remainder_to_master(p.detach(), rem)
+            else:
+                st["master_param"] = _like(p, torch.float32).copy_(p.detach())
+            st.pop("master_remainder", None)
+        elif mode == MASTER_REMAINDER:
+            if master is not None:  # an fp32 master (converted checkpoint): param + remainder, exactly
+                m = _local(master)
+                hi, low = _master_to_remainder(distributed.wrap_like(p, torch.where(pl == m.to(pl.dtype), m,
+                                                                                    pl.float())))
+                _local(p).copy_(_local(hi))
+                st["master_remainder"] = _like(p, torch.int16).copy_(low)
+                del st["master_param"]
+            elif rem is None:
+                st["master_remainder"] = _like(p, torch.int16).zero_()
+            elif rec is not None and not self._shares_storage(p):
+                _local(rem).zero_()  # the written bf16 value is the master now
+        else:
+            if p.dtype == torch.float32 and (master is not None or rem is not None):
+                if master is not None:
+                    m = _local(master)
+                    same = (m.to(torch.bfloat16).float() == pl) | (m.to(torch.float16).float() == pl)
+                    pl.copy_(torch.where(same, m, pl))
+                else:
+                    pl.copy_(_local(_remainder_to_master(distributed.wrap_like(p, pl.to(torch.bfloat16)), rem)))
+            st.pop("master_param", None)
+            st.pop("master_remainder", None)
+        self._versions[id(p)] = _stamp(p)
 
     def _check_capture(self, work: list) -> None:
         """During a CUDA graph capture, raise (naming the reason) unless the step can be captured:
@@ -411,62 +575,113 @@ class FusedAdamWMP(torch.optim.Optimizer):
                     raise RuntimeError("FusedAdamWMP: a param has no optimizer state yet; run one eager step "
                                        "(warm-up) before capturing step() in a CUDA graph")
 
+    def _own_clip(self, pend: _Pending) -> _Pending:
+        """``pend`` with ``max_grad_norm`` applied too: the smaller clip coefficient wins."""
+        mgn = self.max_grad_norm
+        if pend.inf_norm:  # the pending norm is the inf-norm: max_grad_norm needs the L2 norm
+            amp.unscale_(self, pend.inv, max_norm=mgn)
+            l2, self._pending = self._pending, None
+            assert l2 is not None
+            return pend._replace(coef=torch.minimum(pend.coef, l2.coef), found=torch.maximum(pend.found, l2.found))
+        one = torch.ones_like(pend.coef)
+        coef = torch.where(pend.found > 0, one, torch.clamp(mgn / (pend.norm + 1e-6), max=1.0))
+        return pend._replace(coef=torch.minimum(pend.coef, coef))
+
+    def _tell_scaler(self, found: Tensor) -> None:
+        """Record ``found`` (which includes what GradScaler found in ``.grad``) in the GradScaler that
+        is stepping this optimizer, so that ``scaler.update()`` backs off on an overflow only
+        ``main_grad`` held. GradScaler hands the optimizer its scale but not itself: it is found as
+        the caller of this ``step()``."""
+        frame = sys._getframe(1)
+        scaler = None
+        for _ in range(12):
+            frame = frame.f_back
+            if frame is None:
+                break
+            cand = frame.f_locals.get("self")
+            if isinstance(cand, torch.amp.GradScaler) and frame.f_locals.get("optimizer") is self:
+                scaler = cand
+                break
+        if scaler is None:
+            warnings.warn("FusedAdamWMP.step: got a grad_scale but no calling GradScaler; an overflow in main_grad "
+                          "skips the step but cannot back off the scale -- use mpkern.unscale_(opt, scaler=scaler) "
+                          "before scaler.step(opt)", UserWarning, stacklevel=3)
+            return
+        dev = scaler._scale.device
+        scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {dev: _to_device(found, dev)}
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One AdamW step over all param groups (skipped bitwise when an overflow was found)."""
+        """One AdamW step over all param groups (skipped bitwise when an overflow was found).
+
+        Everything that can fail (grads, state layout, lr, capture rules) is checked and prepared
+        for every group before the first kernel runs: an error leaves no group half-stepped."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = self._collect()
+        work, uses_main = self._collect()
         self._check_capture(work)
-        pending, self._pending = self._pending, None
         grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step (amp-scaling protocol)
         found_ext = getattr(self, "found_inf", None)
+        if uses_main and self._pending is None and grad_scale is None and found_ext is not None:
+            raise ValueError("FusedAdamWMP.step: GradScaler.unscale_(optimizer) was called, which unscales .grad only; "
+                             "the main_grad buffers (mpkern.nn fp32_main_grad=True) are still scaled -- call "
+                             "mpkern.unscale_(optimizer, scaler=scaler) instead of scaler.unscale_(optimizer)")
+        pending, self._pending = self._pending, None
         if not work:
             return loss
+        # the external-write check is host-side: it runs in eager steps (not while compiling or
+        # capturing a CUDA graph, whose replays run no Python)
+        check_writes = self._mpkern_check_writes and not torch.compiler.is_compiling() and not _ops.capturing()
+        self._storage_count = None
+        prepared = [(group, dev, mode, pairs, *self._prepare(group, mode, pairs, check_writes),
+                     _ops.lr_args(group["lr"], dev)) for group, dev, mode, pairs in work]
         out_dev = work[0][1]
+        own_check = False
         if pending is None:
             # GradScaler's scale (amp-scaling protocol): its reciprocal in fp64 like GradScaler,
             # on the scale's device; else the cached constant 1 (read-only)
             inv = (grad_scale.double().reciprocal().float().reshape(()) if grad_scale is not None
                    else _ops.scalar_on(1.0, out_dev))
-            if self.max_grad_norm is not None:
+            # GradScaler checked .grad only: a main_grad needs our own check (the stats pass)
+            own_check = grad_scale is not None and uses_main
+            if self.max_grad_norm is not None or own_check:
+                self._pending = None
                 amp.unscale_(self, inv, max_norm=self.max_grad_norm)
                 pending, self._pending = self._pending, None
+        elif self.max_grad_norm is not None:
+            pending = self._own_clip(pending)
         if pending is not None:
-            factor, found, total_norm = pending
-            self.last_grad_norm = total_norm
+            factor, found = pending.inv * pending.coef, pending.found
+            self.last_grad_norm = pending.reported
         else:
             factor = inv
             found = torch.zeros((), dtype=torch.float32, device=factor.device)
         if found_ext is not None:
-            found = torch.maximum(found, found_ext.to(found.device, torch.float32).reshape(()))
+            found = torch.maximum(found, _to_device(found_ext, found.device, torch.float32).reshape(()))
+        if own_check:
+            self._tell_scaler(found)
         self.last_found_inf = found
-        # the external-write check is host-side: it runs in eager steps (not while compiling or
-        # capturing a CUDA graph, whose replays run no Python)
-        check_writes = self._mpkern_check_writes and not torch.compiler.is_compiling() and not _ops.capturing()
         per_dev: dict[torch.device, tuple[Tensor, Tensor]] = {}
-        for group, dev, mode, pairs in work:
+        versions = self._versions
+        for group, dev, mode, pairs, lists, copies, (lr_tensor, lr_value) in prepared:
             if dev not in per_dev:
-                per_dev[dev] = (factor.to(dev, torch.float32, non_blocking=True).reshape(()),
-                                found.to(dev, torch.float32, non_blocking=True).reshape(()))
+                per_dev[dev] = (_to_device(factor, dev, torch.float32).reshape(()),
+                                _to_device(found, dev, torch.float32).reshape(()))
             f_dev, found_dev = per_dev[dev]
-            lists, copies = self._prepare(group, mode, pairs, check_writes)
-            lr_tensor, lr_value = _ops.lr_args(group["lr"], dev)  # no host-to-device copy, no sync
             _fused_adamw_mp(_backend.select(dev), *lists, f_dev, found_dev, lr_tensor, lr_value, group, mode)
             for p, tmp in copies:  # params that are not one dense block went through a copy
                 p.copy_(tmp)
-            if check_writes and mode != MASTER_NONE:
-                # _prepare recorded each param's version before the kernel. The native and Triton
+            if check_writes:
+                # _prepare recorded each param's stamp before the kernel. The native and Triton
                 # kernels write through data pointers (no version bump): nothing to do. A backend
                 # that bumps (the torch reference, the contiguous-copy path) is seen on the param
                 # it touched and recorded again -- one host read per bucket in the common case.
-                versions = self._versions
                 p0 = pairs[0][0]
-                if copies or versions.get(id(p0)) != _ver(p0):
+                if copies or versions.get(id(p0)) != _stamp(p0):
                     for p, _ in pairs:
-                        versions[id(p)] = _ver(p)
+                        versions[id(p)] = _stamp(p)
         self._consume_main_grads(work)
         return loss
 
@@ -476,15 +691,20 @@ class FusedAdamWMP(torch.optim.Optimizer):
         copies: list[tuple[Tensor, Tensor]] = []
         amsgrad = group["amsgrad"]
         mkey = "master_param" if mode == MASTER_F32 else "master_remainder" if mode == MASTER_REMAINDER else None
+        versions = self._versions
         for p, g in pairs:
             st = self.state.get(p)
             if st is None or "step" not in st:
                 st = self._init_state(group, p)
-                if check_writes and mode != MASTER_NONE:
-                    self._versions[id(p)] = _ver(p)
-            elif check_writes and mode != MASTER_NONE and self._versions.get(id(p), -1) != (
-                    p._version if type(p) is Parameter else _ver(p)):
-                self._reseed_if_written(p, st)  # records the version
+                if check_writes:
+                    versions[id(p)] = _stamp(p)
+            elif check_writes and versions.get(id(p), -1) != (
+                    (p._version, p.data_ptr()) if type(p) is Parameter else _stamp(p)):
+                self._conform(group, mode, p, st)  # written or replaced: records the stamp
+            elif mkey not in st if mkey is not None else ("master_param" in st or "master_remainder" in st):
+                self._conform(group, mode, p, st)  # a converted checkpoint or a new param dtype
+            if amsgrad and "max_exp_avg_sq" not in st:
+                st["max_exp_avg_sq"] = _like(p, torch.float32).zero_()
             ts = [st["exp_avg"], st["exp_avg_sq"]]
             if amsgrad:
                 ts.append(st["max_exp_avg_sq"])
@@ -562,6 +782,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
                 ng["param_names"] = g["param_names"]
             for key in _OWN_KEYS:
                 ng.setdefault(key, g[key])  # a plain AdamW checkpoint has none of them
+            if isinstance(ng["state_dtype"], torch.dtype):  # saved by an older mpkern
+                ng["state_dtype"] = _STATE_DTYPE_NAMES.get(ng["state_dtype"], ng["state_dtype"])
             for key in _LAYOUT_KEYS:
                 if ng[key] != g[key]:
                     converted.append(f"group {gi}: {key}={ng[key]!r} -> {g[key]!r}")
@@ -586,18 +808,22 @@ class FusedAdamWMP(torch.optim.Optimizer):
             post_hook(self)
 
 
-def _check_own_args(master_weights: Any, state_dtype: Any, max_grad_norm: Any, stochastic_rounding: Any) -> None:
+def _check_own_args(master_weights: Any, state_dtype: Any, max_grad_norm: Any, stochastic_rounding: Any) -> str:
+    """Validate mpkern's own arguments; return ``state_dtype`` as the name kept in the groups."""
     if master_weights not in (True, False, "remainder") or isinstance(master_weights, int) and not isinstance(
             master_weights, bool):
         raise ValueError(f"master_weights must be True, False or 'remainder', got {master_weights!r}")
-    if state_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
+    name = _STATE_DTYPE_NAMES.get(state_dtype) if isinstance(state_dtype, torch.dtype) else state_dtype
+    if not isinstance(name, str) or name not in _STATE_DTYPES:
+        raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16 (or 'float32' / 'bfloat16'), "
+                         f"got {state_dtype!r}")
     if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
                                       or not (max_grad_norm > 0 and math.isfinite(max_grad_norm))):
         raise ValueError(f"max_grad_norm must be a positive finite float or None, got {max_grad_norm!r}")
     if stochastic_rounding and master_weights is not False:
         raise ValueError("stochastic_rounding applies to 16-bit params without master weights: "
                          "use it with master_weights=False")
+    return name
 
 
 def _raise_bad_grad(where: str, p: Tensor, g: Any) -> None:
@@ -651,9 +877,10 @@ def _state_from_checkpoint(p: Tensor, src: Any, group: dict[str, Any], mode: int
         st["step"] = torch.as_tensor(src.pop("step"), dtype=torch.float32).reshape(()).to(dev).clone()
     else:
         st["step"] = torch.zeros((), dtype=torch.float32, device=dev)
+    sdt = _state_dtype(group)
     for key in ("exp_avg", "exp_avg_sq"):
         val = src.pop(key, None)
-        st[key] = laid(val, group["state_dtype"]) if val is not None else _like(p, group["state_dtype"]).zero_()
+        st[key] = laid(val, sdt) if val is not None else _like(p, sdt).zero_()
     vm = src.pop("max_exp_avg_sq", None)
     if vm is not None:
         st["max_exp_avg_sq"] = laid(vm, torch.float32)
@@ -661,19 +888,27 @@ def _state_from_checkpoint(p: Tensor, src: Any, group: dict[str, Any], mode: int
         st["max_exp_avg_sq"] = _like(p, torch.float32).zero_()
     master = src.pop("master_param", None)
     rem = src.pop("master_remainder", None)
-    if master is None and rem is not None and p.dtype == torch.bfloat16:
-        master = _remainder_to_master(p.detach().to(dev), laid(rem, torch.int16))
     if mode == MASTER_F32:
-        st["master_param"] = laid(master, torch.float32) if master is not None else _like(p, torch.float32).copy_(p)
+        if master is not None:
+            st["master_param"] = laid(master, torch.float32)
+        elif rem is not None:
+            # a "remainder" checkpoint: the master is the bf16 param + this remainder, and the param
+            # may not be loaded yet -- the step (or master_params()) builds it from the param as it
+            # is then, so model and optimizer load in either order
+            st["master_remainder"] = laid(rem, torch.int16)
+        else:
+            st["master_param"] = _like(p, torch.float32).copy_(p)
     elif mode == MASTER_REMAINDER:
         if rem is not None:
             st["master_remainder"] = laid(rem, torch.int16)
-        elif master is not None:  # fp32 master -> bf16 param + remainder, exactly
-            hi, low = _master_to_remainder(laid(master, torch.float32))
-            p.copy_(hi)
-            st["master_remainder"] = laid(low, torch.int16)
+        elif master is not None:
+            # an fp32 master: split into bf16 param + remainder at the next step (exactly, and
+            # after a model load that may still come)
+            st["master_param"] = laid(master, torch.float32)
         else:
             st["master_remainder"] = _like(p, torch.int16).zero_()
+    elif master is None and rem is not None and p.dtype == torch.bfloat16:
+        pass  # no master kept: the bf16 param is the value (the remainder's low bits are dropped)
     elif master is not None and p.dtype != torch.float32:
         p.copy_(master.to(dev))  # no master kept: the param takes the checkpoint's master, rounded
     for key, val in src.items():  # entries we do not know: like torch.optim.Optimizer

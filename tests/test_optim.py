@@ -358,18 +358,18 @@ def test_lr_scheduler_and_param_groups(backend):
 def test_tensor_lr_and_main_grad(backend):
     p = _params([(64,)], torch.bfloat16, 12)[0]
     p.main_grad = torch.randn(64, device=DEVICE)
-    p.grad = torch.full((64,), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # must be ignored
+    # a tied weight: the other use's part of the gradient is in .grad -- the gradient is the sum
+    p.grad = torch.randn(64, device=DEVICE).to(torch.bfloat16)
     ref = AdamW64([p], 1e-2, (0.9, 0.999), 1e-8, 0.01)
     opt = FusedAdamWMP([p], lr=torch.tensor(1e-2))
-    ref.step([p.main_grad])
+    ref.step([p.main_grad.double() + p.grad.double()])
     opt.step()
     torch.testing.assert_close(opt.state[p]["master_param"].double(), ref.w[0], rtol=1e-5, atol=1e-7)
-    assert p.main_grad is None  # consumed by the step: it cannot accumulate into the next one
+    assert p.main_grad is None and p.grad is None  # consumed by the step: nothing accumulates into the next one
     p.main_grad = torch.randn(64, device=DEVICE)
+    p.grad = torch.randn(64, device=DEVICE).to(torch.bfloat16)
     opt.zero_grad(set_to_none=False)
     assert torch.count_nonzero(p.main_grad) == 0 and torch.count_nonzero(p.grad) == 0
-    opt.zero_grad()
-    assert p.grad is None and p.main_grad is None
 
 
 @given(shapes=st.lists(st.integers(1, 3000), min_size=1, max_size=4),

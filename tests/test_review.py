@@ -1,0 +1,413 @@
+"""Issue 13: silent wrongness found by a review of main -- each test failed before its fix.
+
+References are float64 computations written here (or bitwise facts: a step at lr 0 must change
+nothing), never numbers produced by the code under test.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import pytest
+import torch
+from conftest import DEVICE
+
+import mpkern
+from mpkern import FusedAdamWMP
+
+B1, B2, EPS = 0.9, 0.999, 1e-8
+
+
+def _adamw64_first_step(w: torch.Tensor, g: torch.Tensor, lr: float, wd: float) -> torch.Tensor:
+    """float64 AdamW after one step from zero moments."""
+    w, g = w.double(), g.double()
+    m, v = (1 - B1) * g, (1 - B2) * g * g
+    denom = v.sqrt() / math.sqrt(1 - B2) + EPS
+    return w * (1 - lr * wd) - lr / (1 - B1) * m / denom
+
+
+# ---- 1: tied weights: the gradient is main_grad + grad, for every consumer --------------------------
+class _TiedLM(torch.nn.Module):
+    def __init__(self, vocab: int = 50, dim: int = 16) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, dim)
+        self.mix = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.wte.weight  # tied, like GPT-2's lm_head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.wte(ids))))
+
+
+def _tied_pair(seed: int):
+    torch.manual_seed(seed)
+    ref = _TiedLM().double().to(DEVICE)
+    model = _TiedLM().to(DEVICE)
+    model.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
+    model = mpkern.nn.convert(model.to(torch.bfloat16), fp32_main_grad=True)
+    ids = torch.randint(0, 50, (4, 12), generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE)
+    tgt = torch.randint(0, 50, (4, 12), generator=torch.Generator().manual_seed(seed + 2)).to(DEVICE)
+    for m in (ref, model):
+        torch.nn.functional.cross_entropy(m(ids).float().flatten(0, 1), tgt.flatten()).backward()
+    return ref, model
+
+
+def test_tied_weight_gradient_is_the_sum_everywhere(backend):
+    ref, model = _tied_pair(0)
+    w = model.wte.weight
+    assert w.main_grad is not None and w.grad is not None  # both parts are there before a consumer runs
+    want = ref.wte.weight.grad  # float64 autograd: embedding part + head part
+    # unscale_ (norm) and mpkern.clip_grad_norm_ see the whole gradient
+    res = mpkern.unscale_([w])
+    assert float(res.total_norm) == pytest.approx(float(want.norm()), rel=2e-2)
+    assert w.grad is None  # folded: a second consumer cannot add it twice
+    torch.testing.assert_close(w.main_grad.double(), want, rtol=3e-2, atol=2e-3)
+    norm = mpkern.clip_grad_norm_([w], max_norm=1e9)
+    assert float(norm) == pytest.approx(float(want.norm()), rel=2e-2)
+
+
+def test_tied_weight_optimizer_steps_with_the_sum(backend):
+    ref, model = _tied_pair(1)
+    w = model.wte.weight
+    g = w.main_grad.double() + w.grad.double()  # what the step must use
+    torch.testing.assert_close(g, ref.wte.weight.grad, rtol=3e-2, atol=2e-3)
+    w0 = w.detach().clone()
+    opt = FusedAdamWMP(model.parameters(), lr=1e-3, weight_decay=0.0)
+    opt.step()
+    # exp_avg after one step is (1 - beta1) * grad: the embedding part must not be dropped
+    torch.testing.assert_close(opt.state[w]["exp_avg"].double(), (1 - B1) * g, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(opt.state[w]["master_param"].double(), _adamw64_first_step(w0, g, 1e-3, 0.0),
+                               rtol=1e-6, atol=1e-7)
+
+
+def test_tied_weight_under_max_grad_norm(backend):
+    ref, model = _tied_pair(2)
+    want = ref.wte.weight.grad.norm()
+    opt = FusedAdamWMP([model.wte.weight], lr=1e-3, max_grad_norm=1e9)
+    opt.step()
+    assert float(opt.last_grad_norm) == pytest.approx(float(want), rel=2e-2)
+
+
+# ---- 2: writes through .data -----------------------------------------------------------------------
+def _bf16_step_model(seed: int, master=True):
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(8, 4).to(DEVICE).to(torch.bfloat16)
+    opt = FusedAdamWMP(lin.parameters(), lr=1e-2, weight_decay=0.0, master_weights=master)
+    for p in lin.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return lin, opt
+
+
+@pytest.mark.parametrize("master", [True, "remainder"])
+def test_data_assignment_is_seen(backend, master):
+    lin, opt = _bf16_step_model(0, master)
+    new = torch.full_like(lin.weight, 3.0)
+    lin.weight.data = new  # no version bump: only the data pointer tells
+    g = torch.randn_like(lin.weight)
+    lin.weight.grad = g
+    lin.bias.grad = torch.randn_like(lin.bias)
+    st = opt.state[lin.weight]
+    m0, v0 = st["exp_avg"].double(), st["exp_avg_sq"].double()
+    opt.step()
+    m = B1 * m0 + (1 - B1) * g.double()
+    v = B2 * v0 + (1 - B2) * g.double() ** 2
+    want = 3.0 - 1e-2 * (m / (1 - B1**2)) / ((v / (1 - B2**2)).sqrt() + EPS)
+    torch.testing.assert_close(opt.master_params()[0].double(), want, rtol=0, atol=1e-5)
+
+
+def test_data_inplace_write_needs_resync(backend):
+    # writes through a .data alias bypass every counter PyTorch keeps; resync_masters() is the way
+    lin, opt = _bf16_step_model(1)
+    lin.weight.data.fill_(3.0)
+    opt.resync_masters()
+    assert torch.equal(opt.master_params()[0], torch.full_like(opt.master_params()[0], 3.0))
+    lin.weight.grad = torch.randn_like(lin.weight)
+    opt.step()
+    assert (opt.master_params()[0] - 3.0).abs().max() < 0.05  # one lr-sized step from 3, not the old master
+
+
+# ---- 3: layout and dtype changes after the first step -------------------------------------------------
+def test_channels_last_after_first_step_changes_nothing_at_lr0(backend):
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 8, 3).to(DEVICE).to(torch.bfloat16)
+    opt = FusedAdamWMP(conv.parameters(), lr=1e-2, weight_decay=0.0)
+    for p in conv.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    conv.to(memory_format=torch.channels_last)
+    assert not conv.weight.is_contiguous()
+    before = conv.weight.detach().clone()
+    master = opt.state[conv.weight]["master_param"].clone()
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    for p in conv.parameters():
+        p.grad = torch.randn_like(p).contiguous(memory_format=torch.channels_last) if p.dim() == 4 else \
+            torch.randn_like(p)
+    opt.step()
+    assert torch.equal(conv.weight, before)
+    assert torch.equal(opt.state[conv.weight]["master_param"], master)
+
+
+def test_model_to_bf16_after_fp32_steps(backend):
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(8, 4).to(DEVICE)
+    opt = FusedAdamWMP(lin.parameters(), lr=1e-2, weight_decay=0.0)
+    for p in lin.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    lin.to(torch.bfloat16)  # was a bare KeyError: 'master_param'
+    for p in lin.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    st = opt.state[lin.weight]
+    assert st["master_param"].dtype == torch.float32
+    assert torch.equal(lin.weight, st["master_param"].to(torch.bfloat16))
+
+
+def test_model_float_after_bf16_steps_gets_the_masters_back(backend):
+    lin, opt = _bf16_step_model(2)
+    masters = [m.clone() for m in opt.master_params()]
+    lin.float()
+    for p, m in zip(lin.parameters(), masters):
+        assert not torch.equal(p, m)  # p.float() of bf16: the low bits are gone ...
+    for p in lin.parameters():
+        p.grad = torch.zeros_like(p)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    opt.step()
+    for p, m in zip(lin.parameters(), masters):
+        assert torch.equal(p, m)  # ... and the optimizer's masters put them back
+
+
+def test_shape_change_is_a_clear_error_and_nothing_is_stepped(backend):
+    torch.manual_seed(3)
+    a, b = torch.nn.Linear(4, 4).to(DEVICE), torch.nn.Linear(4, 4).to(DEVICE)
+    opt = FusedAdamWMP([{"params": a.parameters()}, {"params": b.parameters(), "lr": 1e-3}], lr=1e-2)
+    for p in [*a.parameters(), *b.parameters()]:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    b.weight.data = torch.randn(5, 4, device=DEVICE)
+    b.weight.grad = torch.randn(5, 4, device=DEVICE)
+    snap = [p.detach().clone() for p in a.parameters()]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in a.parameters()]
+    with pytest.raises(ValueError, match="shape"):
+        opt.step()
+    # group 0 comes first and must not have been stepped (no half-taken step)
+    for p, s, st in zip(a.parameters(), snap, state):
+        assert torch.equal(p, s)
+        for k, v in st.items():
+            assert torch.equal(opt.state[p][k], v)
+
+
+# ---- 4: GradScaler misses an overflow in main_grad -------------------------------------------------
+def _scaled_setup(max_grad_norm=None, dtype=torch.float16):
+    torch.manual_seed(4)
+    lin = torch.nn.Linear(8, 4, bias=True).to(DEVICE).to(dtype)
+    opt = FusedAdamWMP(lin.parameters(), lr=1e-2, max_grad_norm=max_grad_norm)
+    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=2.0**10)
+    scaler.scale(torch.ones((), device=DEVICE))  # creates the scale
+    return lin, opt, scaler
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+def test_scaler_step_sees_main_grad_overflow(backend, max_grad_norm):
+    lin, opt, scaler = _scaled_setup(max_grad_norm)
+    for p in lin.parameters():  # warm-up step: state exists
+        p.grad = torch.randn_like(p)
+    scaler.step(opt)
+    scaler.update()
+    before = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in lin.parameters()}
+    params = [p.detach().clone() for p in lin.parameters()]
+    lin.weight.grad = None
+    lin.weight.main_grad = torch.randn(lin.weight.shape, device=DEVICE)
+    lin.weight.main_grad[1, 2] = float("inf")
+    lin.bias.grad = torch.randn_like(lin.bias)  # finite: GradScaler's own check finds nothing
+    scale = float(scaler.get_scale())
+    scaler.step(opt)
+    scaler.update()
+    assert float(scaler.get_scale()) == scale * 0.5  # backed off
+    for p, p0 in zip(lin.parameters(), params):
+        assert torch.equal(p, p0)
+        for k, v in before[id(p)].items():
+            assert torch.equal(opt.state[p][k], v)
+
+
+def test_torch_scaler_unscale_with_main_grad_is_an_error(backend):
+    lin, opt, scaler = _scaled_setup(dtype=torch.bfloat16)  # torch's unscale_ refuses fp16 grads
+    lin.weight.main_grad = torch.randn(lin.weight.shape, device=DEVICE)
+    lin.bias.grad = torch.randn_like(lin.bias)
+    scaler.unscale_(opt)  # unscales .grad only: main_grad would be stepped at 1024x
+    with pytest.raises(ValueError, match="mpkern.unscale_"):
+        scaler.step(opt)
+
+
+# ---- 5: every clip applies ---------------------------------------------------------------------------
+def _clip_case(seed: int):
+    torch.manual_seed(seed)
+    p = torch.nn.Parameter(torch.randn(300, device=DEVICE).to(torch.bfloat16))
+    g = (torch.randn(300, device=DEVICE) * 20).to(torch.bfloat16)
+    return p, g
+
+
+@pytest.mark.parametrize("how", ["unscale_scaler", "unscale_inv", "clip_method_larger", "clip_method_smaller"])
+def test_max_grad_norm_and_pending_factor_both_apply(backend, how):
+    p, g = _clip_case(5)
+    scale = 2.0**8
+    opt = FusedAdamWMP([p], lr=1e-3, max_grad_norm=1.0)
+    p.grad = g
+    g64 = g.double()
+    if how == "unscale_scaler":
+        scaler = torch.amp.GradScaler(DEVICE.type, init_scale=scale)
+        scaler.scale(torch.ones((), device=DEVICE))
+        p.grad = (g64 * scale).to(torch.bfloat16)
+        mpkern.unscale_(opt, scaler=scaler)  # no max_norm: the optimizer's own threshold must still apply
+        scaler.step(opt)
+        want_coef = min(1.0, 1.0 / (float(g64.norm()) + 1e-6))
+    elif how == "unscale_inv":
+        p.grad = (g64 * scale).to(torch.bfloat16)
+        mpkern.unscale_(opt, 1 / scale, max_norm=5.0)
+        opt.step()
+        want_coef = min(1.0, 1.0 / (float(g64.norm()) + 1e-6))
+    else:
+        thr = 5.0 if how == "clip_method_larger" else 0.25
+        norm = opt.clip_grad_norm_(thr)
+        assert float(norm) == pytest.approx(float(g64.norm()), rel=1e-3)
+        opt.step()
+        want_coef = min(1.0, min(thr, 1.0) / (float(g64.norm()) + 1e-6))
+    torch.testing.assert_close(opt.state[p]["exp_avg"].double(), (1 - B1) * g64 * want_coef, rtol=2e-3, atol=1e-7)
+
+
+def test_clip_grad_norm_after_scaler_unscale_sees_unscaled_grads(backend):
+    p, g = _clip_case(6)
+    scale = 2.0**8
+    opt = FusedAdamWMP([p], lr=1e-3)
+    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=scale)
+    scaler.scale(torch.ones((), device=DEVICE))
+    p.grad = (g.double() * scale).to(torch.bfloat16)
+    mpkern.unscale_(opt, scaler=scaler)
+    norm = opt.clip_grad_norm_(1.0)  # used to replace the pending unscale with factor 1: grads 256x
+    assert float(norm) == pytest.approx(float(g.double().norm()), rel=1e-3)
+    scaler.step(opt)
+    coef = 1.0 / (float(g.double().norm()) + 1e-6)
+    torch.testing.assert_close(opt.state[p]["exp_avg"].double(), (1 - B1) * g.double() * coef, rtol=2e-3,
+                               atol=1e-7)
+
+
+# ---- 7: a "remainder" checkpoint into master_weights=True, either load order -----------------------
+@pytest.mark.parametrize("optimizer_first", [True, False])
+def test_remainder_checkpoint_to_fp32_master_any_order(backend, optimizer_first):
+    torch.manual_seed(7)
+    src = torch.nn.Linear(40, 104).to(DEVICE).to(torch.bfloat16)
+    opt = FusedAdamWMP(src.parameters(), lr=1e-2, master_weights="remainder")
+    for _ in range(3):
+        for p in src.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    model_sd = {k: v.clone() for k, v in src.state_dict().items()}
+    opt_sd = opt.state_dict()
+    # the exact fp32 masters, rebuilt here from the bits (bf16 high half + int16 low half)
+    want = []
+    for p in src.parameters():
+        hi = p.detach().view(torch.int16).to(torch.int64) & 0xFFFF
+        lo = opt.state[p]["master_remainder"].to(torch.int64)
+        want.append(((hi << 16) + lo).to(torch.int32).view(torch.float32))
+    torch.manual_seed(8)
+    dst = torch.nn.Linear(40, 104).to(DEVICE).to(torch.bfloat16)
+    new = FusedAdamWMP(dst.parameters(), lr=1e-2, master_weights=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "converted" (layout differs)
+        if optimizer_first:
+            new.load_state_dict(opt_sd)
+            dst.load_state_dict(model_sd)
+        else:
+            dst.load_state_dict(model_sd)
+            new.load_state_dict(opt_sd)
+    for m, w in zip(new.master_params(), want):
+        assert torch.equal(m, w)
+
+
+# ---- 12: a param listed twice in one group steps like torch.optim.AdamW -----------------------------
+def test_duplicate_param_in_group_matches_adamw(backend):
+    torch.manual_seed(12)
+    a = torch.nn.Parameter(torch.randn(33, device=DEVICE))
+    b = torch.nn.Parameter(a.detach().clone())
+    with pytest.warns(UserWarning, match="duplicate"):
+        ref = torch.optim.AdamW([b, b], lr=1e-2, foreach=False)
+    with pytest.warns(UserWarning, match="duplicate"):
+        opt = FusedAdamWMP([a, a], lr=1e-2)
+    for i in range(3):
+        g = torch.randn(33, generator=torch.Generator().manual_seed(i)).to(DEVICE)
+        a.grad, b.grad = g.clone(), g.clone()
+        ref.step()
+        opt.step()
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert float(opt.state[a]["step"]) == float(ref.state[b]["step"]) == 6.0
+
+
+# ---- 14: "remainder" masters of params that share one storage ----------------------------------------
+def test_remainder_of_views_survives_a_write_to_another_view(backend):
+    torch.manual_seed(14)
+    flat = torch.randn(64 + 96, device=DEVICE).to(torch.bfloat16)
+    a, b = torch.nn.Parameter(flat[:64]), torch.nn.Parameter(flat[64:])
+    opt = FusedAdamWMP([a, b], lr=1e-3, weight_decay=0.0, master_weights="remainder")
+    for _ in range(3):
+        a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+        opt.step()
+    want_b = opt.master_params()[1].clone()
+    assert torch.count_nonzero(opt.state[b]["master_remainder"]) > 0
+    with torch.no_grad():
+        a.fill_(0.5)  # bumps the version counter that a and b share
+    assert torch.equal(opt.master_params()[1], want_b)  # b's fp32 low bits are kept
+    assert (opt.master_params()[0] - 0.5).abs().max() <= 2.0**-9  # a: the written value, within half a bf16 ulp
+
+
+# ---- 13 and 6: distributed state dicts and Partial grads (a one-rank gloo group in this process) -----
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    store = dist.FileStore(os.fspath(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("opts", [{"full_state_dict": True}, {"cpu_offload": True}])
+def test_dcp_full_and_offloaded_optimizer_state_dict(one_rank_group, opts):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    torch.manual_seed(13)
+    model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    opt = FusedAdamWMP(model.parameters(), lr=1e-2, state_dtype=torch.bfloat16)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    sd = get_optimizer_state_dict(model, opt, options=StateDictOptions(**opts))  # raised on torch.dtype values
+    for group in sd["param_groups"]:
+        assert not any(isinstance(v, torch.dtype) for v in group.values())
+    assert sd["state"]["weight"]["exp_avg"].dtype == torch.bfloat16
+    assert torch.equal(sd["state"]["weight"]["master_param"], opt.state[model.weight]["master_param"])
+
+
+def test_partial_dtensor_grad_is_refused(one_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(16), mesh, [Replicate()]))
+    opt = FusedAdamWMP([p], lr=1e-2)
+    p.grad = DTensor.from_local(torch.randn(16), mesh, [Partial()])
+    before = p.detach().full_tensor().clone()
+    with pytest.raises(ValueError, match="Partial"):
+        opt.step()
+    assert torch.equal(p.detach().full_tensor(), before)
+    assert not opt.state.get(p)
