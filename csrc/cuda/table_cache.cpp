@@ -6,17 +6,27 @@
 // reallocated grads simply miss. Per call the host computes the bytes (a loop over the tensors,
 // no allocation on the device, no copy) and looks them up.
 //
+// Streams: the host-to-device copy is ordered on the stream that built the table, and a kernel on
+// another stream is not ordered after it. An event is recorded after the copy; a hit from another
+// stream makes that stream wait on it (cudaStreamWaitEvent: no host sync) until the event has been
+// seen complete, and records the buffer on that stream for the caching allocator (so freeing it on
+// eviction waits for that stream's kernels). Inside a capture neither is possible (an event recorded
+// outside the capture cannot be queried or waited on there); torch.cuda.graph synchronises the
+// device before it captures, so a table built in the warm-up step has landed by then.
+//
 // CUDA graphs: a lookup during a capture must hit (building means a host-to-device copy from
 // a temporary pinned buffer, which a replay would repeat from freed memory); a miss raises an
 // error that says to run an eager step first. Tables used inside a capture are never evicted.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cstring>
 #include <functional>
 #include <list>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -34,8 +44,10 @@ struct Entry {
   int device;
   std::string bytes;
   at::Tensor buffer;  // uint8 on the device
-  c10::cuda::CUDAStream stream;  // where it was allocated
+  c10::cuda::CUDAStream stream;  // where it was allocated and copied
+  std::shared_ptr<at::cuda::CUDAEvent> copied;  // recorded on `stream` after the copy
   bool captured = false;  // used by a captured graph: kept for the life of the process
+  bool landed = false;    // `copied` was seen complete: no stream needs to wait any more
 };
 
 struct Cache {
@@ -93,7 +105,16 @@ const void* cached_table(c10::Device device, const void* bytes, size_t nbytes) {
     if (it->device != dev || it->bytes != key) continue;
     c.lru.splice(c.lru.begin(), c.lru, it);  // most recently used
     it->captured = it->captured || capturing;
-    if (!capturing && it->stream != stream) it->buffer.record_stream(stream);
+    if (!capturing && it->stream != stream) {
+      if (!it->landed) {
+        if (it->copied->query()) {
+          it->landed = true;
+        } else {
+          it->copied->block(stream);  // the copy on the building stream first
+        }
+      }
+      it->buffer.record_stream(stream);
+    }
     ++c.hits;
     return it->buffer.data_ptr();
   }
@@ -102,11 +123,14 @@ const void* cached_table(c10::Device device, const void* bytes, size_t nbytes) {
               "no device metadata table yet, and building one needs a host-to-device copy. Run the same call once "
               "eagerly before capturing (a warm-up step), and keep the params, grads and optimizer state in the "
               "same storage between warm-up and capture.");
-  at::Tensor pinned = at::empty({static_cast<int64_t>(nbytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  at::Tensor pinned =
+      at::empty({static_cast<int64_t>(nbytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
   std::memcpy(pinned.data_ptr(), bytes, nbytes);
   at::Tensor buffer = at::empty({static_cast<int64_t>(nbytes)}, at::TensorOptions().dtype(at::kByte).device(device));
   buffer.copy_(pinned, /*non_blocking=*/true);
-  c.lru.push_front(Entry{dev, std::string(key), buffer, stream, false});
+  auto copied = std::make_shared<at::cuda::CUDAEvent>();
+  copied->record(stream);
+  c.lru.push_front(Entry{dev, std::string(key), buffer, stream, std::move(copied)});
   c.index.emplace(h, c.lru.begin());
   ++c.builds;
   c.evict();
