@@ -280,7 +280,7 @@ def unscale_(
     inv = _inv_scale_tensor(inv_scale, scaler)
     if process_group is None and optimizer is not None:
         process_group = getattr(optimizer, "_mpkern_process_group", None)
-    reduce_plan = distributed.plan(grads, process_group)
+    reduce_plan = distributed.plan(grads, process_group, params)
     if reduce_plan is not None:
         grads = [distributed.local(g) for g in grads]  # the kernels work on local shards
     if not grads and reduce_plan is None:

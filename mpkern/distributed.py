@@ -11,7 +11,9 @@ Who counts a tensor's partial: a ``Shard`` placement is summed over its mesh dim
 ``Replicate`` mesh dimension only coordinate 0 contributes (so replicas are not double-counted);
 a plain (non-DTensor) tensor among DTensors is treated as replicated and counted on rank 0 of
 the reduction group. With ``process_group=`` every plain tensor is the caller's local shard and
-is summed over that group (ZeRO-style flat shards, Megatron tensor parallel).
+is summed over that group (ZeRO-style flat shards, Megatron tensor parallel) -- except params
+marked with :func:`mark_replicated` (identical on every rank of the group, like the LayerNorm
+weights of a tensor-parallel block), which count once, on rank 0 of the group.
 
 The reduction group: ``process_group`` when given; else the mesh's group for a 1-D mesh; else
 the default (world) group -- every rank of it must then make the call. ``Partial`` placements
@@ -102,8 +104,20 @@ def _owned(t: Tensor, plain_owned: bool) -> bool:
     return True
 
 
-def plan(grads: list[Tensor], process_group: Any = None) -> ReducePlan | None:
-    """The reduction for ``grads`` (None when nothing needs the other ranks)."""
+def mark_replicated(*params: Tensor) -> None:
+    """Mark plain params that hold the same values on every rank of a ``process_group=`` reduction
+    (tensor-parallel replicas: norms, biases of row-parallel layers): their squares are counted
+    once, on rank 0 of the group, instead of once per rank. DTensor params need no mark (their
+    ``Replicate`` placement says it)."""
+    for p in params:
+        if not isinstance(p, Tensor):
+            raise TypeError(f"mark_replicated: expected tensors, got {type(p).__name__}")
+        p._mpkern_replicated = True
+
+
+def plan(grads: list[Tensor], process_group: Any = None, params: list[Tensor] | None = None) -> ReducePlan | None:
+    """The reduction for ``grads`` (None when nothing needs the other ranks); ``params`` are the
+    tensors the grads belong to (for :func:`mark_replicated`)."""
     has_dt = DTensor is not None and any(map(isinstance, grads, repeat(DTensor)))  # C-level loop: hot path
     if process_group is None and not has_dt:
         return None
@@ -118,11 +132,12 @@ def plan(grads: list[Tensor], process_group: Any = None) -> ReducePlan | None:
         meshes = {id(g.device_mesh): g.device_mesh for g in grads if is_dtensor(g)}
         only = next(iter(meshes.values())) if len(meshes) == 1 else None
         group = only.get_group() if only is not None and only.ndim == 1 else None
-    if process_group is not None:
-        plain_owned = True  # the caller's own shards
-    else:
-        plain_owned = _group_rank(group) == 0 if group is not None else dist.get_rank() == 0
-    return ReducePlan(group, tuple(_owned(g, plain_owned) for g in grads))
+    rank0 = (_group_rank(group) == 0) if group is not None else dist.get_rank() == 0
+    if process_group is None:
+        return ReducePlan(group, tuple(_owned(g, rank0) for g in grads))
+    # the caller's own shards, except params marked replicated (counted once, on rank 0)
+    marks = [getattr(p, "_mpkern_replicated", False) for p in params] if params is not None else [False] * len(grads)
+    return ReducePlan(group, tuple(_owned(g, rank0 if rep else True) for g, rep in zip(grads, marks)))
 
 
 _MASKS: dict[tuple[tuple[bool, ...], torch.device], Tensor] = {}
@@ -198,6 +213,7 @@ __all__ = [
     "is_dtensor",
     "like_param",
     "local",
+    "mark_replicated",
     "plan",
     "check_reduced",
     "reduce_stats",

@@ -310,6 +310,17 @@ def hand_sharded(rank: int, world: int, store: str, out: str, backend: str = "gl
     want = torch.stack([(a * 2).double().norm(), (b * 3).double().norm(), torch.tensor(3.0, dtype=torch.float64)])
     torch.testing.assert_close(r.per_tensor_norm.double().cpu(), want.cpu(), rtol=1e-6, atol=0)
     torch.testing.assert_close(r.total_norm.double().cpu(), want.norm().cpu(), rtol=1e-6, atol=0)
+    # process_group=: a plain param replicated over the group (tensor-parallel LayerNorm weight),
+    # marked so, counts once; the sharded one is summed over the ranks
+    rep_p = torch.nn.Parameter(torch.ones(4, device=dev))
+    rep_p.grad = torch.tensor([1.0, 2.0, 2.0, 4.0], device=dev)  # same on every rank: norm 5
+    shard_p = torch.nn.Parameter(torch.ones(2, device=dev))
+    shard_p.grad = torch.tensor([3.0, 4.0], device=dev) * (rank + 1)
+    mpkern.distributed.mark_replicated(rep_p)
+    r = mpkern.unscale_([rep_p, shard_p], 1.0, process_group=dist.group.WORLD)
+    want_sq = 25.0 + sum(25.0 * (k + 1) ** 2 for k in range(world))
+    torch.testing.assert_close(r.total_norm.double().cpu(), torch.tensor(want_sq, dtype=torch.float64).sqrt(),
+                               rtol=1e-6, atol=0)
     # the optimizer carries the group for max_grad_norm; an inf on one rank skips everywhere
     opt = mpkern.FusedAdamWMP(mine, lr=0.1, max_grad_norm=1.0, process_group=dist.group.WORLD)
     for p, c in zip(mine, chunks):

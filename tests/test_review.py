@@ -411,3 +411,43 @@ def test_partial_dtensor_grad_is_refused(one_rank_group):
         opt.step()
     assert torch.equal(p.detach().full_tensor(), before)
     assert not opt.state.get(p)
+
+
+# ---- 11: fp32_main_grad with FSDP2 is refused (the grad would land on the unsharded param) ----------
+def test_convert_main_grad_refuses_sharded_params(one_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    lin = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    lin.weight = torch.nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Shard(0)]))
+    with pytest.raises(ValueError, match="FSDP2"):
+        mpkern.nn.convert(torch.nn.Sequential(lin), fp32_main_grad=True)
+    assert type(lin) is torch.nn.Linear  # nothing converted
+
+
+# ---- issue 14's first point, on the nn side: autocast no longer silently drops fp32_main_grad -------
+def test_autocast_over_bf16_weights_keeps_main_grad():
+    torch.manual_seed(15)
+    lin = mpkern.nn.convert(torch.nn.Linear(8, 4).to(DEVICE).to(torch.bfloat16), fp32_main_grad=True)
+    x = torch.randn(6, 8, device=DEVICE)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        y = lin(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert lin.weight.grad is None and lin.weight.main_grad is not None
+    want = torch.ones(6, 4, dtype=torch.float64).t() @ x.to(torch.bfloat16).double()  # dW = dY^T X
+    torch.testing.assert_close(lin.weight.main_grad.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_main_grad_layer_over_fp32_weights_warns_once():
+    lin = mpkern.nn.convert(torch.nn.Linear(8, 4).to(DEVICE), fp32_main_grad=True)
+    x = torch.randn(3, 8, device=DEVICE)
+    with pytest.warns(UserWarning, match="not main_grad"):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            lin(x).float().sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            lin(x)
+    assert lin.weight.grad is not None and getattr(lin.weight, "main_grad", None) is None
