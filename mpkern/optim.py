@@ -523,16 +523,16 @@ class FusedAdamWMP(torch.optim.Optimizer):
         master = st.get("master_param")
         rem = st.get("master_remainder")
         if mode == MASTER_F32:
-            if master is not None:
+            if rem is not None and p.dtype == torch.bfloat16:  # from a "remainder" checkpoint: param + remainder
+                st["master_param"] = _like(p, torch.float32).copy_(_remainder_to_master(p.detach(), rem))
+            elif master is not None:
                 m = _local(master)
                 m.copy_(torch.where(pl == m.to(pl.dtype), m, pl.float()))
-            elif rem is not None and p.dtype == torch.bfloat16:
-                st["master_param"] = _remainder_to_master(p.detach(), rem)
             else:
                 st["master_param"] = _like(p, torch.float32).copy_(p.detach())
             st.pop("master_remainder", None)
         elif mode == MASTER_REMAINDER:
-            if master is not None:  # an fp32 master (converted checkpoint): param + remainder, exactly
+            if master is not None:  # an fp32 master (a converted checkpoint): param + remainder, exactly
                 m = _local(master)
                 hi, low = _master_to_remainder(distributed.wrap_like(p, torch.where(pl == m.to(pl.dtype), m,
                                                                                     pl.float())))
@@ -888,23 +888,26 @@ def _state_from_checkpoint(p: Tensor, src: Any, group: dict[str, Any], mode: int
         st["max_exp_avg_sq"] = _like(p, torch.float32).zero_()
     master = src.pop("master_param", None)
     rem = src.pop("master_remainder", None)
+    # A master in the other exact form is converted now, from the param as it is, and the source
+    # is kept until the next step (or master_params()) converts it again from the param as it is
+    # then: the model may be loaded after the optimizer, and either order must give the same master.
     if mode == MASTER_F32:
         if master is not None:
             st["master_param"] = laid(master, torch.float32)
-        elif rem is not None:
-            # a "remainder" checkpoint: the master is the bf16 param + this remainder, and the param
-            # may not be loaded yet -- the step (or master_params()) builds it from the param as it
-            # is then, so model and optimizer load in either order
+        elif rem is not None and p.dtype == torch.bfloat16:
             st["master_remainder"] = laid(rem, torch.int16)
+            st["master_param"] = _like(p, torch.float32).copy_(_remainder_to_master(p.detach(),
+                                                                                   st["master_remainder"]))
         else:
             st["master_param"] = _like(p, torch.float32).copy_(p)
     elif mode == MASTER_REMAINDER:
         if rem is not None:
             st["master_remainder"] = laid(rem, torch.int16)
-        elif master is not None:
-            # an fp32 master: split into bf16 param + remainder at the next step (exactly, and
-            # after a model load that may still come)
+        elif master is not None:  # fp32 master -> bf16 param + remainder, exactly
             st["master_param"] = laid(master, torch.float32)
+            hi, low = _master_to_remainder(st["master_param"])
+            p.copy_(hi)
+            st["master_remainder"] = laid(low, torch.int16)
         else:
             st["master_remainder"] = _like(p, torch.int16).zero_()
     elif master is None and rem is not None and p.dtype == torch.bfloat16:

@@ -164,13 +164,24 @@ def test_empty_and_none(backend):
     check_against_reference(params, res, before, 0.5, None, False)
 
 
-def test_main_grad_preferred(backend):
+def test_main_grad_and_grad_are_summed(backend):
+    # a tied weight: the fp32_main_grad layer's part in main_grad, the other use's part in .grad
     p = torch.nn.Parameter(torch.randn(100, dtype=torch.bfloat16, device=DEVICE))
     p.grad = torch.randn(100, dtype=torch.bfloat16, device=DEVICE)
     p.main_grad = torch.randn(100, dtype=torch.float32, device=DEVICE)
-    g_before, mg_before = p.grad.clone(), p.main_grad.clone()
+    total = p.grad.double() + p.main_grad.double()
     res = mpkern.unscale_([p], 0.5)
-    assert torch.equal(p.grad, g_before)  # untouched
+    assert p.grad is None  # folded into main_grad: nothing is counted twice by a later consumer
+    assert float(res.total_norm) == pytest.approx(float((total * 0.5).norm()), rel=1e-5)
+    assert_close_dtype(p.main_grad, total * 0.5, torch.float32, "main_grad")
+
+
+def test_main_grad_alone(backend):
+    p = torch.nn.Parameter(torch.randn(100, dtype=torch.bfloat16, device=DEVICE))
+    p.main_grad = torch.randn(100, dtype=torch.float32, device=DEVICE)
+    mg_before = p.main_grad.clone()
+    res = mpkern.unscale_([p], 0.5)
+    assert p.grad is None
     assert float(res.total_norm) == pytest.approx(float((mg_before.double() * 0.5).norm()), rel=1e-5)
     assert_close_dtype(p.main_grad, mg_before.double() * 0.5, torch.float32, "main_grad")
 
