@@ -1,16 +1,22 @@
 """``FusedAdamWMP``: a drop-in ``torch.optim.AdamW`` for fp16/bf16 models with fp32 master weights.
 
-One fused multi-tensor kernel per (param group, device, master mode) reads the 16-bit grad (or the
+One fused multi-tensor kernel per (param group, device, master kind) reads the 16-bit grad (or the
 fp32 ``main_grad``), multiplies it by ``inv_scale * clip_coef`` in registers, updates the fp32
 master (or bf16 param + int16 remainder), ``exp_avg``, ``exp_avg_sq`` and writes the rounded
 16-bit param -- 28 B/param for bf16 params with fp32 master and moments. Grads are never
 written. Loss-scale, clip coefficient, found_inf, step counters (and lr when it is a tensor) stay
 on the device: ``step()`` never synchronises with the host.
 
-Layout of this module (the shape of ``torch/optim/adamw.py``): the optimizer object keeps
-arguments, lazy state and param groups; :func:`_fused_adamw_mp` is the functional step over
-prepared lists; :func:`_state_from_checkpoint` is the one place a saved per-param state is turned
-into ours (own checkpoints, plain AdamW ones, other master modes).
+The package has the shape of ``torch/optim/adamw.py``:
+
+* this module: the optimizer object -- arguments, param groups, lazy state, hooks, the
+  unscale/clip hand-off, ``state_dict`` plumbing through the base class;
+* :mod:`.functional`: the functional step over prepared lists (:func:`~.functional.fused_adamw_mp`);
+* :mod:`.storage`: one small description per storage kind (masters fp32 / remainder / none,
+  moments fp32 / bf16): bytes, creation, conversion to and from fp32 -- read by checkpoints, the
+  write check and :mod:`mpkern.bytemodel`;
+* :mod:`.writes`: external writes to params (stamps) and how the state follows them;
+* :mod:`.checkpoint`: the one place a saved per-param state is turned into ours.
 """
 
 from __future__ import annotations
@@ -26,11 +32,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _backend, _ops, amp, distributed
-from .amp import _flat, _main_grad_of, _to_device
-from .distributed import local as _local
-from .distributed import stamp as _stamp
-from .reference import MASTER_F32, MASTER_NONE, MASTER_REMAINDER
+from .. import _backend, _ops, amp, distributed
+from ..amp import _flat, _main_grad_of, _to_device
+from ..distributed import local as _local
+from . import storage, writes
+from .checkpoint import state_from_checkpoint
+from .functional import fused_adamw_mp
+from .storage import like as _like
+from .storage import master_kind, moment_kind
+from .writes import stamp as _stamp
 
 Tensor = torch.Tensor
 Parameter = torch.nn.Parameter
@@ -40,16 +50,6 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _GROUPS: dict[int, Any] = {}  # process groups of pickled optimizers (see __getstate__)
 _OWN_KEYS = ("max_grad_norm", "master_weights", "state_dtype", "stochastic_rounding", "seed")
 _LAYOUT_KEYS = ("master_weights", "state_dtype")
-# state_dtype is kept in the param groups as a plain string (torch.distributed.checkpoint's full /
-# CPU-offload state dicts refuse torch.dtype values); the constructor takes either
-_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_STATE_DTYPE_NAMES = {v: k for k, v in _STATE_DTYPES.items()}
-
-
-def _state_dtype(group: dict[str, Any]) -> torch.dtype:
-    """The torch dtype of a group's moments (``group["state_dtype"]`` is its name)."""
-    sdt = group["state_dtype"]
-    return sdt if isinstance(sdt, torch.dtype) else _STATE_DTYPES[sdt]
 
 
 class _Pending(NamedTuple):
@@ -71,24 +71,6 @@ class _Pending(NamedTuple):
 def _flat_view(t: Tensor) -> Tensor:
     """A 1-D view of a dense tensor (contiguous up to a permutation of dims) over its memory."""
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
-
-
-def _like(p: Tensor, dtype: torch.dtype) -> Tensor:
-    """An empty state tensor laid out like ``p`` (same strides when ``p`` is dense, else contiguous)."""
-    return torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
-
-
-def _remainder_to_master(p: Tensor, rem: Tensor) -> Tensor:
-    """fp32 master from a bf16 param and its int16 remainder (exact; DTensors shard by shard)."""
-    hi = _local(p).view(torch.int16).to(torch.int32) & 0xFFFF
-    return distributed.wrap_like(p, ((hi << 16) + _local(rem).to(torch.int32)).view(torch.float32))
-
-
-def _master_to_remainder(master: Tensor) -> tuple[Tensor, Tensor]:
-    """(bf16 param, int16 remainder) that reconstruct ``master`` exactly (DTensors shard by shard)."""
-    u = _local(master).view(torch.int32)
-    hi = (((u + 0x8000) >> 16) & 0xFFFF).to(torch.int16).view(torch.bfloat16)
-    return distributed.wrap_like(master, hi), distributed.wrap_like(master, (u & 0xFFFF).to(torch.int16))
 
 
 class FusedAdamWMP(torch.optim.Optimizer):
@@ -266,26 +248,19 @@ class FusedAdamWMP(torch.optim.Optimizer):
             raise
 
     @staticmethod
-    def _mode(group: dict[str, Any], p: Tensor) -> int:
-        if p.dtype == torch.float32 or group["master_weights"] is False:
-            return MASTER_NONE
-        return MASTER_REMAINDER if group["master_weights"] == "remainder" else MASTER_F32
+    def _kind(group: dict[str, Any], p: Tensor) -> storage.MasterKind:
+        """The master kind of ``p`` in ``group`` (fp32 params keep none)."""
+        return master_kind(group["master_weights"], p.dtype)
 
     def _init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
         state = self.state[p]
         if "step" in state:
             return state
-        sdt = _state_dtype(group)
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        state["exp_avg"] = _like(p, sdt).zero_()
-        state["exp_avg_sq"] = _like(p, sdt).zero_()
+        state.update(moment_kind(group["state_dtype"]).create(p))
         if group["amsgrad"]:
             state["max_exp_avg_sq"] = _like(p, torch.float32).zero_()
-        mode = self._mode(group, p)
-        if mode == MASTER_F32:
-            state["master_param"] = _like(p, torch.float32).copy_(p.detach())
-        elif mode == MASTER_REMAINDER:
-            state["master_remainder"] = _like(p, torch.int16).zero_()
+        state.update(self._kind(group, p).create(p))
         return state
 
     # ---- copies and pickling -----------------------------------------------------------------
@@ -315,7 +290,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
             for key, val in (("amsgrad", False), ("maximize", False), ("capturable", False)):
                 group.setdefault(key, val)  # groups saved before a flag existed: AdamW's fallbacks
             if isinstance(group.get("state_dtype"), torch.dtype):  # saved by an older mpkern
-                group["state_dtype"] = _STATE_DTYPE_NAMES.get(group["state_dtype"], group["state_dtype"])
+                group["state_dtype"] = storage.MOMENT_DTYPE_NAMES.get(group["state_dtype"], group["state_dtype"])
         # params and masters were copied together: they agree now
         self._versions = {id(p): _stamp(p) for p in self.state if isinstance(p, Tensor)}
 
@@ -387,12 +362,13 @@ class FusedAdamWMP(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 st = self.state.get(p, {})
+                kind = self._kind(group, p)
                 if "step" in st and self._versions.get(id(p), -1) != _stamp(p):
-                    self._conform(group, self._mode(group, p), p, st)  # written since our last step
-                if "master_param" in st:
-                    out.append(st["master_param"])
-                elif "master_remainder" in st and p.dtype == torch.bfloat16:
-                    out.append(_remainder_to_master(p.detach(), st["master_remainder"]))
+                    self._conform(kind, p, st)  # written since our last step
+                if kind is storage.FP32 and kind.has_state(st):
+                    out.append(st[kind.key])  # live
+                elif kind.has_state(st):
+                    out.append(kind.to_fp32(p, st))
                 else:
                     out.append(p.detach() if p.dtype == torch.float32 else p.detach().float())
         return out
@@ -414,7 +390,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
                 st = self.state.get(p)
                 if st and "step" in st and (wanted is None or id(p) in wanted):
                     self._versions[id(p)] = -1  # "written"
-                    self._conform(group, self._mode(group, p), p, st)
+                    self._conform(self._kind(group, p), p, st)
 
     @torch.no_grad()
     def copy_master_params_to(self, target: torch.nn.Module | Iterable[Tensor]) -> None:
@@ -434,8 +410,9 @@ class FusedAdamWMP(torch.optim.Optimizer):
             d.copy_(s)
 
     # ---- step ---------------------------------------------------------------------------------
-    def _collect(self) -> tuple[list[tuple[dict[str, Any], torch.device, int, list[tuple[Tensor, Tensor]]]], bool]:
-        """(work per (group, device, mode), whether any grad is a ``main_grad``), validated;
+    def _collect(self) -> tuple[list[tuple[dict[str, Any], torch.device, storage.MasterKind,
+                                          list[tuple[Tensor, Tensor]]]], bool]:
+        """(work per (group, device, master kind), whether any grad is a ``main_grad``), validated;
         raises before any param or state is modified.
 
         A param listed twice in one group (``torch.optim`` warns about it) is stepped twice, like
@@ -467,10 +444,10 @@ class FusedAdamWMP(torch.optim.Optimizer):
                 seen[id(p)] = k
                 if k == len(passes):
                     passes.append({})
-                passes[k].setdefault((p.device, self._mode(group, p)), []).append((p, g))
+                passes[k].setdefault((p.device, self._kind(group, p)), []).append((p, g))
             for buckets in passes:
-                for (dev, mode), pairs in buckets.items():
-                    work.append((group, dev, mode, pairs))
+                for (dev, kind), pairs in buckets.items():
+                    work.append((group, dev, kind, pairs))
         for dev in {w[1] for w in work}:
             _backend.select(dev)
         return work, uses_main
@@ -487,72 +464,10 @@ class FusedAdamWMP(torch.optim.Optimizer):
             self._storage_count = count
         return self._storage_count.get(_local(p).untyped_storage().data_ptr(), 0) > 1
 
-    @torch.no_grad()
-    def _conform(self, group: dict[str, Any], mode: int, p: Tensor, st: dict[str, Any]) -> None:
-        """Make the state of ``p`` fit the param as it is now, after someone else wrote or replaced it
-        (or a checkpoint was loaded); record its stamp.
-
-        * layout or device changed (``.to(memory_format=...)``, ``.to(device)``): every state tensor
-          is re-laid like the param, values kept by index (the kernel pairs flat buffers by memory
-          position, so they must share the param's strides);
-        * fp32 master: re-seeded elementwise -- kept where the param still equals the master
-          rounded to the param's dtype, else the param's value; built from a remainder (a
-          converted checkpoint, whichever of model and optimizer was loaded first) or from the param;
-        * remainder: reset to 0 for a param that was written (the written bf16 value is the master),
-          kept after a checkpoint load, and kept for a param sharing its storage with other params
-          (a write to one view cannot be attributed: the others' low bits must survive; the written
-          one's master is then within half a bf16 ulp of the written value);
-        * no master (fp32 params, ``master_weights=False``): a master left from a 16-bit past
-          (``model.float()`` after steps) restores the param's low bits where the param still is its
-          rounding; master state that no longer applies is dropped.
-        """
-        rec = self._versions.get(id(p), -1)
-        ref = st.get("exp_avg")
-        if isinstance(ref, Tensor) and tuple(ref.shape) != tuple(p.shape):
-            raise ValueError(f"FusedAdamWMP: a param now has shape {tuple(p.shape)}, its optimizer state "
-                             f"{tuple(ref.shape)} (it was replaced by a tensor of another shape after the first "
-                             "step); rebuild the optimizer or load a matching state dict")
-        if not distributed.is_dtensor(p):
-            for key, t in list(st.items()):
-                if key == "step" or not isinstance(t, Tensor) or t.shape != p.shape:
-                    continue
-                want = _like(p, t.dtype)
-                if want.device != t.device or want.stride() != t.stride():
-                    st[key] = want.copy_(t)
-        pl = _local(p.detach())
-        master = st.get("master_param")
-        rem = st.get("master_remainder")
-        if mode == MASTER_F32:
-            if rem is not None and p.dtype == torch.bfloat16:  # from a "remainder" checkpoint: param + remainder
-                st["master_param"] = _like(p, torch.float32).copy_(_remainder_to_master(p.detach(), rem))
-            elif master is not None:
-                m = _local(master)
-                m.copy_(torch.where(pl == m.to(pl.dtype), m, pl.float()))
-            else:
-                st["master_param"] = _like(p, torch.float32).copy_(p.detach())
-            st.pop("master_remainder", None)
-        elif mode == MASTER_REMAINDER:
-            if master is not None:  # an fp32 master (a converted checkpoint): param + remainder, exactly
-                m = _local(master)
-                hi, low = _master_to_remainder(distributed.wrap_like(p, torch.where(pl == m.to(pl.dtype), m,
-                                                                                    pl.float())))
-                _local(p).copy_(_local(hi))
-                st["master_remainder"] = _like(p, torch.int16).copy_(low)
-                del st["master_param"]
-            elif rem is None:
-                st["master_remainder"] = _like(p, torch.int16).zero_()
-            elif rec is not None and not self._shares_storage(p):
-                _local(rem).zero_()  # the written bf16 value is the master now
-        else:
-            if p.dtype == torch.float32 and (master is not None or rem is not None):
-                if master is not None:
-                    m = _local(master)
-                    same = (m.to(torch.bfloat16).float() == pl) | (m.to(torch.float16).float() == pl)
-                    pl.copy_(torch.where(same, m, pl))
-                else:
-                    pl.copy_(_local(_remainder_to_master(distributed.wrap_like(p, pl.to(torch.bfloat16)), rem)))
-            st.pop("master_param", None)
-            st.pop("master_remainder", None)
+    def _conform(self, kind: storage.MasterKind, p: Tensor, st: dict[str, Any]) -> None:
+        """Make the state of ``p`` fit the param as it is now (see :func:`.writes.conform`); record
+        its stamp."""
+        writes.conform(kind, p, st, recorded=self._versions.get(id(p), -1), shared=lambda: self._shares_storage(p))
         self._versions[id(p)] = _stamp(p)
 
     def _check_capture(self, work: list) -> None:
@@ -635,8 +550,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
         # capturing a CUDA graph, whose replays run no Python)
         check_writes = self._mpkern_check_writes and not torch.compiler.is_compiling() and not _ops.capturing()
         self._storage_count = None
-        prepared = [(group, dev, mode, pairs, *self._prepare(group, mode, pairs, check_writes),
-                     _ops.lr_args(group["lr"], dev)) for group, dev, mode, pairs in work]
+        prepared = [(group, dev, kind, pairs, *self._prepare(group, kind, pairs, check_writes),
+                     _ops.lr_args(group["lr"], dev)) for group, dev, kind, pairs in work]
         out_dev = work[0][1]
         own_check = False
         if pending is None:
@@ -665,12 +580,12 @@ class FusedAdamWMP(torch.optim.Optimizer):
         self.last_found_inf = found
         per_dev: dict[torch.device, tuple[Tensor, Tensor]] = {}
         versions = self._versions
-        for group, dev, mode, pairs, lists, copies, (lr_tensor, lr_value) in prepared:
+        for group, dev, kind, pairs, lists, copies, (lr_tensor, lr_value) in prepared:
             if dev not in per_dev:
                 per_dev[dev] = (_to_device(factor, dev, torch.float32).reshape(()),
                                 _to_device(found, dev, torch.float32).reshape(()))
             f_dev, found_dev = per_dev[dev]
-            _fused_adamw_mp(_backend.select(dev), *lists, f_dev, found_dev, lr_tensor, lr_value, group, mode)
+            fused_adamw_mp(_backend.select(dev), *lists, f_dev, found_dev, lr_tensor, lr_value, group, kind.mode)
             for p, tmp in copies:  # params that are not one dense block went through a copy
                 p.copy_(tmp)
             if check_writes:
@@ -685,12 +600,13 @@ class FusedAdamWMP(torch.optim.Optimizer):
         self._consume_main_grads(work)
         return loss
 
-    def _prepare(self, group: dict[str, Any], mode: int, pairs: list[tuple[Tensor, Tensor]], check_writes: bool):
+    def _prepare(self, group: dict[str, Any], kind: storage.MasterKind, pairs: list[tuple[Tensor, Tensor]],
+                 check_writes: bool):
         """Kernel argument lists for one bucket: flat views of dense params/grads/state."""
         params, grads, ms, vs, vmaxs, masters, steps = [], [], [], [], [], [], []
         copies: list[tuple[Tensor, Tensor]] = []
         amsgrad = group["amsgrad"]
-        mkey = "master_param" if mode == MASTER_F32 else "master_remainder" if mode == MASTER_REMAINDER else None
+        mkey = kind.key
         versions = self._versions
         for p, g in pairs:
             st = self.state.get(p)
@@ -700,9 +616,9 @@ class FusedAdamWMP(torch.optim.Optimizer):
                     versions[id(p)] = _stamp(p)
             elif check_writes and versions.get(id(p), -1) != (
                     (p._version, p.data_ptr()) if type(p) is Parameter else _stamp(p)):
-                self._conform(group, mode, p, st)  # written or replaced: records the stamp
-            elif mkey not in st if mkey is not None else ("master_param" in st or "master_remainder" in st):
-                self._conform(group, mode, p, st)  # a converted checkpoint or a new param dtype
+                self._conform(kind, p, st)  # written or replaced: records the stamp
+            elif mkey not in st if mkey is not None else storage.stored_kinds(st):
+                self._conform(kind, p, st)  # a converted checkpoint or a new param dtype
             if amsgrad and "max_exp_avg_sq" not in st:
                 st["max_exp_avg_sq"] = _like(p, torch.float32).zero_()
             ts = [st["exp_avg"], st["exp_avg_sq"]]
@@ -783,7 +699,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
             for key in _OWN_KEYS:
                 ng.setdefault(key, g[key])  # a plain AdamW checkpoint has none of them
             if isinstance(ng["state_dtype"], torch.dtype):  # saved by an older mpkern
-                ng["state_dtype"] = _STATE_DTYPE_NAMES.get(ng["state_dtype"], ng["state_dtype"])
+                ng["state_dtype"] = storage.MOMENT_DTYPE_NAMES.get(ng["state_dtype"], ng["state_dtype"])
             for key in _LAYOUT_KEYS:
                 if ng[key] != g[key]:
                     converted.append(f"group {gi}: {key}={ng[key]!r} -> {g[key]!r}")
@@ -794,7 +710,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
         for k, v in state_dict["state"].items():
             if k in id_map:
                 p = id_map[k]
-                state[p] = _state_from_checkpoint(p, v, group_of[id(p)], self._mode(group_of[id(p)], p))
+                state[p] = state_from_checkpoint(p, v, group_of[id(p)], self._kind(group_of[id(p)], p))
             else:
                 state[k] = v
         self.__setstate__({"state": state, "param_groups": new_groups})
@@ -813,8 +729,8 @@ def _check_own_args(master_weights: Any, state_dtype: Any, max_grad_norm: Any, s
     if master_weights not in (True, False, "remainder") or isinstance(master_weights, int) and not isinstance(
             master_weights, bool):
         raise ValueError(f"master_weights must be True, False or 'remainder', got {master_weights!r}")
-    name = _STATE_DTYPE_NAMES.get(state_dtype) if isinstance(state_dtype, torch.dtype) else state_dtype
-    if not isinstance(name, str) or name not in _STATE_DTYPES:
+    name = storage.MOMENT_DTYPE_NAMES.get(state_dtype) if isinstance(state_dtype, torch.dtype) else state_dtype
+    if not isinstance(name, str) or name not in storage.MOMENT_KINDS:
         raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16 (or 'float32' / 'bfloat16'), "
                          f"got {state_dtype!r}")
     if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
@@ -838,85 +754,3 @@ def _raise_bad_grad(where: str, p: Tensor, g: Any) -> None:
     if g.shape != p.shape:
         raise ValueError(f"FusedAdamWMP: gradient of {where} has shape {tuple(g.shape)}, param has {tuple(p.shape)}")
     raise ValueError(f"FusedAdamWMP: gradient of {where} is on {g.device}, param on {p.device}")
-
-
-def _fused_adamw_mp(backend: str, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
-                    exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], masters: list[Tensor],
-                    steps: list[Tensor], grad_factor: Tensor, found_inf: Tensor, lr_tensor: Tensor | None,
-                    lr: float, group: dict[str, Any], mode: int) -> None:
-    """The functional step: one fused kernel over prepared, layout-matched lists of one device."""
-    beta1, beta2 = group["betas"]
-    _ops.adamw_step_(
-        backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
-        lr_tensor, lr, float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-        bool(group["maximize"]), mode, bool(group["stochastic_rounding"]), int(group["seed"]))
-
-
-@torch.no_grad()
-def _state_from_checkpoint(p: Tensor, src: Any, group: dict[str, Any], mode: int) -> dict[str, Any]:
-    """Our per-param state for ``p`` from a saved one (ours in any master mode, or AdamW's).
-
-    Every tensor is copied into ``p``'s device and layout; ``step`` becomes a 0-dim fp32 tensor;
-    moments take ``state_dtype``; masters stay fp32 (or int16 remainders); a master mode other
-    than ``mode`` is converted exactly. Unknown entries are cast like ``torch.optim.Optimizer``
-    does (floating tensors to the param's dtype).
-    """
-    if not isinstance(src, dict):
-        raise ValueError(f"FusedAdamWMP.load_state_dict: per-param state must be a dict, got {type(src).__name__}")
-    src = dict(src)
-    dev = p.device
-    st: dict[str, Any] = {}
-
-    def laid(val: Tensor, dtype: torch.dtype) -> Tensor:
-        val = val.to(dev)
-        if val.shape != p.shape:
-            val = val.reshape(p.shape)
-        return _like(p, dtype).copy_(distributed.like_param(p, val))
-
-    if "step" in src:
-        st["step"] = torch.as_tensor(src.pop("step"), dtype=torch.float32).reshape(()).to(dev).clone()
-    else:
-        st["step"] = torch.zeros((), dtype=torch.float32, device=dev)
-    sdt = _state_dtype(group)
-    for key in ("exp_avg", "exp_avg_sq"):
-        val = src.pop(key, None)
-        st[key] = laid(val, sdt) if val is not None else _like(p, sdt).zero_()
-    vm = src.pop("max_exp_avg_sq", None)
-    if vm is not None:
-        st["max_exp_avg_sq"] = laid(vm, torch.float32)
-    elif group["amsgrad"]:
-        st["max_exp_avg_sq"] = _like(p, torch.float32).zero_()
-    master = src.pop("master_param", None)
-    rem = src.pop("master_remainder", None)
-    # A master in the other exact form is converted now, from the param as it is, and the source
-    # is kept until the next step (or master_params()) converts it again from the param as it is
-    # then: the model may be loaded after the optimizer, and either order must give the same master.
-    if mode == MASTER_F32:
-        if master is not None:
-            st["master_param"] = laid(master, torch.float32)
-        elif rem is not None and p.dtype == torch.bfloat16:
-            st["master_remainder"] = laid(rem, torch.int16)
-            st["master_param"] = _like(p, torch.float32).copy_(_remainder_to_master(p.detach(),
-                                                                                   st["master_remainder"]))
-        else:
-            st["master_param"] = _like(p, torch.float32).copy_(p)
-    elif mode == MASTER_REMAINDER:
-        if rem is not None:
-            st["master_remainder"] = laid(rem, torch.int16)
-        elif master is not None:  # fp32 master -> bf16 param + remainder, exactly
-            st["master_param"] = laid(master, torch.float32)
-            hi, low = _master_to_remainder(st["master_param"])
-            p.copy_(hi)
-            st["master_remainder"] = laid(low, torch.int16)
-        else:
-            st["master_remainder"] = _like(p, torch.int16).zero_()
-    elif master is None and rem is not None and p.dtype == torch.bfloat16:
-        pass  # no master kept: the bf16 param is the value (the remainder's low bits are dropped)
-    elif master is not None and p.dtype != torch.float32:
-        p.copy_(master.to(dev))  # no master kept: the param takes the checkpoint's master, rounded
-    for key, val in src.items():  # entries we do not know: like torch.optim.Optimizer
-        if isinstance(val, Tensor):
-            val = val.to(device=dev, dtype=p.dtype) if p.is_floating_point() and val.is_floating_point() else \
-                val.to(device=dev)
-        st[key] = val
-    return st

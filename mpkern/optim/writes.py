@@ -1,0 +1,83 @@
+"""Writes to the params by someone other than the optimizer, and how the state follows them.
+
+The optimizer records a *stamp* of every param after its own writes (version counter and data
+pointer: host-side integers, no sync). A param whose stamp changed was written or replaced
+(``load_state_dict``, ``fill_``, ``copy_``, ``p.data = t``, ``model.to(memory_format=...)``,
+``model.to(dtype)``); :func:`conform` then makes its state fit the param as it is now. In-place
+writes through a ``.data`` alias change neither number and are not seen
+(``FusedAdamWMP.resync_masters`` is the explicit way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import distributed
+from ..distributed import local as _local
+from . import storage
+
+Tensor = torch.Tensor
+stamp = distributed.stamp
+
+#: a recorded stamp meaning "loaded from a checkpoint since the last step"
+LOADED = None
+
+
+@torch.no_grad()
+def conform(kind: storage.MasterKind, p: Tensor, st: dict[str, Any], *, recorded: Any,
+            shared: Callable[[], bool]) -> None:
+    """Make the state ``st`` of ``p`` fit the param as it is now, for master kind ``kind``.
+
+    * shape changed: ``ValueError`` (nothing can be carried over);
+    * layout or device changed: every state tensor is re-laid like the param, values kept by
+      index (the kernel pairs flat buffers by memory position, so they must share its strides);
+    * master state of another kind (a converted checkpoint, kept until now so that model and
+      optimizer may be loaded in either order; or the param's dtype changed): turned into this
+      kind through the fp32 master it describes with the param as it is now;
+    * a param without master state (fp32 -> bf16 by ``model.to``): the param is the master;
+    * ``kind`` is "none" and the param is fp32 now (``model.float()`` after steps): the old
+      master restores the param's low bits where the param still is its rounding;
+    * otherwise the kind re-seeds itself from the written param (:meth:`MasterKind.reseed`).
+    ``recorded`` is the stamp recorded at the optimizer's last write (:data:`LOADED` after a
+    checkpoint load); ``shared()`` says whether ``p`` shares its storage with other params.
+    """
+    ref = st.get("exp_avg")
+    if isinstance(ref, Tensor) and tuple(ref.shape) != tuple(p.shape):
+        raise ValueError(f"FusedAdamWMP: a param now has shape {tuple(p.shape)}, its optimizer state "
+                         f"{tuple(ref.shape)} (it was replaced by a tensor of another shape after the first "
+                         "step); rebuild the optimizer or load a matching state dict")
+    if not distributed.is_dtensor(p):
+        for key, t in list(st.items()):
+            if key == "step" or not isinstance(t, Tensor) or t.shape != p.shape:
+                continue
+            want = storage.like(p, t.dtype)
+            if want.device != t.device or want.stride() != t.stride():
+                st[key] = want.copy_(t)
+    others = storage.stored_kinds(st, but=kind)
+    if kind is storage.NONE:
+        if p.dtype == torch.float32 and others:
+            old = others[0]
+            pl = _local(p.detach())
+            if old is storage.FP32:
+                m = _local(st[old.key])
+                same = (m.to(torch.bfloat16).float() == pl) | (m.to(torch.float16).float() == pl)
+                pl.copy_(torch.where(same, m, pl))
+            else:
+                pl.copy_(_local(old.to_fp32(p, st)))
+        for k in others:
+            k.drop(st)
+    elif others:
+        master = others[0].to_fp32(p, st)
+        for k in others:
+            k.drop(st)
+        kind.from_fp32(p, st, master)
+    elif not kind.has_state(st):
+        st.update(kind.create(p))
+    else:
+        kind.reseed(p, st, loaded=recorded is LOADED, shared=shared() if recorded is not LOADED else False)
+
+
+__all__ = ["LOADED", "conform", "stamp"]
