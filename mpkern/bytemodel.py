@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .optim import storage as _storage
+
 Tensor = torch.Tensor
 
 #: unscale + inf check + global-norm clip over bf16 grads, bytes per parameter.
@@ -45,7 +47,8 @@ def limit(peer_bytes: float, our_bytes: float) -> float:
 
 # ---- footprint ----------------------------------------------------------------------------------
 CATEGORIES = ("weights", "grads", "masters", "moments")
-_MASTER_KEYS = ("master_param", "master_remainder")
+# the optimizer's storage descriptions say which state keys hold masters
+_MASTER_KEYS = tuple(k.key for k in _storage.STORED_MASTERS)
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 

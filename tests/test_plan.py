@@ -176,3 +176,18 @@ def test_hf_config_without_a_causal_lm_class_counts_the_base_model(tmp_path):
     rel_bias = 2 * cfg.relative_attention_num_buckets * 4  # first block of encoder and decoder
     want = v * d + L * enc_layer + d + L * dec_layer + d + rel_bias
     assert n == want
+
+
+def test_storage_descriptions_match_the_allocated_state():
+    # the bytes the optimizer's storage descriptions declare == what it really allocates
+    from mpkern import bytemodel
+    from mpkern.optim import storage
+
+    for name in bytemodel.RECIPES:
+        if not name.startswith("mpkern"):
+            continue
+        mw = "remainder" if "remainder" in name else True
+        sdt = "bfloat16" if "bf16 moments" in name else "float32"
+        params, opt, masters = bytemodel.build_recipe(name)
+        got = bytemodel.count_state(params, opt, masters=masters).per_param()
+        assert got["masters"] + got["moments"] == storage.state_bytes_per_param(mw, sdt, torch.bfloat16), name

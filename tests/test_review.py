@@ -451,3 +451,35 @@ def test_main_grad_layer_over_fp32_weights_warns_once():
         with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
             lin(x)
     assert lin.weight.grad is not None and getattr(lin.weight, "main_grad", None) is None
+
+
+# ---- issue 15: opt.adamw_state_dict() is what torch.optim.AdamW loads ----------------------------------
+@pytest.mark.parametrize("master,state_dtype", [(True, torch.float32), ("remainder", torch.bfloat16)])
+def test_adamw_state_dict_continues_in_torch_adamw(master, state_dtype):
+    torch.manual_seed(20)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Linear(8, 3)).to(torch.bfloat16)
+    groups = [{"params": model[0].parameters()}, {"params": model[1].parameters(), "weight_decay": 0.0}]
+    opt = FusedAdamWMP(groups, lr=1e-2, master_weights=master, state_dtype=state_dtype, max_grad_norm=5.0)
+    gen = torch.Generator().manual_seed(21)
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+        opt.step()
+    sd = opt.adamw_state_dict()
+    masters = [torch.nn.Parameter(m.detach().clone()) for m in opt.master_params()]
+    ref = torch.optim.AdamW([{"params": masters[:2]}, {"params": masters[2:], "weight_decay": 0.0}], lr=1.0)
+    ref.load_state_dict(sd)  # must not raise; lr etc. come from the checkpoint
+    assert ref.param_groups[0]["lr"] == 1e-2 and ref.param_groups[1]["weight_decay"] == 0.0
+    for p, m in zip(model.parameters(), masters):
+        st = ref.state[m]
+        assert st["exp_avg"].dtype == torch.float32
+        torch.testing.assert_close(st["exp_avg"], opt.state[p]["exp_avg"].float(), rtol=0, atol=0)
+        assert float(st["step"]) == 3.0
+    # one more step in both, from the same grads (no clipping at norm < 5): the same masters
+    for p, m in zip(model.parameters(), masters):
+        g = torch.randn(p.shape, generator=gen) * 0.01
+        p.grad, m.grad = g.to(torch.bfloat16), g.to(torch.bfloat16).float()
+    opt.step()
+    ref.step()
+    for a, b in zip(opt.master_params(), masters):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)

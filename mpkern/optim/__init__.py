@@ -374,6 +374,42 @@ class FusedAdamWMP(torch.optim.Optimizer):
         return out
 
     @torch.no_grad()
+    def adamw_state_dict(self) -> dict[str, Any]:
+        """A state dict that ``torch.optim.AdamW.load_state_dict`` accepts, whatever the storage kinds.
+
+        Per param: ``step`` and fp32 ``exp_avg`` / ``exp_avg_sq`` (``max_exp_avg_sq`` with amsgrad),
+        decoded from this optimizer's storage; param groups with AdamW's keys (mpkern's own keys
+        dropped). The params it belongs to are the fp32 masters of :meth:`master_params`: build the
+        AdamW over fp32 copies of them (``[torch.nn.Parameter(m.detach().clone()) for m in
+        opt.master_params()]``), in the same group structure, then load this. New tensors: the
+        optimizer's state is not shared.
+        """
+        sd = self.state_dict()
+        groups = []
+        for g in sd["param_groups"]:
+            ng = {k: v for k, v in g.items() if k not in _OWN_KEYS}
+            for key, val in (("foreach", None), ("differentiable", False), ("fused", None),
+                             ("decoupled_weight_decay", True)):
+                ng.setdefault(key, val)
+            groups.append(ng)
+        kinds: dict[int, Any] = {}  # state_dict's index of each param -> its group's moment kind
+        for group in self.param_groups:
+            for p in group["params"]:
+                kinds.setdefault(id(p), (len(kinds), moment_kind(group["state_dtype"])))
+        kind_at = dict(kinds.values())
+        state = {}
+        for i, st in sd["state"].items():
+            mk = kind_at.get(i, moment_kind("float32"))
+            out = {"step": torch.as_tensor(st["step"], dtype=torch.float32).detach().clone()}
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in st:
+                    out[key] = mk.to_fp32(st, key).detach().clone()
+            if "max_exp_avg_sq" in st:
+                out["max_exp_avg_sq"] = st["max_exp_avg_sq"].detach().to(torch.float32).clone()
+            state[i] = out
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
     def resync_masters(self, params: Iterable[Tensor] | None = None) -> None:
         """Re-seed the masters of ``params`` (default: every param) from the params as they are now.
 
