@@ -6,18 +6,29 @@
 
 namespace mpkern {
 
-enum MasterMode : int { kMasterNone = 0, kMasterF32 = 1, kMasterRemainder = 2 };
+enum MasterMode : int { kMasterNone = 0, kMasterF32 = 1, kMasterRemainder = 2, kMaster8bit = 3 };
 
 inline void check_adamw_args(const char* op, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                              at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters,
                              at::TensorList steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
-                             const std::optional<at::Tensor>& lr_tensor, int64_t master_mode) {
+                             const std::optional<at::Tensor>& lr_tensor, int64_t master_mode,
+                             at::IntArrayRef stream_ids = {}, at::IntArrayRef elem_offsets = {}) {
   const size_t n = params.size();
   TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n, op,
               ": params, grads, exp_avgs, exp_avg_sqs and steps must have the same length");
   TORCH_CHECK_VALUE(max_exp_avg_sqs.empty() || max_exp_avg_sqs.size() == n, op,
               ": max_exp_avg_sqs must be empty or one per param");
-  TORCH_CHECK_VALUE(master_mode >= kMasterNone && master_mode <= kMasterRemainder, op, ": bad master_mode ", master_mode);
+  TORCH_CHECK_VALUE(master_mode >= kMasterNone && master_mode <= kMaster8bit, op, ": bad master_mode ", master_mode,
+                    " (0 none, 1 fp32, 2 int16 remainder, 3 int8 correction)");
+  TORCH_CHECK_VALUE(stream_ids.empty() || stream_ids.size() == n, op,
+                    ": stream_ids must be empty or one per param, got ", stream_ids.size(), " for ", n, " params");
+  TORCH_CHECK_VALUE(elem_offsets.empty() || elem_offsets.size() == n, op,
+                    ": elem_offsets must be empty or one per param, got ", elem_offsets.size(), " for ", n, " params");
+  for (size_t i = 0; i < stream_ids.size(); ++i)
+    TORCH_CHECK_VALUE(stream_ids[i] >= 0 && stream_ids[i] <= 0xffffffffLL, op, ": stream_ids[", i, "] = ",
+                      stream_ids[i], " is not in [0, 2^32)");
+  for (size_t i = 0; i < elem_offsets.size(); ++i)
+    TORCH_CHECK_VALUE(elem_offsets[i] >= 0, op, ": elem_offsets[", i, "] = ", elem_offsets[i], " is negative");
   TORCH_CHECK_VALUE(master_mode == kMasterNone ? masters.empty() : masters.size() == n, op,
               ": masters must be one per param (empty when master_mode is 0)");
   const c10::Device dev = n ? params[0].device() : grad_factor.device();
@@ -53,6 +64,13 @@ inline void check_adamw_args(const char* op, at::TensorList params, at::TensorLi
       same(masters[i], "masters");
       TORCH_CHECK_TYPE(masters[i].scalar_type() == at::kShort, op, ": remainders must be int16");
       TORCH_CHECK_TYPE(p.scalar_type() == at::kBFloat16, op, ": remainder masters need bfloat16 params");
+    } else if (master_mode == kMaster8bit) {
+      TORCH_CHECK_TYPE(p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf, op,
+                       ": master_mode 3 (8-bit master corrections) needs bfloat16 or float16 params; params[", i,
+                       "] is ", p.scalar_type(), ", which is its own fp32 master (use master_mode 0)");
+      same(masters[i], "masters");
+      TORCH_CHECK_TYPE(masters[i].scalar_type() == at::kChar, op, ": 8-bit master corrections must be int8, got ",
+                       masters[i].scalar_type());
     }
     TORCH_CHECK_VALUE(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat && steps[i].device() == dev, op,
                 ": steps[", i, "] must be a one-element float32 tensor on ", dev);
@@ -65,12 +83,23 @@ inline c10::Device check_adamw_args_on(const char* op, at::TensorList params, at
                                        at::TensorList max_exp_avg_sqs, at::TensorList masters, at::TensorList steps,
                                        const at::Tensor& grad_factor, const at::Tensor& found_inf,
                                        const std::optional<at::Tensor>& lr_tensor, int64_t master_mode,
+                                       at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets,
                                        c10::DeviceType device_type) {
   check_adamw_args(op, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
-                   lr_tensor, master_mode);
+                   lr_tensor, master_mode, stream_ids, elem_offsets);
   const c10::Device dev = params.empty() ? grad_factor.device() : params[0].device();
   TORCH_CHECK_VALUE(dev.type() == device_type, op, ": tensors are on ", dev, ", expected ", device_type);
   return dev;
 }
 
+}  // namespace mpkern
+
+namespace mpkern {
+// The random stream of tensor i: (stream id, offset of its element 0), defaults when not given.
+inline uint32_t stream_of(at::IntArrayRef stream_ids, size_t i) {
+  return static_cast<uint32_t>(stream_ids.empty() ? static_cast<int64_t>(i) : stream_ids[i]);
+}
+inline uint64_t offset_of(at::IntArrayRef elem_offsets, size_t i) {
+  return elem_offsets.empty() ? 0u : static_cast<uint64_t>(elem_offsets[i]);
+}
 }  // namespace mpkern

@@ -27,13 +27,17 @@ TORCH_LIBRARY(mpkern, m) {
   // In-place multiply of every tensor by a one-element float32 tensor on the same device.
   m.def("scale_(Tensor(a!)[] tensors, Tensor scale) -> ()");
   // Fused AdamW over a tensor list (one param group on one device): updates params, moments,
-  // max_exp_avg_sqs (amsgrad; empty list otherwise), masters (fp32 or int16 remainders; empty
-  // list for master_mode 0) and the per-param step counters -- or nothing when found_inf != 0.
+  // max_exp_avg_sqs (amsgrad; empty list otherwise), masters (fp32, int16 remainders or int8
+  // corrections; empty list for master_mode 0) and the per-param step counters -- or nothing when
+  // found_inf != 0. stream_ids / elem_offsets (one per tensor, or empty: index in the list, 0)
+  // name the random stream of each tensor: element i draws the bits of element elem_offsets[t] + i
+  // of stream stream_ids[t] (see math.h, rng_key).
   m.def(
       "adamw_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] masters, Tensor(f!)[] steps, Tensor grad_factor, "
       "Tensor found_inf, Tensor? lr_tensor, float lr, float beta1, float beta2, float eps, float weight_decay, "
-      "bool maximize, int master_mode, bool stochastic_rounding, int seed) -> ()");
+      "bool maximize, int master_mode, bool stochastic_rounding, int seed, int[] stream_ids=[], "
+      "int[] elem_offsets=[]) -> ()");
 }
 
 #ifndef MPKERN_TORCH_VERSION
@@ -75,10 +79,17 @@ PYBIND11_MODULE(_C, mod) {
          const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
          const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& masters,
          const std::vector<at::Tensor>& steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
-         const std::optional<at::Tensor>& lr_tensor, int64_t master_mode) {
+         const std::optional<at::Tensor>& lr_tensor, int64_t master_mode, const std::vector<int64_t>& stream_ids,
+         const std::vector<int64_t>& elem_offsets) {
         mpkern::check_adamw_args("mpkern::adamw_step_", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
-                                 masters, steps, grad_factor, found_inf, lr_tensor, master_mode);
+                                 masters, steps, grad_factor, found_inf, lr_tensor, master_mode, stream_ids,
+                                 elem_offsets);
       },
+      pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("exp_avgs"), pybind11::arg("exp_avg_sqs"),
+      pybind11::arg("max_exp_avg_sqs"), pybind11::arg("masters"), pybind11::arg("steps"),
+      pybind11::arg("grad_factor"), pybind11::arg("found_inf"), pybind11::arg("lr_tensor"),
+      pybind11::arg("master_mode"), pybind11::arg("stream_ids") = std::vector<int64_t>{},
+      pybind11::arg("elem_offsets") = std::vector<int64_t>{},
       "Raise like mpkern::adamw_step_ does on bad arguments");
 #if defined(MPKERN_WITH_CUDA) && MPKERN_WITH_CUDA
   mod.def("cuda_table_cache_stats", &mpkern::cuda::table_cache_stats,

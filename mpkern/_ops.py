@@ -28,7 +28,8 @@ _ADAMW_SCHEMA = (
     "adamw_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
     "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] masters, Tensor(f!)[] steps, Tensor grad_factor, "
     "Tensor found_inf, Tensor? lr_tensor, float lr, float beta1, float beta2, float eps, float weight_decay, "
-    "bool maximize, int master_mode, bool stochastic_rounding, int seed) -> ()")
+    "bool maximize, int master_mode, bool stochastic_rounding, int seed, int[] stream_ids=[], "
+    "int[] elem_offsets=[]) -> ()")
 _SCHEMAS = {
     "grad_stats": "grad_stats(Tensor[] grads, Tensor inv_scale) -> (Tensor sumsq, Tensor amax)",
     "scale_": "scale_(Tensor(a!)[] tensors, Tensor scale) -> ()",
@@ -67,6 +68,17 @@ def _fake_scale_(tensors: Sequence[Tensor], scale: Tensor) -> None:
 
 
 def _fake_adamw_step_(*args, **kwargs) -> None:
+    # the checks that need no data, so a traced call fails like an eager one (the eager kernels
+    # run the full check_adamw_args)
+    params, masters, mode = args[0], args[5], int(args[16] if len(args) > 16 else kwargs["master_mode"])
+    torch._check(0 <= mode <= 3, lambda: f"mpkern::adamw_step_: bad master_mode {mode}")
+    if mode == reference.MASTER_8BIT:
+        for i, p in enumerate(params):
+            torch._check(p.dtype in (torch.bfloat16, torch.float16), lambda: (
+                f"mpkern::adamw_step_: master_mode 3 (8-bit master corrections) needs bfloat16 or float16 params; "
+                f"params[{i}] is {p.dtype}"))
+            torch._check(masters[i].dtype == torch.int8,
+                         lambda: "mpkern::adamw_step_: 8-bit master corrections must be int8")
     return None
 
 
@@ -99,13 +111,17 @@ def check_scale_args(tensors: Sequence[Tensor], scale: Tensor) -> None:
 
 
 def check_adamw_args(*args: Any) -> None:
-    """Raise exactly like the C++ ``mpkern::adamw_step_`` kernels do; ``args`` follow its schema."""
+    """Raise exactly like the C++ ``mpkern::adamw_step_`` kernels do; ``args`` follow its schema
+    (the trailing ``stream_ids``, ``elem_offsets`` may be left out)."""
     ext = _native_checks()
     if ext is not None:
         (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
          lr_tensor) = args[:10]
+        streams = [int(x) for x in args[19]] if len(args) > 19 else []
+        offsets = [int(x) for x in args[20]] if len(args) > 20 else []
         ext.check_adamw_args(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
-                             list(masters), list(steps), grad_factor, found_inf, lr_tensor, int(args[16]))
+                             list(masters), list(steps), grad_factor, found_inf, lr_tensor, int(args[16]), streams,
+                             offsets)
 
 
 def capturing() -> bool:

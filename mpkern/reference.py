@@ -52,11 +52,86 @@ def scale_(tensors: Sequence[Tensor], scale: Tensor) -> None:
             t.copy_(t.to(torch.float32) * s)
 
 
-MASTER_NONE, MASTER_F32, MASTER_REMAINDER = 0, 1, 2
+MASTER_NONE, MASTER_F32, MASTER_REMAINDER, MASTER_8BIT = 0, 1, 2, 3
+
+# Purposes of the random bits (math.h RandPurpose): which 16 bits of which 32-bit word.
+RAND_PARAM, RAND_EXP_AVG, RAND_EXP_AVG_SQ, RAND_MASTER8 = 0, 1, 2, 3
+
+_M32 = 0xFFFFFFFF
 
 
 def _bf16_rne_bits(x: Tensor) -> Tensor:
     return x.to(torch.bfloat16).view(torch.int16)
+
+
+def _mul32(x, c: int):
+    """(x * c) mod 2^32 for x in [0, 2^32) (int64 tensor or int), without int64 overflow."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def mix32(x):
+    """mix32 of math.h on int64 tensors (or ints) holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def rand16(seed: int, stream: int, elem: Tensor, step, purpose: int) -> Tensor:
+    """The 16 random bits of math.h's ``rand16``: int64 tensor of values in [0, 2^16).
+
+    ``elem``: int64 tensor of global element indices (elem_offset + i); ``step``: the step after the
+    increment (an int or an int64 tensor). The bits are a pure function of
+    (seed, stream, element, step, purpose), identical on every backend."""
+    word = 1 if purpose in (RAND_EXP_AVG, RAND_EXP_AVG_SQ) else 0
+    shift = 16 if purpose >= RAND_EXP_AVG_SQ else 0
+    h = mix32((int(seed) & _M32) ^ mix32((_mul32(int(stream) & _M32, 0x9E3779B9) + step) & _M32))
+    salt = (word * 0xC2B2AE35 + 0x632BE5AB) & _M32
+    key = mix32(h ^ mix32((_mul32(elem >> 32, 0x85EBCA6B) + salt) & _M32))
+    return (mix32(key ^ (elem & _M32)) >> shift) & 0xFFFF
+
+
+def bf16_sr(x: Tensor, r16: Tensor) -> Tensor:
+    """f32_to_bf16_sr of math.h: add 16 random bits below the kept half, truncate (unbiased)."""
+    u = x.view(torch.int32).to(torch.int64) & _M32
+    bits = ((u + r16) >> 16).to(torch.int16)  # int64 -> int16 keeps the low bits
+    return torch.where(torch.isfinite(x), bits.view(torch.bfloat16), x.to(torch.bfloat16))
+
+
+def _pow2(k: Tensor) -> Tensor:
+    """pow2i of math.h: 2^k (int32 k in [-149, 127]) as float32, subnormal below -126."""
+    normal = (k + 127) << 23
+    sub = torch.ones_like(k) << (k + 149).clamp(0, 22)
+    return torch.where(k >= -126, normal, sub).view(torch.float32)
+
+
+def _binade(bits: Tensor, dtype: torch.dtype) -> Tensor:
+    """max(e, 1) of 16-bit param bit patterns (int32 tensor of values in [0, 2^16))."""
+    e = (bits >> 7) & 0xFF if dtype == torch.bfloat16 else (bits >> 10) & 0x1F
+    return e.clamp(min=1)
+
+
+def master8_decode(p: Tensor, c: Tensor) -> Tensor:
+    """The fp32 master of a bf16/fp16 param and its int8 correction: p + c * ulp(p) / 256."""
+    bits = p.view(torch.int16).to(torch.int32) & 0xFFFF
+    b = _binade(bits, p.dtype)
+    k = b - 142 if p.dtype == torch.bfloat16 else b - 33
+    return p.float() + c.float() * _pow2(k)
+
+
+def master8_encode(w: Tensor, dtype: torch.dtype, r16: Tensor) -> tuple[Tensor, Tensor]:
+    """(param, int8 correction) of fp32 master ``w``: the param is ``w`` rounded to nearest even,
+    the correction its remaining error in 1/256 of the param's ulp, rounded stochastically
+    (floor(x + r16 / 2^16)), clamped to [-128, 127]; 0 for a non-finite param."""
+    p = w.to(dtype)
+    pf = p.float()
+    b = _binade(p.view(torch.int16).to(torch.int32) & 0xFFFF, dtype)
+    d = w - pf
+    x = (d * _pow2(127 - b)) * 32768.0 if dtype == torch.bfloat16 else d * _pow2(33 - b)
+    y = torch.floor(x + r16.to(torch.float32) * (1.0 / 65536.0)).clamp(-128.0, 127.0)
+    y = torch.where(torch.isfinite(pf), y, torch.zeros_like(y))
+    return p, y.to(torch.int8)
 
 
 def adamw_step_(
@@ -64,12 +139,15 @@ def adamw_step_(
     max_exp_avg_sqs: Sequence[Tensor], masters: Sequence[Tensor], steps: Sequence[Tensor], grad_factor: Tensor,
     found_inf: Tensor, lr_tensor: Tensor | None, lr: float, beta1: float, beta2: float, eps: float,
     weight_decay: float, maximize: bool, master_mode: int, stochastic_rounding: bool, seed: int,
+    stream_ids: Sequence[int] = (), elem_offsets: Sequence[int] = (),
 ) -> None:
     """Pure-PyTorch version of the fused AdamW step (same contract as the C++/CUDA kernels).
 
     Nothing is written when ``found_inf`` is non-zero: every update is computed and then committed
-    with ``torch.where(found_inf == 0, new, old)``, so no host sync is needed. Stochastic rounding
-    uses ``torch.rand`` here (unbiased, but not the kernels' bit stream).
+    with ``torch.where(found_inf == 0, new, old)``, so no host sync is needed. The random bits
+    (param stochastic rounding, bf16 moments, 8-bit master corrections) are the kernels' own
+    stream (:func:`rand16`), computed with integer tensor ops: element i of tensor t draws the
+    bits of element ``elem_offsets[t] + i`` of stream ``stream_ids[t]`` (defaults: t and 0).
     """
     ok = found_inf.reshape(()) == 0
     factor = grad_factor.reshape(()).to(torch.float32)
@@ -81,6 +159,14 @@ def adamw_step_(
     decay = decay.float() if isinstance(decay, Tensor) else decay
     for i, p in enumerate(params):
         step = steps[i].reshape(()).double() + 1
+        stream = int(stream_ids[i]) if stream_ids else i
+        elem = torch.arange(p.numel(), dtype=torch.int64, device=p.device).reshape(p.shape)
+        elem = elem + (int(elem_offsets[i]) if elem_offsets else 0)
+        step_i = step.to(torch.int64)
+
+        def bits(purpose: int, elem=elem, stream=stream, step_i=step_i) -> Tensor:
+            return rand16(seed, stream, elem, step_i, purpose)
+
         step_size = (lr_d / (1 - beta1**step)).float()
         inv_bc2 = (1 / torch.sqrt(1 - beta2**step)).float()
         g = grads[i].float() * factor
@@ -89,6 +175,8 @@ def adamw_step_(
         elif master_mode == MASTER_REMAINDER:
             hi = p.view(torch.int16).to(torch.int32) & 0xFFFF
             w = ((hi << 16) + masters[i].to(torch.int32)).view(torch.float32)
+        elif master_mode == MASTER_8BIT:
+            w = master8_decode(p, masters[i])
         else:
             w = p.float()
         m = exp_avgs[i].float()
@@ -102,8 +190,12 @@ def adamw_step_(
             max_exp_avg_sqs[i].copy_(torch.where(ok, vv, max_exp_avg_sqs[i]))
         denom = vv.sqrt() * inv_bc2 + eps
         w = w - step_size * m / denom
-        exp_avgs[i].copy_(torch.where(ok, m.to(exp_avgs[i].dtype), exp_avgs[i]))
-        exp_avg_sqs[i].copy_(torch.where(ok, v.to(exp_avg_sqs[i].dtype), exp_avg_sqs[i]))
+        if exp_avgs[i].dtype == torch.bfloat16:  # stochastic rounding: unbiased small changes
+            m_new, v_new = bf16_sr(m, bits(RAND_EXP_AVG)), bf16_sr(v, bits(RAND_EXP_AVG_SQ))
+        else:
+            m_new, v_new = m, v
+        exp_avgs[i].copy_(torch.where(ok, m_new, exp_avgs[i]))
+        exp_avg_sqs[i].copy_(torch.where(ok, v_new, exp_avg_sqs[i]))
         if master_mode == MASTER_F32:
             masters[i].copy_(torch.where(ok, w, masters[i]))
             new_p = w.to(p.dtype)
@@ -112,11 +204,11 @@ def adamw_step_(
             hi = ((u + 0x8000) >> 16) & 0xFFFF
             new_p = hi.to(torch.int16).view(torch.bfloat16)  # int32 -> int16 keeps the low bits
             masters[i].copy_(torch.where(ok, (u & 0xFFFF).to(torch.int16), masters[i]))
+        elif master_mode == MASTER_8BIT:
+            new_p, c = master8_encode(w, p.dtype, bits(RAND_MASTER8))
+            masters[i].copy_(torch.where(ok, c, masters[i]))
         elif stochastic_rounding and p.dtype == torch.bfloat16:
-            u = w.view(torch.int32)
-            r = torch.randint(0, 1 << 16, u.shape, device=u.device, dtype=torch.int32)
-            finite = torch.isfinite(w)
-            new_p = torch.where(finite, ((u + r) >> 16).to(torch.int16).view(torch.bfloat16), w.to(torch.bfloat16))
+            new_p = bf16_sr(w, bits(RAND_PARAM))
         else:
             new_p = w.to(p.dtype)
         p.copy_(torch.where(ok, new_p, p))

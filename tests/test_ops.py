@@ -101,14 +101,19 @@ def test_c_kernels_reject_bad_input():
 
 
 @pytest.mark.parametrize("ns", _op_namespaces())
-@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("mode", [0, 1, 2, 3])
 def test_opcheck_adamw(ns, mode):
     params = [torch.randn(n, device=DEVICE).to(torch.bfloat16) for n in (33, 5, 0)]
-    masters = {0: [], 1: [p.float() for p in params], 2: [torch.zeros(p.shape, dtype=torch.int16, device=DEVICE)
-                                                          for p in params]}[mode]
+    masters = {0: [], 1: [p.float() for p in params],
+               2: [torch.zeros(p.shape, dtype=torch.int16, device=DEVICE) for p in params],
+               3: [torch.randint(-128, 128, p.shape, dtype=torch.int8, device=DEVICE) for p in params]}[mode]
+    sdt = torch.bfloat16 if mode == 3 else torch.float32  # bf16 moments (stochastically rounded) too
     args = (params, [torch.randn(p.shape, device=DEVICE).to(p.dtype) for p in params],
-            [torch.zeros(p.shape, device=DEVICE) for p in params], [torch.zeros(p.shape, device=DEVICE) for p in params],
+            [torch.zeros(p.shape, device=DEVICE, dtype=sdt) for p in params],
+            [torch.zeros(p.shape, device=DEVICE, dtype=sdt) for p in params],
             [torch.zeros(p.shape, device=DEVICE) for p in params], masters,
             [torch.zeros((), device=DEVICE) for p in params], torch.tensor(0.5, device=DEVICE),
-            torch.tensor(0.0, device=DEVICE), None, 1e-3, 0.9, 0.999, 1e-8, 0.01, False, mode, False, 0)
+            torch.tensor(0.0, device=DEVICE), None, 1e-3, 0.9, 0.999, 1e-8, 0.01, False, mode, mode == 0, 0)
+    if mode >= 2:  # explicit random streams (stream id, global element offset per tensor)
+        args = args + ([4, 4, 9], [0, 33, 2**33])
     torch.library.opcheck(getattr(torch.ops, ns).adamw_step_.default, args)

@@ -1,6 +1,7 @@
 """Triton kernel of the fused master-weight AdamW step (``mpkern_triton::adamw_step_``).
 
-Mirrors ``adamw_update`` / ``split_master`` / ``f32_to_bf16_sr`` of ``csrc/include/mpkern/math.h``:
+Mirrors ``adamw_update`` / ``split_master`` / ``master8_decode`` / ``master8_encode`` /
+``f32_to_bf16_sr`` and the random words (``rng_key``) of ``csrc/include/mpkern/math.h``:
   g  = grad * grad_factor (negated for maximize)
   p  = p * (1 - lr*wd);  m = m + (1-b1)(g - m);  v = v*b2 + (1-b2)*g*g;  vm = max(vm, v)
   p  = p - step_size * m / (sqrt(v or vm) * inv_bc2 + eps)
@@ -10,7 +11,8 @@ no sync, no host-to-device copy. Work items are (tensor, chunk) rows of a device
 built once per layout of the tensor lists and cached (``_tables.py``); per (param, grad, state)
 dtype combination one launch over the rows whose buffers are all 16-byte aligned (the compiler
 is told, and uses 16-byte accesses) and one over the few unaligned head/tail elements. Nothing is
-written when found_inf != 0.
+written when found_inf != 0. bf16 moments are stored with stochastic rounding; random bits are
+a hash of (seed, stream id, elem_offset + element, step, purpose), the keys computed once per row.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from .unscale import VEC, _block_index, _f32_to_bf16_bits, _load_f32, _store_f32
 CHUNK = 16384
 BLOCK = 1024
 _CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_ROW = 10  # p, g, m, v, vmax, master, begin, end, tensor index, shift (element index of the row's addresses)
+# p, g, m, v, vmax, master, begin, end, tensor index, shift (element index of the row's addresses),
+# random stream id, global index of the tensor's element 0 in that stream
+_ROW = 12
 
 
 @triton.jit
@@ -39,13 +43,91 @@ def _mix32(x):
 
 
 @triton.jit
-def _sr_bits(seed, tensor, idx, step):
-    """sr_bits of math.h: 16 random bits from (seed, tensor, element, step)."""
-    h = _mix32(seed ^ _mix32(tensor * 0x9E3779B9 + step))
-    lo = (idx & 0xFFFFFFFF).to(tl.uint32)
-    hi = (idx >> 32).to(tl.uint32)
-    h = _mix32(h ^ lo ^ _mix32(hi + 0x632BE5AB))
-    return h >> 16
+def _rng_key(seed, stream, step, SALT: tl.constexpr, hi):
+    """rng_key of math.h; SALT = word * 0xc2b2ae35 + 0x632be5ab (mod 2^32)."""
+    h = _mix32(seed ^ _mix32(stream * 0x9E3779B9 + step))
+    return _mix32(h ^ _mix32(hi * 0x85EBCA6B + SALT))
+
+
+_SALT0 = tl.constexpr(0x632BE5AB)
+_SALT1 = tl.constexpr((0xC2B2AE35 + 0x632BE5AB) & 0xFFFFFFFF)
+
+
+@triton.jit
+def _rng_word(key_lo, key_hi, hi0, gidx):
+    """rng_word of math.h for global element indices gidx (int64): the key of hi0 or hi0 + 1
+    (a row never spans more than one multiple of 2^32)."""
+    hi = (gidx >> 32).to(tl.uint32)
+    lo = (gidx & 0xFFFFFFFF).to(tl.uint32)
+    return _mix32(tl.where(hi == hi0, key_lo, key_hi) ^ lo)
+
+
+@triton.jit
+def _bf16_sr(x, r16):
+    """f32_to_bf16_sr of math.h: r16 (uint32 < 2^16) added below the kept half, truncated."""
+    u = x.to(tl.uint32, bitcast=True)
+    nonfinite = (u & 0x7F800000) == 0x7F800000
+    return tl.where(nonfinite, _f32_to_bf16_bits(x), ((u + r16) >> 16).to(tl.uint16))
+
+
+@triton.jit
+def _pow2(k):
+    """pow2i of math.h: 2^k (int32 k in [-149, 127]) as float32."""
+    normal = ((k + 127) << 23).to(tl.uint32)
+    shift = tl.minimum(tl.maximum(k + 149, 0), 31).to(tl.uint32)
+    sub = tl.full(k.shape, 1, tl.uint32) << shift
+    return tl.where(k >= -126, normal, sub).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _param_f32(h, PDT: tl.constexpr):
+    """(value, max(e, 1)) of 16-bit param bits h (uint16)."""
+    hu = h.to(tl.uint32)
+    if PDT == 2:
+        p = (hu << 16).to(tl.float32, bitcast=True)
+        e = ((hu >> 7) & 0xFF).to(tl.int32)
+    else:
+        p = h.to(tl.float16, bitcast=True).to(tl.float32)
+        e = ((hu >> 10) & 0x1F).to(tl.int32)
+    return p, tl.maximum(e, 1)
+
+
+@triton.jit
+def _master8_decode(h, c, PDT: tl.constexpr):
+    p, b = _param_f32(h, PDT)
+    if PDT == 2:
+        k = b - 142
+    else:
+        k = b - 33
+    return p + c.to(tl.float32) * _pow2(k)
+
+
+@triton.jit
+def _master8_encode(w, r16, PDT: tl.constexpr):
+    """(param bits uint16, correction int8) of master w: master8_encode of math.h."""
+    if PDT == 2:
+        h = _f32_to_bf16_bits(w)
+    else:
+        h = w.to(tl.float16).to(tl.uint16, bitcast=True)
+    p, b = _param_f32(h, PDT)
+    d = w - p
+    if PDT == 2:
+        x = (d * _pow2(127 - b)) * 32768.0
+    else:
+        x = d * _pow2(33 - b)
+    nonfinite = (p.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000
+    y = tl.floor(x + r16.to(tl.float32) * (1.0 / 65536.0))
+    y = tl.minimum(tl.maximum(y, -128.0), 127.0)
+    y = tl.where(nonfinite, 0.0, y)
+    return h, y.to(tl.int32).to(tl.int8)
+
+
+@triton.jit
+def _int8_ptr(addr, ALIGNED: tl.constexpr):
+    ptr = addr.to(tl.pointer_type(tl.int8))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
 
 
 @triton.jit
@@ -59,7 +141,7 @@ def _ptr_at(base, k, DT: tl.constexpr, ALIGNED: tl.constexpr):
 def _adamw_kernel(
     table_ptr,  # int64 [items, _ROW]
     consts_ptr,  # float32 [tensors, 3]: step_size, inv_bc2, decay
-    steps_ptr,  # int32 [tensors]: step after the increment (for stochastic rounding)
+    steps_ptr,  # int32 [tensors]: step after the increment (for the random bits)
     factor_ptr,  # float32 [1]
     found_ptr,  # float32 [1]
     one_m_b1, beta2, one_m_b2, eps, seed,
@@ -81,6 +163,18 @@ def _adamw_kernel(
         if ALIGNED:
             begin = tl.multiple_of(begin, 16)
             end = tl.multiple_of(end, 8)
+        # random keys of this row (math.h rng_keys): word 0 for param SR / the 8-bit master, word 1 for
+        # bf16 moments; gbase = global index of idx 0 in the tensor's stream
+        if MODE == 3 or SR or SDT == 2:
+            step = tl.load(steps_ptr + t).to(tl.uint32)
+            stream = (tl.load(base + 10) & 0xFFFFFFFF).to(tl.uint32)
+            gbase = tl.load(base + 11) + tl.load(base + 9)
+            hi0 = ((gbase + begin) >> 32).to(tl.uint32)
+            useed = seed.to(tl.uint32)
+            k0a = _rng_key(useed, stream, step, _SALT0, hi0)
+            k0b = _rng_key(useed, stream, step, _SALT0, hi0 + 1)
+            k1a = _rng_key(useed, stream, step, _SALT1, hi0)
+            k1b = _rng_key(useed, stream, step, _SALT1, hi0 + 1)
         step_size = tl.load(consts_ptr + t * 3)
         inv_bc2 = tl.load(consts_ptr + t * 3 + 1)
         decay = tl.load(consts_ptr + t * 3 + 2)
@@ -99,6 +193,12 @@ def _adamw_kernel(
                 hi = tl.load(p_ptr + idx, mask=mask, other=0).to(tl.uint32) << 16
                 lo = tl.load(r_ptr + idx, mask=mask, other=0).to(tl.int32).to(tl.uint32, bitcast=True)
                 w = (hi + lo).to(tl.float32, bitcast=True)
+            elif MODE == 3:
+                h_ptr = _ptr_at(base, 0, 2, ALIGNED)  # the param's raw bits
+                c_ptr = _int8_ptr(tl.load(base + 5), ALIGNED)
+                h = tl.load(h_ptr + idx, mask=mask, other=0)
+                c = tl.load(c_ptr + idx, mask=mask, other=0)
+                w = _master8_decode(h, c, PDT)
             else:
                 w = _load_f32(p_ptr, idx, mask, PDT)
             m = _load_f32(m_ptr, idx, mask, SDT)
@@ -116,8 +216,15 @@ def _adamw_kernel(
             # (enable_fp_fusion=False at launch): the same rounding as math.h on every backend
             denom = tl.sqrt_rn(vv) * inv_bc2 + eps
             w = w - tl.div_rn(step_size * m, denom)
-            _store_f32(m_ptr, idx, m, mask, SDT)
-            _store_f32(v_ptr, idx, v, mask, SDT)
+            if MODE == 3 or SR or SDT == 2:
+                gidx = gbase + idx
+            if SDT == 2:
+                r1 = _rng_word(k1a, k1b, hi0, gidx)  # exp_avg: low half, exp_avg_sq: high half
+                tl.store(m_ptr + idx, _bf16_sr(m, r1 & 0xFFFF), mask=mask)
+                tl.store(v_ptr + idx, _bf16_sr(v, r1 >> 16), mask=mask)
+            else:
+                _store_f32(m_ptr, idx, m, mask, SDT)
+                _store_f32(v_ptr, idx, v, mask, SDT)
             if MODE == 1:
                 tl.store(w_ptr + idx, w, mask=mask)
                 _store_f32(p_ptr, idx, w, mask, PDT)
@@ -125,13 +232,14 @@ def _adamw_kernel(
                 u = w.to(tl.uint32, bitcast=True)
                 tl.store(p_ptr + idx, ((u + 0x8000) >> 16).to(tl.uint16), mask=mask)
                 tl.store(r_ptr + idx, (u & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+            elif MODE == 3:
+                r0 = _rng_word(k0a, k0b, hi0, gidx)  # the correction: high half of word 0
+                h, c = _master8_encode(w, r0 >> 16, PDT)
+                tl.store(h_ptr + idx, h, mask=mask)
+                tl.store(c_ptr + idx, c, mask=mask)
             elif SR:
-                step = tl.load(steps_ptr + t).to(tl.uint32)
-                r = _sr_bits(seed.to(tl.uint32), t.to(tl.uint32), idx + tl.load(base + 9), step)
-                u = w.to(tl.uint32, bitcast=True)
-                nonfinite = (u & 0x7F800000) == 0x7F800000
-                bits = tl.where(nonfinite, _f32_to_bf16_bits(w), ((u + r) >> 16).to(tl.uint16))
-                tl.store(p_ptr + idx, bits, mask=mask)
+                r0 = _rng_word(k0a, k0b, hi0, gidx)  # the param: low half of word 0
+                tl.store(p_ptr + idx, _bf16_sr(w, r0 & 0xFFFF), mask=mask)
             else:
                 _store_f32(p_ptr, idx, w, mask, PDT)
 
@@ -140,7 +248,7 @@ def _addr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _build_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, device):
+def _build_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, stream_ids, elem_offsets, device):
     """(device table, launches) for one layout; launches: (pdt, gdt, sdt, aligned, first row, rows)."""
     groups: dict[tuple[int, int, int, bool], list[list[int]]] = {}
     for i, p in enumerate(params):
@@ -155,7 +263,9 @@ def _build_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, 
         key = (_CODES[p.dtype], _CODES[grads[i].dtype], _CODES[exp_avgs[i].dtype])
         for b, e, al in work_ranges(n, head, CHUNK, VEC):
             shift = head if al else 0
-            row = [a + shift * es if a else 0 for a, es in zip(addrs, sizes)] + [b, e, i, shift]
+            stream = stream_ids[i] if stream_ids else i
+            offset = elem_offsets[i] if elem_offsets else 0
+            row = [a + shift * es if a else 0 for a, es in zip(addrs, sizes)] + [b, e, i, shift, stream, offset]
             groups.setdefault(key + (al,), []).append(row)
     rows: list[list[int]] = []
     launches = []
@@ -167,7 +277,7 @@ def _build_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, 
 
 def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
                 lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, master_mode, stochastic_rounding,
-                seed) -> None:
+                seed, stream_ids=(), elem_offsets=()) -> None:
     """Triton version of ``mpkern::adamw_step_`` (same contract)."""
     n = len(params)
     if n == 0:
@@ -175,18 +285,20 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, 
     device = params[0].device
     with device_guard(device):
         _adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
-                    lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, master_mode, stochastic_rounding, seed)
+                    lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, master_mode, stochastic_rounding, seed,
+                    tuple(int(x) for x in stream_ids), tuple(int(x) for x in elem_offsets))
 
 
 def _adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
                 lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, master_mode, stochastic_rounding,
-                seed) -> None:
+                seed, stream_ids, elem_offsets) -> None:
     n = len(params)
     device = params[0].device
     key = ("adamw", device, layout(params), layout(grads), layout(exp_avgs), layout(exp_avg_sqs),
-           layout(max_exp_avg_sqs), layout(masters))
+           layout(max_exp_avg_sqs), layout(masters), stream_ids, elem_offsets)
     table, launches = TABLES.get(key, device, lambda: _build_plan(params, grads, exp_avgs, exp_avg_sqs,
-                                                                  max_exp_avg_sqs, masters, device))
+                                                                  max_exp_avg_sqs, masters, stream_ids,
+                                                                  elem_offsets, device))
     ok = (found_inf.reshape(()) == 0).to(torch.float32)
     step_new = torch.stack([s.reshape(()) for s in steps]).double() + 1.0
     # lr: the tensor (read on the device) or the Python float, a kernel argument in double
@@ -202,6 +314,7 @@ def _adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, 
             table[first:], consts, step_i32, grad_factor, found_inf,
             1.0 - beta1, beta2, 1.0 - beta2, eps, int(seed) & 0xFFFFFFFF,
             PDT=pdt, GDT=gdt, SDT=sdt, MODE=int(master_mode), AMSGRAD=bool(max_exp_avg_sqs),
-            MAXIMIZE=bool(maximize), SR=bool(stochastic_rounding) and pdt == 2, ALIGNED=al, ROW=_ROW, CHUNK=CHUNK,
+            MAXIMIZE=bool(maximize), SR=bool(stochastic_rounding) and pdt == 2 and int(master_mode) == 0,
+            ALIGNED=al, ROW=_ROW, CHUNK=CHUNK,
             BLOCK=BLOCK, enable_fp_fusion=False)
     torch._foreach_add_(list(steps), ok)

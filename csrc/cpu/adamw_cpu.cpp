@@ -1,7 +1,8 @@
 // CPU kernel of mpkern::adamw_step_: the fused master-weight AdamW update over a tensor list.
 //
 // Per element it reads the grad (any float dtype), the master value (fp32 master, bf16 param +
-// int16 remainder, or the param itself), both moments (fp32 or bf16), applies
+// int16 remainder, 16-bit param + int8 correction, or the param itself), both moments (fp32 or
+// bf16; bf16 ones are stored with stochastic rounding), applies
 // grad * grad_factor (inv_scale * clip_coef) in registers, and writes master, moments and the
 // rounded param. Nothing else is read or written; the grad is never written. When found_inf is
 // non-zero nothing at all is written (step counters included).
@@ -26,9 +27,11 @@ struct TensorPtrs {
   void* m;
   void* v;
   float* vmax;
-  void* master;  // float* (mode 1) or int16_t* (mode 2)
+  void* master;  // float* (mode 1), int16_t* (mode 2) or int8_t* (mode 3)
   int32_t pdt, gdt, sdt;
-  uint32_t step;  // after the increment
+  uint32_t step;    // after the increment
+  uint32_t stream;  // random stream id
+  uint64_t offset;  // global index of element 0 in its stream
   AdamWConsts c;
 };
 
@@ -40,9 +43,19 @@ struct Flags {
   float factor;
 };
 
+// Which random words a tensor needs: word 0 for param SR or the 8-bit master, word 1 for bf16 moments.
+inline bool needs_word0(const TensorPtrs& t, const Flags& f) {
+  return f.mode == kMaster8bit || (f.mode == kMasterNone && f.sr && t.pdt == kBF16);
+}
+
 // ---- scalar path: the shared math, element by element --------------------------------------------
-void adamw_scalar(const TensorPtrs& t, int64_t tid, int64_t begin, int64_t end, const Flags& f) {
+void adamw_scalar(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f) {
+  const bool w0 = needs_word0(t, f), w1 = t.sdt == kBF16;
+  const RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));
   for (int64_t i = begin; i < end; ++i) {
+    const uint64_t e = t.offset + static_cast<uint64_t>(i);
+    const uint32_t r0 = w0 ? rng_word(keys, 0, e) : 0u;
+    const uint32_t r1 = w1 ? rng_word(keys, 1, e) : 0u;
     float g = load_as_f32(t.g, i, t.gdt) * f.factor;
     if (f.maximize) g = -g;
     float p;
@@ -50,14 +63,21 @@ void adamw_scalar(const TensorPtrs& t, int64_t tid, int64_t begin, int64_t end, 
       p = static_cast<const float*>(t.master)[i];
     } else if (f.mode == kMasterRemainder) {
       p = join_master(static_cast<const uint16_t*>(t.p)[i], static_cast<const int16_t*>(t.master)[i]);
+    } else if (f.mode == kMaster8bit) {
+      p = master8_decode(static_cast<const uint16_t*>(t.p)[i], static_cast<const int8_t*>(t.master)[i], t.pdt);
     } else {
       p = load_as_f32(t.p, i, t.pdt);
     }
     float m = load_as_f32(t.m, i, t.sdt);
     float v = load_as_f32(t.v, i, t.sdt);
     p = adamw_update(p, g, m, v, t.vmax ? t.vmax + i : nullptr, t.c);
-    store_from_f32(t.m, i, t.sdt, m);
-    store_from_f32(t.v, i, t.sdt, v);
+    if (w1) {
+      static_cast<uint16_t*>(t.m)[i] = f32_to_bf16_sr(m, (r1 >> rand_shift(kRandExpAvg)) & 0xffffu);
+      static_cast<uint16_t*>(t.v)[i] = f32_to_bf16_sr(v, (r1 >> rand_shift(kRandExpAvgSq)) & 0xffffu);
+    } else {
+      static_cast<float*>(t.m)[i] = m;
+      static_cast<float*>(t.v)[i] = v;
+    }
     if (f.mode == kMasterF32) {
       static_cast<float*>(t.master)[i] = p;
       store_from_f32(t.p, i, t.pdt, p);
@@ -67,8 +87,14 @@ void adamw_scalar(const TensorPtrs& t, int64_t tid, int64_t begin, int64_t end, 
       split_master(p, hi, rem);
       static_cast<uint16_t*>(t.p)[i] = hi;
       static_cast<int16_t*>(t.master)[i] = rem;
-    } else if (f.sr && t.pdt == kBF16) {
-      static_cast<uint16_t*>(t.p)[i] = f32_to_bf16_sr(p, sr_bits(f.seed, static_cast<uint32_t>(tid), i, t.step));
+    } else if (f.mode == kMaster8bit) {
+      uint16_t h;
+      int8_t c;
+      master8_encode(p, t.pdt, (r0 >> rand_shift(kRandMaster8)) & 0xffffu, h, c);
+      static_cast<uint16_t*>(t.p)[i] = h;
+      static_cast<int8_t*>(t.master)[i] = c;
+    } else if (w0) {
+      static_cast<uint16_t*>(t.p)[i] = f32_to_bf16_sr(p, (r0 >> rand_shift(kRandParam)) & 0xffffu);
     } else {
       store_from_f32(t.p, i, t.pdt, p);
     }
@@ -77,6 +103,70 @@ void adamw_scalar(const TensorPtrs& t, int64_t tid, int64_t begin, int64_t end, 
 
 #if MPK_X86
 // ---- AVX2 path: same arithmetic, same order of operations (no fma contraction) ------------------
+// The random words are computed 8 lanes at a time (one key per call: the caller splits ranges at
+// multiples of 2^32 of the global element index, so the high index half is the same in a call).
+template <int PDT>
+MPK_AVX2 inline void decode8(const TensorPtrs& t, int64_t i, __m256& p) {
+  // master = p + c * 2^(max(e,1) - 142 | - 33)   (master8_decode)
+  const __m128i h16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(t.p) + i));
+  const __m256i h = _mm256_cvtepu16_epi32(h16);
+  __m256i b;
+  __m256 pv;
+  if constexpr (PDT == kBF16) {
+    pv = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+    b = _mm256_and_si256(_mm256_srli_epi32(h, 7), _mm256_set1_epi32(0xff));
+    b = _mm256_sub_epi32(_mm256_max_epi32(b, _mm256_set1_epi32(1)), _mm256_set1_epi32(142));
+  } else {
+    pv = _mm256_cvtph_ps(h16);
+    b = _mm256_and_si256(_mm256_srli_epi32(h, 10), _mm256_set1_epi32(0x1f));
+    b = _mm256_sub_epi32(_mm256_max_epi32(b, _mm256_set1_epi32(1)), _mm256_set1_epi32(33));
+  }
+  const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(t.master) + i));
+  const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c8));
+  p = _mm256_add_ps(pv, _mm256_mul_ps(c, pow2x8(b)));
+}
+
+template <int PDT>
+MPK_AVX2 inline void encode8(const TensorPtrs& t, int64_t i, __m256 w, __m256i r16) {
+  // master8_encode: param = RNE(w); c = clamp(floor(x + r / 2^16)), x = (w - param) * 256 / ulp
+  __m256i h;
+  __m128i h16;
+  __m256 p;
+  __m256i b;
+  if constexpr (PDT == kBF16) {
+    h = bf16_rne_bits32(w);
+    h16 = pack_u16x8(h);
+    p = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+    b = _mm256_max_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 7), _mm256_set1_epi32(0xff)), _mm256_set1_epi32(1));
+  } else {
+    h16 = _mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    h = _mm256_cvtepu16_epi32(h16);
+    p = _mm256_cvtph_ps(h16);
+    b = _mm256_max_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 10), _mm256_set1_epi32(0x1f)), _mm256_set1_epi32(1));
+  }
+  const __m256 d = _mm256_sub_ps(w, p);
+  __m256 x;
+  if constexpr (PDT == kBF16) {
+    x = _mm256_mul_ps(_mm256_mul_ps(d, pow2x8(_mm256_sub_epi32(_mm256_set1_epi32(127), b))), _mm256_set1_ps(32768.0f));
+  } else {
+    x = _mm256_mul_ps(d, pow2x8(_mm256_sub_epi32(_mm256_set1_epi32(33), b)));
+  }
+  const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(r16), _mm256_set1_ps(1.0f / 65536.0f));
+  __m256 y = _mm256_floor_ps(_mm256_add_ps(x, u));
+  y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-128.0f)), _mm256_set1_ps(127.0f));
+  const __m256i pu = _mm256_castps_si256(p);
+  const __m256i expo = _mm256_set1_epi32(0x7f800000);
+  const __m256i nonfinite = _mm256_cmpeq_epi32(_mm256_and_si256(pu, expo), expo);
+  const __m256i c = _mm256_andnot_si256(nonfinite, _mm256_cvttps_epi32(y));
+  // byte 0 of every lane -> the low 4 bytes of each 128-bit half, then the two halves together
+  const __m256i bytes = _mm256_shuffle_epi8(c, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                 -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                 -1, -1, -1, -1));
+  const __m256i packed = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(static_cast<int8_t*>(t.master) + i), _mm256_castsi256_si128(packed));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.p) + i), h16);
+}
+
 template <int PDT, int GDT, int SDT>
 MPK_AVX2 void adamw_avx2(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f) {
   const __m256 factor = _mm256_set1_ps(f.maximize ? -f.factor : f.factor);
@@ -84,17 +174,29 @@ MPK_AVX2 void adamw_avx2(const TensorPtrs& t, int64_t begin, int64_t end, const 
   const __m256 b2 = _mm256_set1_ps(t.c.beta2), omb2 = _mm256_set1_ps(t.c.one_m_b2);
   const __m256 ss = _mm256_set1_ps(t.c.step_size), ibc2 = _mm256_set1_ps(t.c.inv_bc2);
   const __m256 eps = _mm256_set1_ps(t.c.eps);
+  const bool need0 = needs_word0(t, f);
+  const RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));
+  const __m256i key0 = _mm256_set1_epi32(static_cast<int>(keys.key[0]));
+  const __m256i key1 = _mm256_set1_epi32(static_cast<int>(keys.key[1]));
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i lo16 = _mm256_set1_epi32(0xffff);
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
+    const uint32_t elo0 = static_cast<uint32_t>(t.offset + static_cast<uint64_t>(i));  // low index half
+    const __m256i elo = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(elo0)), lanes);
     // maximize: -(g * factor) == g * (-factor) exactly (sign flips commute with rounding)
     const __m256 g = _mm256_mul_ps(load8<GDT>(t.g, i), factor);
     __m256 p;
     if (f.mode == kMasterF32) {
       p = _mm256_loadu_ps(static_cast<const float*>(t.master) + i);
     } else if (f.mode == kMasterRemainder) {
-      const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(t.p) + i)));
-      const __m256i lo = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int16_t*>(t.master) + i)));
+      const auto* hp = reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(t.p) + i);
+      const auto* lp = reinterpret_cast<const __m128i*>(static_cast<const int16_t*>(t.master) + i);
+      const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128(hp));
+      const __m256i lo = _mm256_cvtepi16_epi32(_mm_loadu_si128(lp));
       p = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(hi, 16), lo));
+    } else if (PDT != kF32 && f.mode == kMaster8bit) {
+      if constexpr (PDT != kF32) decode8<PDT>(t, i, p);
     } else {
       p = load8<PDT>(t.p, i);
     }
@@ -112,8 +214,16 @@ MPK_AVX2 void adamw_avx2(const TensorPtrs& t, int64_t begin, int64_t end, const 
     }
     const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vv), ibc2), eps);
     p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(ss, m), denom));
-    store8<SDT>(t.m, i, m);
-    store8<SDT>(t.v, i, v);
+    if constexpr (SDT == kBF16) {
+      const __m256i r1 = mix32x8(_mm256_xor_si256(key1, elo));  // exp_avg: low half, exp_avg_sq: high half
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.m) + i),
+                       pack_u16x8(bf16_sr_bits32(m, _mm256_and_si256(r1, lo16))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.v) + i),
+                       pack_u16x8(bf16_sr_bits32(v, _mm256_srli_epi32(r1, 16))));
+    } else {
+      _mm256_storeu_ps(static_cast<float*>(t.m) + i, m);
+      _mm256_storeu_ps(static_cast<float*>(t.v) + i, v);
+    }
     if (f.mode == kMasterF32) {
       _mm256_storeu_ps(static_cast<float*>(t.master) + i, p);
       store8<PDT>(t.p, i, p);
@@ -125,11 +235,18 @@ MPK_AVX2 void adamw_avx2(const TensorPtrs& t, int64_t begin, int64_t end, const 
       const __m256i lp = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, lo), 0x08);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.p) + i), _mm256_castsi256_si128(hp));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<int16_t*>(t.master) + i), _mm256_castsi256_si128(lp));
+    } else if (PDT != kF32 && f.mode == kMaster8bit) {
+      // the correction uses the high half of word 0
+      if constexpr (PDT != kF32) encode8<PDT>(t, i, p, _mm256_srli_epi32(mix32x8(_mm256_xor_si256(key0, elo)), 16));
+    } else if (PDT == kBF16 && need0) {
+      const __m256i r0 = mix32x8(_mm256_xor_si256(key0, elo));  // param: low half of word 0
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.p) + i),
+                       pack_u16x8(bf16_sr_bits32(p, _mm256_and_si256(r0, lo16))));
     } else {
       store8<PDT>(t.p, i, p);
     }
   }
-  if (i < end) adamw_scalar(t, 0, i, end, f);
+  if (i < end) adamw_scalar(t, i, end, f);
 }
 
 using AvxFn = void (*)(const TensorPtrs&, int64_t, int64_t, const Flags&);
@@ -162,9 +279,9 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
                      at::TensorList steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
                      const std::optional<at::Tensor>& lr_tensor, double lr, double beta1, double beta2, double eps,
                      double weight_decay, bool maximize, int64_t master_mode, bool stochastic_rounding,
-                     int64_t seed) {
+                     int64_t seed, at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets) {
   check_adamw_args_on("mpkern::adamw_step_", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps,
-                   grad_factor, found_inf, lr_tensor, master_mode, c10::DeviceType::CPU);
+                      grad_factor, found_inf, lr_tensor, master_mode, stream_ids, elem_offsets, c10::DeviceType::CPU);
   // CPU tensors: plain memory reads (no dispatcher round trips, no device sync)
   if (*found_inf.data_ptr<float>() != 0.0f) return;
   if (lr_tensor.has_value()) lr = *lr_tensor->data_ptr<float>();
@@ -189,11 +306,13 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
     x.sdt = dtype_code(exp_avgs[t].scalar_type());
     const double step = static_cast<double>(*steps[t].data_ptr<float>()) + 1.0;
     x.step = static_cast<uint32_t>(step);
+    x.stream = stream_of(stream_ids, static_cast<size_t>(t));
+    x.offset = offset_of(elem_offsets, static_cast<size_t>(t));
     x.c = adamw_consts(lr, beta1, beta2, eps, weight_decay, step);
   }
   const auto items = make_work(params, kChunk);
 #if MPK_X86
-  const bool avx = use_avx2() && !stochastic_rounding;
+  const bool avx = use_avx2();
 #endif
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t k = lo; k < hi; ++k) {
@@ -201,11 +320,19 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
       const TensorPtrs& x = tp[w.tensor];
 #if MPK_X86
       if (avx) {
-        pick_avx2(x.pdt, x.gdt, x.sdt)(x, w.begin, w.end, f);
+        // one random key per call: split the range where the global element index crosses a
+        // multiple of 2^32 (a chunk crosses at most one)
+        const AvxFn fn = pick_avx2(x.pdt, x.gdt, x.sdt);
+        const uint64_t first = x.offset + static_cast<uint64_t>(w.begin);
+        const uint64_t next = (first | 0xffffffffull) + 1u;
+        const int64_t split = next - x.offset < static_cast<uint64_t>(w.end) ? static_cast<int64_t>(next - x.offset)
+                                                                              : w.end;
+        fn(x, w.begin, split, f);
+        if (split < w.end) fn(x, split, w.end, f);
         continue;
       }
 #endif
-      adamw_scalar(x, w.tensor, w.begin, w.end, f);
+      adamw_scalar(x, w.begin, w.end, f);
     }
   });
   for (int64_t t = 0; t < n; ++t) *steps[t].data_ptr<float>() += 1.0f;

@@ -109,6 +109,38 @@ MPK_AVX2 inline void store8(void* base, int64_t i, __m256 v) {
   }
 }
 
+// 8 x u32 lanes (each <= 0xffff) -> 8 x u16.
+MPK_AVX2 inline __m128i pack_u16x8(__m256i r) {
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+// Stochastic rounding to bf16 (f32_to_bf16_sr of math.h): 16 random bits r (low halves of the
+// lanes) added below the kept part, then truncation; inf/NaN as round-to-nearest does them.
+MPK_AVX2 inline __m256i bf16_sr_bits32(__m256 x, __m256i r) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i expo = _mm256_set1_epi32(0x7f800000);
+  const __m256i nonfinite = _mm256_cmpeq_epi32(_mm256_and_si256(u, expo), expo);
+  const __m256i sr = _mm256_srli_epi32(_mm256_add_epi32(u, r), 16);
+  return _mm256_blendv_epi8(sr, bf16_rne_bits32(x), nonfinite);
+}
+
+// mix32 of math.h on 8 lanes.
+MPK_AVX2 inline __m256i mix32x8(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bu)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  return x;
+}
+
+// pow2i of math.h on 8 lanes: 2^k for k in [-149, 127].
+MPK_AVX2 inline __m256 pow2x8(__m256i k) {
+  const __m256i normal = _mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23);
+  const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(1), _mm256_add_epi32(k, _mm256_set1_epi32(149)));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(-126), k)));
+}
+
 MPK_AVX2 inline double hsum_f64(__m256 v) {
   alignas(32) float t[8];
   _mm256_store_ps(t, v);

@@ -25,10 +25,11 @@ struct AdamMeta {
   int64_t p, g, m, v, vmax, master, step;  // addresses (vmax / master may be 0)
   int64_t numel;
   int64_t chunk_begin;  // first chunk, counted within this tensor's launch
+  int64_t offset;       // global index of element 0 in its random stream (elem_offsets)
   int32_t head;         // elements before the first element at which every buffer is 16-byte aligned; -1: none
-  int32_t index;        // position in the caller's list (stochastic-rounding stream)
+  uint32_t stream;      // random stream id (stream_ids; default: position in the caller's list)
 };
-static_assert(sizeof(AdamMeta) == 80, "AdamMeta layout");
+static_assert(sizeof(AdamMeta) == 88, "AdamMeta layout");
 
 struct AdamScalars {
   double lr;  // used when lr_ptr is null; kept in double like the CPU and Triton backends and torch.optim
@@ -40,28 +41,46 @@ struct AdamScalars {
   uint32_t seed;
 };
 
+// Which random words an element needs: word 0 for param SR or the 8-bit master correction,
+// word 1 for bf16 moments (math.h, rng_key).
+template <int PDT, int SDT, int MODE>
+__device__ __forceinline__ bool needs_word0(bool sr) {
+  return MODE == kMaster8bit || (MODE == kMasterNone && PDT == kBF16 && sr);
+}
+
 // One element, scalar loads and stores.
 template <int PDT, int GDT, int SDT, int MODE>
 __device__ __forceinline__ void adam_scalar(const AdamMeta& t, int64_t i, const AdamWConsts& cs, float factor,
-                                            bool sr, uint32_t seed, uint32_t step) {
+                                            bool sr, const RngKeys& keys) {
   void* P = reinterpret_cast<void*>(t.p);
   void* M = reinterpret_cast<void*>(t.m);
   void* V = reinterpret_cast<void*>(t.v);
   float* VMAX = reinterpret_cast<float*>(t.vmax);
+  const uint64_t e = static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i);
+  const bool w0 = needs_word0<PDT, SDT, MODE>(sr);
+  const uint32_t r0 = w0 ? rng_word(keys, 0, e) : 0u;
+  const uint32_t r1 = SDT == kBF16 ? rng_word(keys, 1, e) : 0u;
   const float g = load_as_f32(reinterpret_cast<const void*>(t.g), i, GDT) * factor;
   float p;
   if constexpr (MODE == kMasterF32) {
     p = reinterpret_cast<const float*>(t.master)[i];
   } else if constexpr (MODE == kMasterRemainder) {
     p = join_master(static_cast<const uint16_t*>(P)[i], reinterpret_cast<const int16_t*>(t.master)[i]);
+  } else if constexpr (MODE == kMaster8bit) {
+    p = master8_decode(static_cast<const uint16_t*>(P)[i], reinterpret_cast<const int8_t*>(t.master)[i], PDT);
   } else {
     p = load_as_f32(P, i, PDT);
   }
   float m = load_as_f32(M, i, SDT);
   float v = load_as_f32(V, i, SDT);
   p = adamw_update(p, g, m, v, VMAX ? VMAX + i : nullptr, cs);
-  store_from_f32(M, i, SDT, m);
-  store_from_f32(V, i, SDT, v);
+  if constexpr (SDT == kBF16) {
+    static_cast<uint16_t*>(M)[i] = f32_to_bf16_sr(m, (r1 >> rand_shift(kRandExpAvg)) & 0xffffu);
+    static_cast<uint16_t*>(V)[i] = f32_to_bf16_sr(v, (r1 >> rand_shift(kRandExpAvgSq)) & 0xffffu);
+  } else {
+    static_cast<float*>(M)[i] = m;
+    static_cast<float*>(V)[i] = v;
+  }
   if constexpr (MODE == kMasterF32) {
     reinterpret_cast<float*>(t.master)[i] = p;
     store_from_f32(P, i, PDT, p);
@@ -71,17 +90,23 @@ __device__ __forceinline__ void adam_scalar(const AdamMeta& t, int64_t i, const 
     split_master(p, hi, rem);
     static_cast<uint16_t*>(P)[i] = hi;
     reinterpret_cast<int16_t*>(t.master)[i] = rem;
-  } else if (PDT == kBF16 && sr) {
-    static_cast<uint16_t*>(P)[i] = f32_to_bf16_sr(p, sr_bits(seed, static_cast<uint32_t>(t.index), i, step));
+  } else if constexpr (MODE == kMaster8bit) {
+    uint16_t h;
+    int8_t c;
+    master8_encode(p, PDT, (r0 >> rand_shift(kRandMaster8)) & 0xffffu, h, c);
+    static_cast<uint16_t*>(P)[i] = h;
+    reinterpret_cast<int8_t*>(t.master)[i] = c;
+  } else if (w0) {
+    static_cast<uint16_t*>(P)[i] = f32_to_bf16_sr(p, (r0 >> rand_shift(kRandParam)) & 0xffffu);
   } else {
     store_from_f32(P, i, PDT, p);
   }
 }
 
-// kVE elements starting at i, where every buffer is 16-byte aligned.
+// kVE elements starting at i, where every buffer is 16-byte aligned (an int8 buffer: 8-byte accesses).
 template <int PDT, int GDT, int SDT, int MODE>
 __device__ __forceinline__ void adam_vec(const AdamMeta& t, int64_t i, const AdamWConsts& cs, float factor,
-                                         bool sr, uint32_t seed, uint32_t step) {
+                                         bool sr, const RngKeys& keys) {
   void* P = reinterpret_cast<void*>(t.p);
   void* M = reinterpret_cast<void*>(t.m);
   void* V = reinterpret_cast<void*>(t.v);
@@ -96,6 +121,14 @@ __device__ __forceinline__ void adam_vec(const AdamMeta& t, int64_t i, const Ada
     load8_u16(reinterpret_cast<const void*>(t.master), i, lo);
 #pragma unroll
     for (int k = 0; k < kVE; ++k) p[k] = join_master(hi[k], static_cast<int16_t>(lo[k]));
+  } else if constexpr (MODE == kMaster8bit) {
+    load8_u16(P, i, hi);
+    const uint2 raw = *reinterpret_cast<const uint2*>(reinterpret_cast<const int8_t*>(t.master) + i);
+#pragma unroll
+    for (int k = 0; k < kVE; ++k) {
+      const int8_t c = static_cast<int8_t>(((k < 4 ? raw.x : raw.y) >> (8 * (k & 3))) & 0xffu);
+      p[k] = master8_decode(hi[k], c, PDT);
+    }
   } else {
     load8<PDT>(P, i, p);
   }
@@ -111,8 +144,21 @@ __device__ __forceinline__ void adam_vec(const AdamMeta& t, int64_t i, const Ada
 #pragma unroll
     for (int k = 0; k < kVE; ++k) p[k] = adamw_update(p[k], g[k] * factor, m[k], v[k], nullptr, cs);
   }
-  store8<SDT>(M, i, m);
-  store8<SDT>(V, i, v);
+  const uint64_t e = static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i);
+  if constexpr (SDT == kBF16) {
+    uint16_t hm[kVE], hv[kVE];
+#pragma unroll
+    for (int k = 0; k < kVE; ++k) {
+      const uint32_t r1 = rng_word(keys, 1, e + k);
+      hm[k] = f32_to_bf16_sr(m[k], (r1 >> rand_shift(kRandExpAvg)) & 0xffffu);
+      hv[k] = f32_to_bf16_sr(v[k], (r1 >> rand_shift(kRandExpAvgSq)) & 0xffffu);
+    }
+    store8_u16(M, i, hm);
+    store8_u16(V, i, hv);
+  } else {
+    store8<SDT>(M, i, m);
+    store8<SDT>(V, i, v);
+  }
   if constexpr (MODE == kMasterF32) {
     store8<kF32>(reinterpret_cast<void*>(t.master), i, p);
     store8<PDT>(P, i, p);
@@ -126,10 +172,20 @@ __device__ __forceinline__ void adam_vec(const AdamMeta& t, int64_t i, const Ada
     }
     store8_u16(P, i, hi);
     store8_u16(reinterpret_cast<void*>(t.master), i, lo);
-  } else if (PDT == kBF16 && sr) {
+  } else if constexpr (MODE == kMaster8bit) {
+    uint32_t cw[2] = {0u, 0u};
+#pragma unroll
+    for (int k = 0; k < kVE; ++k) {
+      int8_t c;
+      master8_encode(p[k], PDT, (rng_word(keys, 0, e + k) >> rand_shift(kRandMaster8)) & 0xffffu, hi[k], c);
+      cw[k >> 2] |= static_cast<uint32_t>(static_cast<uint8_t>(c)) << (8 * (k & 3));
+    }
+    store8_u16(P, i, hi);
+    *reinterpret_cast<uint2*>(reinterpret_cast<int8_t*>(t.master) + i) = make_uint2(cw[0], cw[1]);
+  } else if (needs_word0<PDT, SDT, MODE>(sr)) {
 #pragma unroll
     for (int k = 0; k < kVE; ++k)
-      hi[k] = f32_to_bf16_sr(p[k], sr_bits(seed, static_cast<uint32_t>(t.index), i + k, step));
+      hi[k] = f32_to_bf16_sr(p[k], (rng_word(keys, 0, e + k) >> rand_shift(kRandParam)) & 0xffffu);
     store8_u16(P, i, hi);
   } else {
     store8<PDT>(P, i, p);
@@ -160,15 +216,19 @@ __global__ void __launch_bounds__(kAdamBlock) adamw_kernel(const AdamMeta* __res
     __syncthreads();
     const int64_t begin = (c - t.chunk_begin) * kChunk;
     const int64_t end = min(t.numel, begin + kChunk);
+    // random keys for this chunk's elements (math.h, rng_keys): a few multiplies per thread and chunk
+    RngKeys keys{};
+    if (SDT == kBF16 || needs_word0<PDT, SDT, MODE>(s.sr))
+      keys = rng_keys(s.seed, t.stream, step, static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(begin));
     // vector body [vb, ve): starts at the tensor's common aligned element (chunks are multiples of kVE)
     const int64_t vb = t.head < 0 ? end : min(end, begin + t.head);
     const int64_t ve = vb + (end - vb) / kVE * kVE;
     for (int64_t i = begin + threadIdx.x; i < vb; i += blockDim.x)
-      adam_scalar<PDT, GDT, SDT, MODE>(t, i, cs, factor, s.sr, s.seed, step);
+      adam_scalar<PDT, GDT, SDT, MODE>(t, i, cs, factor, s.sr, keys);
     for (int64_t i = vb + threadIdx.x * kVE; i < ve; i += blockDim.x * kVE)
-      adam_vec<PDT, GDT, SDT, MODE>(t, i, cs, factor, s.sr, s.seed, step);
+      adam_vec<PDT, GDT, SDT, MODE>(t, i, cs, factor, s.sr, keys);
     for (int64_t i = ve + threadIdx.x; i < end; i += blockDim.x)
-      adam_scalar<PDT, GDT, SDT, MODE>(t, i, cs, factor, s.sr, s.seed, step);
+      adam_scalar<PDT, GDT, SDT, MODE>(t, i, cs, factor, s.sr, keys);
   }
 }
 
@@ -201,6 +261,8 @@ AdamKernel pick_p(int32_t pdt, int32_t gdt, int32_t sdt) {
 }
 AdamKernel pick(int32_t pdt, int32_t gdt, int32_t sdt, int64_t mode) {
   if (mode == kMasterRemainder) return pick_g<kBF16, kMasterRemainder>(gdt, sdt);  // bf16 params (checked)
+  if (mode == kMaster8bit)  // bf16 or fp16 params (checked)
+    return pdt == kF16 ? pick_g<kF16, kMaster8bit>(gdt, sdt) : pick_g<kBF16, kMaster8bit>(gdt, sdt);
   return mode == kMasterF32 ? pick_p<kMasterF32>(pdt, gdt, sdt) : pick_p<kMasterNone>(pdt, gdt, sdt);
 }
 
@@ -226,9 +288,9 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
                       at::TensorList steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
                       const std::optional<at::Tensor>& lr_tensor, double lr, double beta1, double beta2, double eps,
                       double weight_decay, bool maximize, int64_t master_mode, bool stochastic_rounding,
-                      int64_t seed) {
+                      int64_t seed, at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets) {
   check_adamw_args_on("mpkern::adamw_step_", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps,
-                      grad_factor, found_inf, lr_tensor, master_mode, c10::DeviceType::CUDA);
+                      grad_factor, found_inf, lr_tensor, master_mode, stream_ids, elem_offsets, c10::DeviceType::CUDA);
   if (params.empty()) return;
   const c10::Device dev = params[0].device();
   const c10::cuda::CUDAGuard guard(dev);
@@ -271,7 +333,8 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
     const int sizes[6] = {esize(params[i]), esize(grads[i]), esize(exp_avgs[i]), esize(exp_avg_sqs[i]), 4,
                           masters.empty() ? 4 : esize(masters[i])};
     a.head = common_head(ptrs, sizes);
-    a.index = static_cast<int32_t>(i);
+    a.offset = static_cast<int64_t>(offset_of(elem_offsets, i));
+    a.stream = stream_of(stream_ids, i);
     L.chunks += (a.numel + kChunk - 1) / kChunk;
   }
   const AdamMeta* meta = cached_rows(dev, rows);

@@ -235,7 +235,24 @@ MPK_HD float adamw_update(float p, float g, float& m, float& v, float* vmax, con
   return p - c.step_size * m / denom;
 }
 
-// Counter-based random bits for stochastic rounding: a 32-bit mix of (seed, tensor, element, step).
+// ----------------------------------------------------------------------------------------------
+// Counter-based random bits: a pure function of (seed, stream, element, step, purpose), so a run
+// is reproducible and resumable, and every backend draws the same bits.
+//   stream  : the caller's stream id of the tensor (default: its index in the list);
+//   element : elem_offset + i, 64-bit (a shard passes its global flat offset, so it draws the bits
+//             the unsharded tensor would);
+//   step    : the tensor's step count after the increment;
+//   purpose : kRandParam (param SR), kRandExpAvg, kRandExpAvgSq (bf16 moment SR), kRandMaster8
+//             (the 8-bit master correction).
+// Each purpose takes 16 bits. One 32-bit word per (element, word index) carries two purposes:
+// word 0 = param (low half) + master correction (high half) -- never both used in one mode --
+// word 1 = exp_avg (low) + exp_avg_sq (high). The word is
+//   key  = mix32(mix32(seed ^ mix32(stream * 0x9e3779b9 + step))
+//                ^ mix32(element_hi * 0x85ebca6b + word * 0xc2b2ae35 + 0x632be5ab))
+//   bits = mix32(key ^ element_lo)
+// key depends only on (seed, stream, step, word, element >> 32): kernels compute it once per
+// chunk, so an element costs one mix32 (two 32-bit multiplies) per word it needs.
+// ----------------------------------------------------------------------------------------------
 MPK_HD uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7feb352du;
@@ -245,10 +262,102 @@ MPK_HD uint32_t mix32(uint32_t x) {
   return x;
 }
 
-MPK_HD uint32_t sr_bits(uint32_t seed, uint32_t tensor, int64_t index, uint32_t step) {
-  uint32_t h = mix32(seed ^ mix32(tensor * 0x9e3779b9u + step));
-  h = mix32(h ^ static_cast<uint32_t>(index) ^ mix32(static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32) + 0x632be5abu));
-  return h >> 16;
+enum RandPurpose : int { kRandParam = 0, kRandExpAvg = 1, kRandExpAvgSq = 2, kRandMaster8 = 3 };
+
+// Word index and bit shift of a purpose's 16 bits.
+MPK_HD int rand_word(int purpose) { return (purpose == kRandExpAvg || purpose == kRandExpAvgSq) ? 1 : 0; }
+MPK_HD int rand_shift(int purpose) { return purpose >= kRandExpAvgSq ? 16 : 0; }
+
+MPK_HD uint32_t rng_key(uint32_t seed, uint32_t stream, uint32_t step, uint32_t word, uint32_t elem_hi) {
+  const uint32_t h = mix32(seed ^ mix32(stream * 0x9e3779b9u + step));
+  return mix32(h ^ mix32(elem_hi * 0x85ebca6bu + word * 0xc2b2ae35u + 0x632be5abu));
+}
+
+MPK_HD uint32_t rng_bits(uint32_t key, uint32_t elem_lo) { return mix32(key ^ elem_lo); }
+
+// The keys of one tensor at one step, for the elements whose high index half is `hi`; other
+// elements (a chunk that crosses a multiple of 2^32) get their key computed on the fly.
+struct RngKeys {
+  uint32_t seed, stream, step, hi;
+  uint32_t key[2];
+};
+
+MPK_HD RngKeys rng_keys(uint32_t seed, uint32_t stream, uint32_t step, uint64_t elem) {
+  RngKeys k;
+  k.seed = seed;
+  k.stream = stream;
+  k.step = step;
+  k.hi = static_cast<uint32_t>(elem >> 32);
+  k.key[0] = rng_key(seed, stream, step, 0u, k.hi);
+  k.key[1] = rng_key(seed, stream, step, 1u, k.hi);
+  return k;
+}
+
+// The 32-bit word `word` of global element `elem`.
+MPK_HD uint32_t rng_word(const RngKeys& k, int word, uint64_t elem) {
+  const uint32_t hi = static_cast<uint32_t>(elem >> 32);
+  const uint32_t key = hi == k.hi ? k.key[word] : rng_key(k.seed, k.stream, k.step, static_cast<uint32_t>(word), hi);
+  return rng_bits(key, static_cast<uint32_t>(elem));
+}
+
+// 16 random bits of `purpose` for global element `elem`.
+MPK_HD uint32_t rand16(const RngKeys& k, int purpose, uint64_t elem) {
+  return (rng_word(k, rand_word(purpose), elem) >> rand_shift(purpose)) & 0xffffu;
+}
+
+// The same without precomputed keys (reference formula).
+MPK_HD uint32_t rand16(uint32_t seed, uint32_t stream, uint64_t elem, uint32_t step, int purpose) {
+  const uint32_t key = rng_key(seed, stream, step, static_cast<uint32_t>(rand_word(purpose)),
+                               static_cast<uint32_t>(elem >> 32));
+  return (rng_bits(key, static_cast<uint32_t>(elem)) >> rand_shift(purpose)) & 0xffffu;
+}
+
+// ----------------------------------------------------------------------------------------------
+// 8-bit master correction (master_mode 3, bf16/fp16 params). The fp32 master is
+//   master = p + c * ulp(p) / 256,   c in [-128, 127] (int8),
+// where ulp(p) is the spacing of the param's format in p's binade: bf16 2^(max(e,1)-127-7),
+// fp16 2^(max(e,1)-15-10), e = the biased exponent field. Decoding is exact in fp32 (at most
+// 8 + 11 significant bits). Encoding rounds the master to nearest even into the param dtype,
+// then the remaining error x = (master - p) / ulp(p) * 256 (exact: a difference of neighbours,
+// power-of-two scalings; |x| <= 128) is rounded stochastically: c = floor(x + u), u = r / 2^16
+// uniform from 16 random bits -- exact and unbiased because x has at most 9 bits below 1 (for a
+// normal param; below a fp16's smallest normal the sum x + u may round, a < 2^-16 effect).
+// A non-finite param (non-finite or overflowing master) gets c = 0.
+// ----------------------------------------------------------------------------------------------
+// 2^k as a float for k in [-149, 127] (subnormal below -126).
+MPK_HD float pow2i(int k) {
+  return f32_from_bits(k >= -126 ? static_cast<uint32_t>(k + 127) << 23 : 1u << (k + 149));
+}
+
+// max(e, 1) of a 16-bit param bit pattern: the binade of its ulp.
+MPK_HD int param_binade(uint16_t h, int32_t pdt) {
+  const int e = pdt == kBF16 ? (h >> 7) & 0xff : (h >> 10) & 0x1f;
+  return e > 1 ? e : 1;
+}
+
+MPK_HD float master8_decode(uint16_t h, int8_t c, int32_t pdt) {
+  const float p = pdt == kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
+  const int b = param_binade(h, pdt);
+  return p + static_cast<float>(c) * pow2i(pdt == kBF16 ? b - 142 : b - 33);
+}
+
+// d * 256 / ulp: for bf16 two exact power-of-two multiplies (2^(142-b) spans more than the float
+// exponent range), for fp16 one.
+MPK_HD float master8_scale_up(float d, int b, int32_t pdt) {
+  return pdt == kBF16 ? (d * pow2i(127 - b)) * 32768.0f : d * pow2i(33 - b);
+}
+
+MPK_HD void master8_encode(float w, int32_t pdt, uint32_t rand16_bits, uint16_t& h, int8_t& c) {
+  h = pdt == kBF16 ? f32_to_bf16_rne(w) : f32_to_f16_rne(w);
+  const float p = pdt == kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
+  if (nonfinite(p)) {
+    c = 0;
+    return;
+  }
+  const float x = master8_scale_up(w - p, param_binade(h, pdt), pdt);
+  float r = floorf(x + static_cast<float>(rand16_bits) * (1.0f / 65536.0f));
+  r = r < -128.0f ? -128.0f : (r > 127.0f ? 127.0f : r);
+  c = static_cast<int8_t>(static_cast<int>(r));
 }
 
 }  // namespace mpkern
