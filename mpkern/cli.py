@@ -94,7 +94,8 @@ def _cmd_info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 # ---- compare ------------------------------------------------------------------------------------
 _COMPARE_FLAGS = ("hf_model", "steps", "lr", "batch_size", "seq_len", "d_model", "layers", "heads", "classes", "seed",
-                  "warmup", "optimizer_state", "linear", "threads", "max_grad_norm", "log_every")
+                  "warmup", "optimizer_state", "linear", "threads", "max_grad_norm", "log_every",
+                  "time_budget", "min_steps")
 
 
 def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -195,17 +196,25 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train one small transformer classifier several ways (same init, data, order and "
                     "hyperparameters) and report tokens/s, speedup vs fp32, peak memory, state bytes/param, "
                     "final loss, validation accuracy, skipped steps and the fp16 loss scale. "
-                    "Default: every run the device supports; about two minutes on a 2-core CPU.")
+                    "Default: every run the device supports, sized by a measured probe to fit --time-budget "
+                    "(CPU: 110 s of training, under 150 s in all on a 2-core CPU).")
     pc.add_argument("--precision", type=_precisions, default=None, metavar="LIST",
                     help="comma-separated runs: fp32,bf16,fp16,bf16-naive,mpkern-bf16,mpkern-fp16 "
                          "(default: all the device supports; CPU leaves out fp16 autocast, which is very slow there)")
     pc.add_argument("--device", type=_device, default=None, help="cpu or cuda (default: cuda if available)")
-    pc.add_argument("--steps", type=_positive_int, help="training steps per run (CPU default 1000)")
+    pc.add_argument("--steps", type=_positive_int,
+                    help="training steps per run (CPU default: up to 1000, as the time budget allows; "
+                         "given explicitly, the time budget is off unless --time-budget is given too)")
+    pc.add_argument("--time-budget", type=_positive_float, metavar="SECONDS",
+                    help="seconds for all training runs together (CPU default 110): the steps are chosen from a "
+                         "short measured probe of each run on this device, never below --min-steps")
+    pc.add_argument("--min-steps", type=_positive_int,
+                    help="fewest steps the time budget may choose (default 800: the master-weight lesson needs them)")
     pc.add_argument("--lr", type=_positive_float,
                     help="learning rate (default 1e-4: bf16-naive's updates round away while the runs with fp32 "
                          "masters learn; at 3e-4 bf16-naive learns too -- try it to see where the lesson starts)")
     pc.add_argument("--batch-size", type=_positive_int, help="sequences per step (CPU default 32)")
-    pc.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (CPU default 32)")
+    pc.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (CPU default 16)")
     pc.add_argument("--d-model", type=_positive_int, help="model width (CPU default 128)")
     pc.add_argument("--layers", type=_positive_int, help="transformer blocks (CPU default 2)")
     pc.add_argument("--heads", type=_positive_int, help="attention heads (CPU default 4)")
@@ -220,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "the bytes per parameter")
     pc.add_argument("--linear", choices=("auto", "mpkern", "torch"), default=None,
                     help="Linear layers of the 16-bit-param runs: mpkern.nn.Linear or torch.nn.Linear "
-                         "(auto: mpkern on CUDA and for fp16; on CPU ATen's bf16 GEMM, which is faster there)")
+                         "(auto: whichever is faster on this device, measured before the runs -- both accumulate "
+                         "in fp32; the table's GEMM column says which ran)")
     pc.add_argument("--threads", type=_positive_int, help="torch intra-op threads (default: torch's choice)")
     pc.add_argument("--out", default="mpkern-compare", help="output directory (default ./mpkern-compare)")
     pc.add_argument("--no-plot", action="store_true", help="do not write compare.png")

@@ -63,6 +63,7 @@ LINEARS = ("auto", "mpkern", "torch")
 SCHEMA = "mpkern.compare/1"
 
 _DTYPE_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 # ---- configuration ------------------------------------------------------------------------------
@@ -75,7 +76,7 @@ class Config:
     steps: int = 1000
     lr: float = 1e-4
     batch_size: int = 32
-    seq_len: int = 32
+    seq_len: int = 16
     d_model: int = 128
     layers: int = 2
     heads: int = 4
@@ -91,12 +92,15 @@ class Config:
     linear: str = "auto"
     threads: int = 0
     hf_model: str | None = None
+    time_budget: float | None = None
+    min_steps: int = 800
     skipped_precisions: dict[str, str] = field(default_factory=dict)
 
 
 def default_config(device: str | torch.device = "cpu") -> Config:
-    """The built-in default for ``device``: a small model on CPU (all runs together well under three
-    minutes on a 2-core CPU), a GPT-2-small-sized one (768 wide, 12 layers) on CUDA.
+    """The built-in default for ``device``: a small model on CPU, up to 1000 steps sized by a measured
+    probe to fit 110 s of training for all runs (under 150 s in all on a 2-core CPU, with or without
+    native bf16: see :func:`fit_budget`); a GPT-2-small-sized one (768 wide, 12 layers) on CUDA.
 
     lr 1e-4 is where the lesson shows: Adam moves each weight by about lr per step, less than half
     a bf16 ulp of most weights (|w| > 2^8 * lr = 0.026), so bf16-naive's updates round away while
@@ -105,7 +109,7 @@ def default_config(device: str | torch.device = "cpu") -> Config:
     if dev.type == "cuda":
         return Config(device=str(dev), steps=300, batch_size=16, seq_len=256, d_model=768, layers=12, heads=12,
                       classes=32, noise_vocab=4096, warmup=30, log_every=25)
-    return Config(device=str(dev))
+    return Config(device=str(dev), time_budget=110.0)
 
 
 def default_precisions(device: str | torch.device) -> tuple[tuple[str, ...], dict[str, str]]:
@@ -155,6 +159,10 @@ def _check(cfg: Config) -> None:
         raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATES}, got {cfg.optimizer_state!r}")
     if cfg.linear not in LINEARS:
         raise ValueError(f"linear must be one of {LINEARS}, got {cfg.linear!r}")
+    if cfg.time_budget is not None and not (isinstance(cfg.time_budget, (int, float)) and cfg.time_budget > 0):
+        raise ValueError(f"time_budget must be a positive number of seconds or None, got {cfg.time_budget!r}")
+    if not isinstance(cfg.min_steps, int) or cfg.min_steps < 1:
+        raise ValueError(f"min_steps must be a positive integer, got {cfg.min_steps!r}")
     if not cfg.precisions:
         raise ValueError("precisions is empty: nothing to run")
     bad = [p for p in cfg.precisions if p not in PRECISIONS]
@@ -329,6 +337,184 @@ def _saved_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
     return out, sum(seen.values())
 
 
+# ---- what this device computes natively ---------------------------------------------------------
+#: CPU flags (``/proc/cpuinfo``: x86 ``flags``, Arm ``Features``) that mean native 16-bit arithmetic.
+CPU_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16", "bf16"), "float16": ("avx512_fp16", "amx_fp16", "fphp")}
+#: Environment variables that cap the instruction set oneDNN (ATen's bf16/fp16 GEMM on CPU) may use.
+ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+#: A 16-bit GEMM at least this fraction of the fp32 GEMM's speed counts as computed natively on CPU.
+#: Measured: native bf16 (AVX512-BF16) runs at 2-3x fp32, emulated bf16 at 0.3-0.5x, fp16 without
+#: AVX512-FP16 at ~0.02x -- the threshold sits far from both.
+NATIVE_MIN_SPEED = 0.7
+#: A 1-minute load average at least this high before the runs means other processes compete for the CPU.
+LOAD_WARN = 0.5
+#: Compute capability from which a CUDA GPU has tensor cores for the dtype.
+GPU_MIN_CAPABILITY = {"bfloat16": (8, 0), "float16": (7, 0)}
+
+
+def cpu_flags(text: str | None = None) -> set[str]:
+    """The feature flags of the first CPU listed in ``/proc/cpuinfo`` (or in ``text``); empty if unknown."""
+    if text is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                text = f.read()
+        except OSError:
+            return set()
+    for line in text.splitlines():
+        key, _, val = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(val.split())
+    return set()
+
+
+def _min_ms(fns: dict[str, Callable[[], Any]], device: torch.device, reps: int, cap_s: float = 0.6) -> dict[str, float]:
+    """Fastest of ``reps`` timed calls of each function (after one untimed call), interleaved so that
+    a burst of load on a shared machine hits every candidate alike. A candidate whose calls add up
+    to more than ``cap_s`` seconds stops early (a slow path needs no precise number)."""
+    best = {k: math.inf for k in fns}
+    spent = dict.fromkeys(fns, 0.0)
+    for f in fns.values():
+        f()
+    _sync(device)
+    for _ in range(reps):
+        for k, f in fns.items():
+            if spent[k] > cap_s:
+                continue
+            t = time.perf_counter()
+            f()
+            _sync(device)
+            dt = time.perf_counter() - t
+            spent[k] += dt
+            best[k] = min(best[k], dt)
+    return {k: 1e3 * v for k, v in best.items()}
+
+
+def compute_support(device: str | torch.device, m: int = 1024, k: int = 128, n: int = 512, *, reps: int = 5,
+                    flags: set[str] | None = None,
+                    timer: Callable[[dict, torch.device, int], dict[str, float]] | None = None) -> dict[str, Any]:
+    """Whether ``device`` computes bfloat16 / float16 natively, and what that rests on.
+
+    CPU: the CPU flags (:data:`CPU_FLAGS`) *and* a measured probe -- an (m, k) @ (k, n) GEMM in
+    fp32, bf16 and fp16 through ATen, fastest of ``reps``; a dtype counts as native when its GEMM
+    runs at >= :data:`NATIVE_MIN_SPEED` of the fp32 speed (the measurement decides: oneDNN may be
+    kept off the instructions, e.g. by ``ONEDNN_MAX_CPU_ISA``). CUDA: the compute capability
+    (:data:`GPU_MIN_CAPABILITY`); the probe is reported beside it. ``flags``/``timer`` replace
+    ``/proc/cpuinfo`` and the clock (tests).
+    """
+    dev = torch.device(device)
+    out: dict[str, Any] = {"type": dev.type}
+    if dev.type == "cpu":
+        flags = cpu_flags() if flags is None else flags
+        known = sorted({f for fs in CPU_FLAGS.values() for f in fs})
+        out["cpu_flags"] = {f: f in flags for f in known}
+        out["isa_limit"] = {e: os.environ[e] for e in ISA_LIMITS if os.environ.get(e)}
+    cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+    if cap is not None:
+        out["capability"] = list(cap)
+    g = torch.Generator().manual_seed(0)
+    a32, b32 = torch.randn(m, k, generator=g).to(dev), torch.randn(k, n, generator=g).to(dev)
+    ops = {}
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        a, b = a32.to(dt), b32.to(dt)
+        ops[_DTYPE_NAME[dt]] = (lambda a=a, b=b: torch.mm(a, b))
+    ms = (timer or _min_ms)(ops, dev, reps)
+    out["gemm"] = {"shape": [m, k, n], "ms": ms}
+    for name in ("bfloat16", "float16"):
+        speed = ms["float32"] / ms[name] if ms[name] > 0 else math.inf
+        probe = f"a {m}x{k}x{n} {name} GEMM ran at {speed:.2f}x the fp32 GEMM's speed"
+        if cap is not None:
+            need = GPU_MIN_CAPABILITY[name]
+            native = tuple(cap) >= need
+            why = (f"compute capability {cap[0]}.{cap[1]} {'>=' if native else '<'} {need[0]}.{need[1]}; {probe}")
+        else:
+            native = speed >= NATIVE_MIN_SPEED
+            listed = [f for f in CPU_FLAGS[name] if f in flags]
+            flag_txt = (f"the CPU flags list {', '.join(listed)}" if listed
+                        else f"no {'/'.join(CPU_FLAGS[name][:2])} in the CPU flags")
+            why = f"{flag_txt}; {probe}"
+            if listed and not native:
+                lim = ", ".join(f"{e}={v}" for e, v in out["isa_limit"].items())
+                why += (f" -- the GEMM library does not use those instructions here ({lim})" if lim
+                        else " -- the GEMM library does not use those instructions here")
+            elif not native:
+                why += f": PyTorch emulates {name} arithmetic in fp32 on this CPU"
+        out[name] = {"native": native, "speed_vs_fp32": speed, "why": why}
+    return out
+
+
+def linear_shapes(model: nn.Module, ids: Tensor) -> list[tuple[int, int, int, bool]]:
+    """``(rows, in_features, out_features, bias)`` of every ``torch.nn.Linear`` call in one forward
+    of ``model`` on ``ids`` (fp32, no grad) -- the GEMMs :func:`mpkern.nn.convert` would take over."""
+    seen: list[tuple[int, int, int, bool]] = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append(
+        (args[0].numel() // args[0].shape[-1], mod.in_features, mod.out_features, mod.bias is not None)))
+        for m in model.modules() if type(m) is nn.Linear]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def choose_linear(shapes: Sequence[tuple[int, int, int, bool]], dtype: torch.dtype, device: str | torch.device, *,
+                  reps: int = 3, timer: Callable[[dict, torch.device, int], dict[str, float]] | None = None
+                  ) -> dict[str, Any]:
+    """``--linear auto``: time one forward + backward of the model's Linear GEMMs (``shapes``, from
+    :func:`linear_shapes`) both ways in ``dtype`` on ``device`` and pick the faster correct one.
+
+    Candidates, both accumulating in fp32: ``torch`` -- ``F.linear`` on the 16-bit tensors (ATen's
+    GEMM: oneDNN on CPU, cuBLAS on CUDA) -- and ``mpkern`` -- :func:`mpkern.linear` (Triton on CUDA;
+    elsewhere an fp32 GEMM of the upcast operands, then one rounding). On CUDA, cuBLAS may reduce
+    16-bit products in reduced precision unless
+    ``torch.backends.cuda.matmul.allow_{bf16,fp16}_reduced_precision_reduction`` is False: then
+    the ``torch`` candidate is not counted as correct. Returns ``{"chosen", "ms", "why", ...}``.
+    """
+    from . import linear as mp_linear
+    from .matmul import backend_for
+
+    dev = torch.device(device)
+    dname = _DTYPE_NAME[dtype]
+    what = {"torch": f"ATen {dname} GEMM (F.linear)",
+            "mpkern": ("mpkern.linear, Triton GEMM" if backend_for(dev) == "triton"
+                       else "mpkern.linear: fp32 GEMM of the upcast operands (ATen), one rounding")}
+    res: dict[str, Any] = {"dtype": dname, "candidates": what, "ms": {}, "gemms": len(shapes)}
+    if not shapes:
+        return res | {"chosen": "torch", "why": "the model has no torch.nn.Linear layers to convert"}
+    allowed = ["torch", "mpkern"]
+    if dev.type == "cuda":
+        flag = f"allow_{'bf16' if dtype == torch.bfloat16 else 'fp16'}_reduced_precision_reduction"
+        if getattr(torch.backends.cuda.matmul, flag, True):
+            allowed = ["mpkern"]
+            res["why"] = (f"torch.backends.cuda.matmul.{flag} is True: cuBLAS may reduce in {dname}, so "
+                          "only the fp32-accumulating mpkern GEMM counts as correct")
+    g = torch.Generator().manual_seed(1)
+    data = []
+    for rows, fin, fout, has_bias in sorted(set(shapes)):
+        x = torch.randn(rows, fin, generator=g).to(dev, dtype).requires_grad_()
+        w = (torch.randn(fout, fin, generator=g) * fin**-0.5).to(dev, dtype).requires_grad_()
+        b = torch.randn(fout, generator=g).to(dev, dtype).requires_grad_() if has_bias else None
+        gy = torch.randn(rows, fout, generator=g).to(dev, dtype)
+        data.append((shapes.count((rows, fin, fout, has_bias)), x, w, b, gy))
+    impl = {"torch": F.linear, "mpkern": mp_linear}
+
+    def fwd_bwd(f: Callable[..., Tensor]) -> Callable[[], None]:
+        def go() -> None:
+            for count, x, w, b, gy in data:
+                for _ in range(count):
+                    f(x, w, b).backward(gy)
+        return go
+
+    res["ms"] = (timer or _min_ms)({k: fwd_bwd(impl[k]) for k in allowed}, dev, reps)
+    chosen = min(allowed, key=lambda k: res["ms"][k])
+    if "why" not in res:
+        other = "mpkern" if chosen == "torch" else "torch"
+        res["why"] = (f"measured on this device, one forward+backward of the model's {len(shapes)} Linear GEMMs in "
+                      f"{dname}: {what[chosen]} {res['ms'][chosen]:.2f} ms vs {what[other]} {res['ms'][other]:.2f} ms")
+    return res | {"chosen": chosen}
+
+
 # ---- one run ------------------------------------------------------------------------------------
 @dataclass
 class _Recipe:
@@ -346,8 +532,11 @@ def _fused_ok(device: torch.device) -> dict[str, bool]:
     return {"fused": True} if device.type in ("cuda", "cpu") else {}
 
 
-def _build(name: str, cfg: Config, base: nn.Module, device: torch.device) -> _Recipe:
-    """Model, optimizer and step function of run ``name``, from a copy of ``base``."""
+def _build(name: str, cfg: Config, base: nn.Module, device: torch.device,
+           linear_choice: dict[str, dict[str, Any]] | None = None) -> _Recipe:
+    """Model, optimizer and step function of run ``name``, from a copy of ``base``.
+
+    ``linear_choice``: :func:`choose_linear`'s result per 16-bit dtype name (``--linear auto``)."""
     from . import FusedAdamWMP, unscale_
     from . import nn as mpnn
     from .matmul import backend_for
@@ -361,12 +550,16 @@ def _build(name: str, cfg: Config, base: nn.Module, device: torch.device) -> _Re
     autocast: Any = nullcontext
     layers = "the model's own layers" if cfg.hf_model else "torch.nn.Linear"
     linear_note = f"{layers} (ATen)"
+    gemm_short = "ATen fp32"
 
     def use_mpkern_linear(dtype: torch.dtype) -> bool:
         if cfg.linear != "auto":
             return cfg.linear == "mpkern"
-        # CUDA: the Triton GEMM. CPU: ATen has a fast bf16 GEMM (oneDNN, fp32 accumulation) but its
-        # fp16 GEMM is slow; mpkern.linear computes fp16 in fp32 through ATen, which is faster.
+        choice = (linear_choice or {}).get(_DTYPE_NAME[dtype])
+        if choice is not None:
+            return choice["chosen"] == "mpkern"
+        # no measurement given (a direct call): the Triton GEMM on CUDA; on CPU mpkern.linear's fp32
+        # GEMM for fp16 (ATen's CPU fp16 GEMM is slow without AVX512-FP16), ATen's for bf16
         return dt == "cuda" or dtype == torch.float16
 
     if name in ("fp32", "bf16", "fp16"):
@@ -376,6 +569,7 @@ def _build(name: str, cfg: Config, base: nn.Module, device: torch.device) -> _Re
             adt = torch.bfloat16 if name == "bf16" else torch.float16
             autocast = lambda: torch.autocast(dt, dtype=adt)
             linear_note = f"{layers} under autocast ({_DTYPE_NAME[adt]} GEMM)"
+            gemm_short = f"ATen {_SHORT[adt]} (autocast)"
         if name == "fp16":
             scaler = torch.amp.GradScaler(dt)
         describe = {"param_dtype": "float32",
@@ -385,12 +579,19 @@ def _build(name: str, cfg: Config, base: nn.Module, device: torch.device) -> _Re
     else:
         pdt = torch.float16 if name.endswith("fp16") else torch.bfloat16
         model = model.to(pdt)
+        how = "auto: measured faster" if cfg.linear == "auto" and linear_choice else f"--linear {cfg.linear}"
+        conv1d = sum(type(m).__name__ == "Conv1D" for m in model.modules())  # transformers' GPT-2 projections
+        if conv1d:
+            how += f"; {conv1d} Conv1D projections (not torch.nn.Linear) keep ATen's {_DTYPE_NAME[pdt]} GEMM"
         if use_mpkern_linear(pdt):
             mpnn.convert(model)
             n_conv = sum(isinstance(m, mpnn.Linear) for m in model.modules())
-            linear_note = f"mpkern.nn.Linear -> mpkern.linear ({backend_for(device)} backend), {n_conv} layers"
+            gemm = "Triton GEMM" if backend_for(device) == "triton" else "fp32 GEMM of upcast operands"
+            linear_note = f"mpkern.nn.Linear -> mpkern.linear ({gemm}), {n_conv} layers; {how}"
+            gemm_short = "mpkern (Triton)" if backend_for(device) == "triton" else "mpkern (fp32 GEMM)"
         else:
-            linear_note = f"{layers} (ATen {_DTYPE_NAME[pdt]} GEMM)"
+            linear_note = f"{layers} (ATen {_DTYPE_NAME[pdt]} GEMM); {how}"
+            gemm_short = f"ATen {_SHORT[pdt]}"
         params = list(model.parameters())
         if name == "bf16-naive":
             opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, **_fused_ok(device))
@@ -411,6 +612,7 @@ def _build(name: str, cfg: Config, base: nn.Module, device: torch.device) -> _Re
                         "clip": "max_grad_norm fused into step" if fused_clip
                         else "mpkern.unscale_(opt, scaler=scaler, max_norm)"}
     describe["linear"] = linear_note
+    describe["gemm"] = gemm_short
 
     def forward_loss(x: Tensor, y: Tensor) -> Tensor:
         with autocast():
@@ -473,7 +675,8 @@ def _evaluate(r: _Recipe, task: Task, device: torch.device, batch: int = 512) ->
     return correct.item() / len(task.y_val)
 
 
-def train_one(name: str, cfg: Config, task: Task, base: nn.Module, *, progress: bool = True) -> dict[str, Any]:
+def train_one(name: str, cfg: Config, task: Task, base: nn.Module, *, progress: bool = True,
+              linear_choice: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Train run ``name`` (one of :data:`PRECISIONS`) for ``cfg.steps`` steps; return its report."""
     device = torch.device(cfg.device)
     cpu_peak = _CpuPeak()
@@ -484,7 +687,7 @@ def train_one(name: str, cfg: Config, task: Task, base: nn.Module, *, progress: 
     else:
         cpu_peak.start()
     t_start = time.perf_counter()
-    r = _build(name, cfg, base, device)
+    r = _build(name, cfg, base, device, linear_choice)
     steps, bsz, warm = cfg.steps, cfg.batch_size, min(cfg.warmup, cfg.steps - 1)
     losses = torch.full((steps,), float("nan"), device=device)
     scales = torch.zeros(steps, device=device) if r.scaler is not None else None
@@ -597,6 +800,71 @@ def _compress_scales(scales: list[float], init: float) -> list[list[float]]:
     return out
 
 
+# ---- fitting the time budget --------------------------------------------------------------------
+_PROBE_WARM, _PROBE_TIMED = 3, 4
+
+
+def probe_step_seconds(cfg: Config, base: nn.Module,
+                       linear_choice: dict[str, dict[str, Any]] | None = None) -> dict[str, float]:
+    """Seconds per training step of every run in ``cfg.precisions``, measured on this device:
+    3 untimed and 4 timed steps of a throwaway copy of each recipe (same model, batch, linear path)."""
+    device = torch.device(cfg.device)
+    task = make_task(replace(cfg, steps=_PROBE_WARM + _PROBE_TIMED, val_size=1))
+    x_all, y_all, bsz = task.x_train.to(device), task.y_train.to(device), cfg.batch_size
+    out = {}
+    for name in cfg.precisions:
+        r = _build(name, cfg, base, device, linear_choice)
+        t0 = time.perf_counter()
+        for i in range(_PROBE_WARM + _PROBE_TIMED):
+            if i == _PROBE_WARM:
+                _sync(device)
+                t0 = time.perf_counter()
+            r.step(x_all[i * bsz:(i + 1) * bsz], y_all[i * bsz:(i + 1) * bsz])
+        _sync(device)
+        out[name] = (time.perf_counter() - t0) / _PROBE_TIMED
+        del r
+    return out
+
+
+def steps_that_fit(step_s: dict[str, float], cfg: Config) -> tuple[int, float]:
+    """How many steps (a multiple of ``log_every``) all runs together can take in ``cfg.time_budget``
+    seconds at the measured seconds per step, and the validation seconds set aside for that
+    (forward passes over ``val_size`` sequences: about a third of a step's time per token)."""
+    per_step = sum(step_s.values())
+    eval_s = per_step * cfg.val_size / cfg.batch_size / 3
+    fit = (cfg.time_budget - eval_s) / per_step if per_step > 0 else math.inf
+    return max(0, int(min(fit, 1e9) // cfg.log_every * cfg.log_every)), eval_s
+
+
+def fit_budget(cfg: Config, base: nn.Module, linear_choice: dict[str, dict[str, Any]] | None = None, *,
+               probe: Callable[..., dict[str, float]] = probe_step_seconds) -> tuple[Config, dict[str, Any]]:
+    """Choose the steps so that all runs fit ``cfg.time_budget`` seconds on this device.
+
+    ``cfg.steps`` is the most; fewer when the measured step times say they do not fit, but never
+    fewer than ``cfg.min_steps`` -- the master-weight lesson needs steps (Adam moves a weight by
+    about lr per step; the default model learns the task in ~800), so a device too slow for the
+    budget takes longer and the report says so. (A smaller batch would not help: it learns less
+    per step.) Returns the new config and what was measured and decided.
+    """
+    if cfg.time_budget is None:
+        return cfg, {"time_budget_s": None, "why": "no time budget: the configured steps"}
+    step_s = probe(cfg, base, linear_choice)
+    fit, eval_s = steps_that_fit(step_s, cfg)
+    steps = min(cfg.steps, max(fit, cfg.min_steps))
+    per_step = sum(step_s.values())
+    measured = f"measured {per_step * 1e3:.0f} ms per step of all runs together"
+    if steps == cfg.steps:
+        why = f"{steps} steps fit ({measured})"
+    elif steps == fit:
+        why = f"{cfg.steps} steps would not fit ({measured}): {steps} steps"
+    else:
+        why = (f"{cfg.steps} steps would not fit ({measured}): {steps} steps, the fewest that show the lesson "
+               f"(predicted {per_step * steps + eval_s:.0f} s, over the budget)")
+    plan = {"time_budget_s": cfg.time_budget, "step_s": step_s, "steps_that_fit": fit, "steps": steps,
+            "predicted_s": per_step * steps + eval_s, "why": why}
+    return replace(cfg, steps=steps), plan
+
+
 # ---- the comparison -----------------------------------------------------------------------------
 def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.device | None = None,
         out: str | None = None, progress: bool = True, plot: bool = True, **overrides: Any) -> dict[str, Any]:
@@ -625,6 +893,8 @@ def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.de
     unknown = set(overrides) - set(Config.__dataclass_fields__) - {"precisions", "device", "skipped_precisions"}
     if unknown:
         raise TypeError(f"run() got unknown settings {sorted(unknown)}")
+    if "steps" in overrides and "time_budget" not in overrides:
+        overrides = dict(overrides, time_budget=None)  # steps asked for: take them as given
     cfg = replace(cfg, **overrides)
     if precisions is None:
         chosen, skipped = default_precisions(dev)
@@ -640,15 +910,24 @@ def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.de
                   threads=torch.get_num_threads())
     _check(cfg)
     t_all = time.perf_counter()
-    task = make_task(cfg)
+    device_info = _device_info(dev)  # before any work of ours: the load average says who else runs
+    vocab = 2 * cfg.classes + 2 + cfg.noise_vocab  # as make_task builds it
     torch.manual_seed(cfg.seed)
     if cfg.hf_model:
-        base: nn.Module = HFClassifier(cfg.hf_model, task.vocab, cfg.seq_len, cfg.classes)
+        base: nn.Module = HFClassifier(cfg.hf_model, vocab, cfg.seq_len, cfg.classes)
     else:
-        base = Classifier(task.vocab, cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads, cfg.classes)
+        base = Classifier(vocab, cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads, cfg.classes)
     for p, why in skipped.items():
         print(f"[compare] skipping {p}: {why}", flush=True)
-    runs = [train_one(name, cfg, task, base, progress=progress) for name in cfg.precisions]
+    support, linear_choice = _measure_device(cfg, base)
+    for info in linear_choice.values():
+        print(f"[compare] --linear auto, {info['dtype']}: {info['chosen']} ({info['why']})", flush=True)
+    cfg, budget = fit_budget(cfg, base, linear_choice)
+    if cfg.time_budget is not None:
+        print(f"[compare] time budget: {budget['why']}", flush=True)
+    task = make_task(cfg)
+    runs = [train_one(name, cfg, task, base, progress=progress, linear_choice=linear_choice)
+            for name in cfg.precisions]
     ref = next((r for r in runs if r["name"] == "fp32" and r["tokens_per_s"]), None)
     for r in runs:
         if ref and r["tokens_per_s"]:
@@ -660,7 +939,10 @@ def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.de
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "versions": {"mpkern": __version__, "torch": torch.__version__, "python": platform.python_version(),
                      "cuda": torch.version.cuda},
-        "device": _device_info(dev),
+        "device": device_info,
+        "native_compute": support,
+        "linear_choice": linear_choice,
+        "budget": budget,
         "config": _jsonable(asdict(cfg)),
         "task": {"name": "query-selected colour class", "vocab": task.vocab, "classes": task.classes,
                  "train_sequences": len(task.y_train), "val_sequences": len(task.y_val),
@@ -671,11 +953,93 @@ def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.de
         "memory_note": _MEMORY_NOTE[dev.type == "cuda"],
         "runs": runs,
         "plan": plan_table(runs[0]["params"]) if runs else [],
-        "wall_s": time.perf_counter() - t_all,
     }
+    results["lessons"] = lessons(results)
+    results["wall_s"] = time.perf_counter() - t_all
     if out is not None:
         write_outputs(results, out, plot=plot)
     return results
+
+
+def _measure_device(cfg: Config, base: nn.Module) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The native-compute probe (at the model's largest GEMM) and, for ``--linear auto``, the
+    measured Linear choice of each 16-bit param dtype the runs use."""
+    dev = torch.device(cfg.device)
+    ids = make_task(replace(cfg, steps=1, val_size=1)).x_train[:1]
+    one = linear_shapes(base, ids)  # one sequence on CPU in fp32; rows scale with the batch
+    shapes = [(rows * cfg.batch_size, fin, fout, b) for rows, fin, fout, b in one]
+    if shapes:
+        m, k, n, _ = max(shapes, key=lambda t: t[0] * t[1] * t[2])
+    else:
+        m, k, n = cfg.batch_size * cfg.seq_len, cfg.d_model, 4 * cfg.d_model
+    support = compute_support(dev, m, k, n)
+    choice: dict[str, dict[str, Any]] = {}
+    if cfg.linear == "auto":
+        dtypes = {torch.float16 if p.endswith("fp16") else torch.bfloat16
+                  for p in cfg.precisions if p in ("bf16-naive", "mpkern-bf16", "mpkern-fp16")}
+        for dt in sorted(dtypes, key=str):
+            choice[_DTYPE_NAME[dt]] = choose_linear(shapes, dt, dev)
+    return support, choice
+
+
+def lessons(results: dict[str, Any]) -> list[str]:
+    """What this report shows, in words, from its own numbers: the master-weight lesson and the
+    speed/memory lesson worded for whether this device computes 16-bit natively."""
+    runs = {r["name"]: r for r in results["runs"]}
+    out = []
+    naive, ok = runs.get("bf16-naive"), [r for n, r in runs.items() if n != "bf16-naive" and r["val_acc"] is not None]
+    lr = results["config"]["lr"]
+    if naive is not None and naive["val_acc"] is not None and ok:
+        best = max(r["val_acc"] for r in ok)
+        chance = results["task"]["chance_acc"]
+        masters = [n for n in runs if n.startswith("mpkern")] or [r["name"] for r in ok]
+        acc = ", ".join(f"{n} {100 * runs[n]['val_acc']:.1f} %" for n in masters if runs[n]["val_acc"] is not None)
+        if best < max(0.3, 3 * chance):
+            out.append(f"Master weights: too few steps to show the lesson -- no run has learned the task yet (best "
+                       f"{100 * best:.1f} %, chance {100 * chance:.1f} %); at lr {lr:g} the default model needs "
+                       "~800 steps (the default takes up to 1000).")
+        elif naive["val_acc"] < 0.5 * best:
+            out.append(f"Master weights: bf16-naive (bf16 params, no fp32 master) reached {100 * naive['val_acc']:.1f} % "
+                       f"(chance {100 * chance:.1f} %): at lr {lr:g} Adam's ~lr-sized updates are below half a bf16 "
+                       f"ulp of most weights and round away; with fp32 masters: {acc}.")
+        else:
+            out.append(f"Master weights: at lr {lr:g} bf16-naive reached {100 * naive['val_acc']:.1f} %, close to the "
+                       f"runs with masters ({acc}): its updates are large enough not to round away at this lr "
+                       "(at the default 1e-4 they do).")
+    nat = results.get("native_compute") or {}
+    dev = results["device"]
+    fp32 = runs.get("fp32")
+    sixteen = [r for r in results["runs"] if r["name"] != "fp32" and r.get("speedup_vs_fp32")]
+    speeds = ", ".join(f"{r['name']} {r['speedup_vs_fp32']:.2f}x" for r in sixteen)
+    if fp32 is not None and sixteen:
+        speeds = f" Measured here, tokens/s vs fp32: {speeds}."
+    else:
+        speeds = ""
+    bf, fh = nat.get("bfloat16", {}), nat.get("float16", {})
+    has_fp16 = any("fp16" in n for n in runs)
+    if dev["type"] == "cpu":
+        if bf.get("native"):
+            out.append(f"Speed: this CPU computes bf16 natively ({bf['why']}): its bf16 GEMMs are faster than fp32 "
+                       "ones, and a bf16 run gains from that as far as GEMMs make up its step.{speeds}"
+                       + (" fp16 is not native on this CPU (" + fh.get("why", "?") + "): the fp16 runs show "
+                          "the GradScaler recipe, not fp16 speed." if has_fp16 and not fh.get("native") else ""))
+        else:
+            out.append(f"Speed: this CPU does not compute bf16 natively ({bf.get('why', 'not measured')}). The bf16 "
+                       f"runs pay for that emulation and are not faster than fp32 here.{speeds} What mixed precision "
+                       "buys on this machine is memory (peak mem, act. saved, state bytes/param); speed needs native "
+                       "16-bit compute: a CPU with AVX512-BF16 or AMX, or a GPU (bf16 from compute capability 8.0).")
+    else:
+        out.append(f"Speed: {dev.get('name', 'this GPU')}: bf16 {'native' if bf.get('native') else 'not native'} "
+                   f"({bf.get('why', '?')}); fp16 {'native' if fh.get('native') else 'not native'}.{speeds}")
+    load = dev.get("load_avg_1min_at_start")
+    if load is not None and load >= LOAD_WARN:
+        out.append(f"Timing caveat: the CPU's 1-minute load average was {load:.1f} ({dev.get('cores')} cores) when this "
+                   "started: other processes (or a run that just ended: the average trails by a minute) compete for the cores, "
+                   "and torch's worker threads wait for each other "
+                   f"when one is descheduled ({dev.get('threads')} threads here) -- tokens/s can drop several-fold "
+                   "(measured on a 2-core VM with one other busy process: 10x). Re-run on a quiet machine, or compare "
+                   "with --threads 1.")
+    return out
 
 
 _MEMORY_NOTE = {
@@ -693,9 +1057,13 @@ def _device_info(dev: torch.device) -> dict[str, Any]:
                 "capability": list(torch.cuda.get_device_capability(dev))}
     from .bench import cpu_name
 
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = None
     return {"type": "cpu", "name": cpu_name(),
             "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "aten_capability": torch.backends.cpu.get_cpu_capability()}
+            "aten_capability": torch.backends.cpu.get_cpu_capability(), "load_avg_1min_at_start": load}
 
 
 def _jsonable(v: Any) -> Any:
@@ -717,12 +1085,12 @@ def _fmt_bytes(n: float | None) -> str:
 
 def format_table(results: dict[str, Any]) -> str:
     """The per-run table (markdown) of a :func:`run` report."""
-    cols = ["run", "params", "compute", "tokens/s", "vs fp32", "peak mem", "act. saved", "state B/param",
+    cols = ["run", "params", "compute", "GEMM", "tokens/s", "vs fp32", "peak mem", "act. saved", "state B/param",
             "final loss", "val acc", "skipped", "status"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in results["runs"]:
         cells = [
-            r["name"], r["param_dtype"], r["compute"],
+            r["name"], r["param_dtype"], r["compute"], r.get("gemm", "?"),
             f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a",
             f"{r['speedup_vs_fp32']:.2f}x" if r["speedup_vs_fp32"] else "n/a",
             _fmt_bytes(r["peak_mem_bytes"]), _fmt_bytes(r["activation_bytes_saved_for_backward"]),
@@ -739,7 +1107,8 @@ def format_table(results: dict[str, Any]) -> str:
 def format_details(results: dict[str, Any]) -> str:
     """What exactly ran in each run (optimizer, clipping, linear layers), the loss-scale history,
     and the memory plan of the trained model -- the markdown below the table."""
-    out = ["| run | optimizer | clipping | linear layers |", "|---|---|---|---|"]
+    out = [f"* {line}" for line in results.get("lessons", [])]
+    out += ["", "| run | optimizer | clipping | linear layers |", "|---|---|---|---|"]
     for r in results["runs"]:
         out.append(f"| {r['name']} | {r['optimizer']} | {r['clip']} | {r['linear']} |")
     for r in results["runs"]:
@@ -760,6 +1129,11 @@ def format_details(results: dict[str, Any]) -> str:
 
 def _header(results: dict[str, Any]) -> str:
     c, d, t = results["config"], results["device"], results["task"]
+    nat = results.get("native_compute") or {}
+    native = "; ".join(f"{k} {'yes' if nat[k]['native'] else 'NO'} ({nat[k]['why']})"
+                       for k in ("bfloat16", "float16") if k in nat) or "not measured"
+    b = results.get("budget") or {}
+    budget = f"; time budget {b['time_budget_s']:g} s: {b['why']}" if b.get("time_budget_s") else ""
     if c.get("hf_model"):
         model = f"transformers {results['model']['class']} from {c['hf_model']}"
     else:
@@ -768,7 +1142,8 @@ def _header(results: dict[str, Any]) -> str:
             f"{results['timestamp']}\n"
             f"model: {model} ({results['model']['params']:,} params), seq {c['seq_len']}, "
             f"batch {c['batch_size']}, {c['steps']} steps (first {c['warmup']} untimed), lr {c['lr']:g}, "
-            f"clip {c['max_grad_norm']:g}, seed {c['seed']}\n"
+            f"clip {c['max_grad_norm']:g}, seed {c['seed']}{budget}\n"
+            f"native 16-bit compute: {native}\n"
             f"task: {t['name']}, {t['classes']} classes (chance {100 * t['chance_acc']:.1f} %, ignoring the "
             f"query caps at 50 %), {t['val_sequences']} held-out validation sequences; "
             f"total wall time {results['wall_s']:.0f} s")

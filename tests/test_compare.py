@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -189,7 +191,7 @@ def test_hf_model_from_a_local_config(tmp_path):
     transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                              num_key_value_heads=2, vocab_size=100,
                              max_position_embeddings=16).save_pretrained(tmp_path)
-    res = _run("fp32,mpkern-fp16", hf_model=str(tmp_path), steps=4, log_every=2)
+    res = _run("fp32,mpkern-fp16", hf_model=str(tmp_path), steps=4, log_every=2, linear="mpkern")
     assert res["model"]["class"] == "LlamaForSequenceClassification"
     # the same model built here: the task's vocabulary (+1 padding id) and classes
     cfg = transformers.AutoConfig.from_pretrained(tmp_path)
@@ -209,3 +211,190 @@ def test_progress_without_tqdm_prints_plain_lines(monkeypatch, capsys):
     compare.run("fp32", device="cpu", progress=True, plot=False, **TINY)
     err = capsys.readouterr().err
     assert f"fp32        : {TINY['steps']}/{TINY['steps']} steps" in err and "tok/s" in err
+
+
+# ---- native 16-bit compute, --linear auto, the time budget, the lessons (issue 14) -----------------
+_X86 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512bw\n\n" \
+       "processor\t: 1\nflags\t\t: fpu\n"
+_ARM = "processor\t: 0\nFeatures\t: fp asimd fphp asimdhp bf16\n"
+
+
+def test_cpu_flags_reads_the_first_cpu():
+    assert compare.cpu_flags(_X86) == {"fpu", "sse", "avx2", "avx512f", "avx512_bf16", "avx512bw"}
+    assert {"bf16", "fphp"} <= compare.cpu_flags(_ARM)
+    assert compare.cpu_flags("model name: x\n") == set()
+
+
+def _fake_timer(ms):
+    """A timer that returns fixed milliseconds per candidate (and checks what it was given runs)."""
+    def timer(fns, device, reps):
+        for f in fns.values():
+            f()
+        return {k: ms[k] for k in fns}
+    return timer
+
+
+def test_compute_support_probe_gemms_are_the_named_dtypes(monkeypatch):
+    """The probe's functions really multiply in fp32 / bf16 / fp16: each result against float64."""
+    got = {}
+
+    def timer(fns, device, reps):
+        for k, f in fns.items():
+            got[k] = f()
+        return dict.fromkeys(fns, 1.0)
+
+    compare.compute_support("cpu", 64, 48, 32, flags=set(), timer=timer)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 48, generator=g).double(), torch.randn(48, 32, generator=g).double()
+    ref = a @ b
+    for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        assert got[name].dtype == dt
+        # inputs rounded to dt, fp32 accumulation, one rounding of the output: a few ulps of dt
+        eps = torch.finfo(dt).eps
+        assert (got[name].double() - ref).abs().max() <= 8 * eps * ref.abs().max(), name
+
+
+@pytest.mark.parametrize("flags, ms, env, bf16_native, words", [
+    ({"avx512_bf16"}, {"float32": 1.0, "bfloat16": 0.4, "float16": 50.0}, None, True, "avx512_bf16"),
+    (set(), {"float32": 1.0, "bfloat16": 3.5, "float16": 50.0}, None, False, "emulates"),
+    ({"avx512_bf16"}, {"float32": 1.0, "bfloat16": 3.0, "float16": 50.0}, "AVX512_CORE", False, "ONEDNN_MAX_CPU_ISA"),
+])
+def test_compute_support_decides_by_measurement(monkeypatch, flags, ms, env, bf16_native, words):
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    if env:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", env)
+    else:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    s = compare.compute_support("cpu", 16, 16, 16, flags=flags, timer=_fake_timer(ms))
+    assert s["bfloat16"]["native"] is bf16_native and words in s["bfloat16"]["why"]
+    assert s["bfloat16"]["speed_vs_fp32"] == pytest.approx(1.0 / ms["bfloat16"])
+    assert s["float16"]["native"] is False and s["cpu_flags"]["avx512_bf16"] == ("avx512_bf16" in flags)
+    assert s["gemm"]["ms"] == ms and s["gemm"]["shape"] == [16, 16, 16]
+
+
+def test_linear_shapes_of_the_classifier():
+    cfg = compare.Config(**TINY, precisions=("fp32",))
+    task = compare.make_task(cfg)
+    model = compare.Classifier(task.vocab, cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads, cfg.classes)
+    shapes = compare.linear_shapes(model, task.x_train[:2])
+    d, n = cfg.d_model, 2 * cfg.seq_len  # two sequences: every token goes through the block's layers
+    block = [(n, d, 3 * d, True), (n, d, d, True), (n, d, 4 * d, True), (n, 4 * d, d, True)]
+    assert shapes == block * cfg.layers + [(2, d, cfg.classes, True)]  # the head sees the pooled rows
+
+
+@pytest.mark.parametrize("faster", ["torch", "mpkern"])
+def test_choose_linear_takes_the_measured_faster(faster):
+    shapes = [(8, 16, 32, True), (8, 32, 16, False)]
+    ms = {"torch": 2.0, "mpkern": 3.0} if faster == "torch" else {"torch": 3.0, "mpkern": 2.0}
+    res = compare.choose_linear(shapes, torch.bfloat16, "cpu", timer=_fake_timer(ms))
+    assert res["chosen"] == faster and res["ms"] == ms and "measured" in res["why"]
+    assert compare.choose_linear([], torch.bfloat16, "cpu")["chosen"] == "torch"
+
+
+def test_auto_linear_follows_the_measurement(monkeypatch):
+    """The 16-bit-param runs use what choose_linear picked, and the table says which ran."""
+    for pick in ("mpkern", "torch"):
+        monkeypatch.setattr(compare, "choose_linear", lambda shapes, dt, dev, pick=pick: {
+            "chosen": pick, "dtype": compare._DTYPE_NAME[dt], "why": "test", "ms": {}})
+        res = _run("bf16-naive,mpkern-bf16")
+        assert set(res["linear_choice"]) == {"bfloat16"}
+        for r in res["runs"]:
+            assert r["gemm"] == ("mpkern (fp32 GEMM)" if pick == "mpkern" else "ATen bf16"), r
+            assert ("mpkern.nn.Linear" in r["linear"]) == (pick == "mpkern")
+        assert "| bf16-naive | bfloat16 | bfloat16 | " + r["gemm"] + " |" in compare.format_table(res)
+    res = _run("mpkern-bf16", linear="torch")
+    assert res["linear_choice"] == {} and res["runs"][0]["gemm"] == "ATen bf16"
+
+
+def test_fit_budget_cuts_steps_down_to_the_lesson_minimum():
+    cfg = compare.Config(**(TINY | {"steps": 1000, "log_every": 20, "val_size": 300, "batch_size": 30}),
+                         precisions=("fp32", "bf16"), time_budget=50.0, min_steps=400)
+    probe = (lambda ms: lambda c, base, choice: {"fp32": ms / 2e3, "bf16": ms / 2e3})
+    # 100 ms per step of both runs; validation 0.1 * 300 / 30 / 3 = 0.333 s; (50 - 0.333) / 0.1 = 496 -> 480
+    new, plan = compare.fit_budget(cfg, None, probe=probe(100.0))
+    assert new.steps == 480 and plan["steps"] == 480 and "would not fit" in plan["why"]
+    new, plan = compare.fit_budget(cfg, None, probe=probe(20.0))  # 2483 fit: the configured 1000
+    assert new.steps == 1000 and "fit" in plan["why"]
+    new, plan = compare.fit_budget(cfg, None, probe=probe(500.0))  # 99 fit: never below min_steps
+    assert new.steps == 400 and "over the budget" in plan["why"]
+    assert plan["predicted_s"] == pytest.approx(0.5 * 400 + 0.5 * 300 / 30 / 3)
+    new, plan = compare.fit_budget(replace(cfg, time_budget=None), None, probe=probe(500.0))
+    assert new.steps == 1000 and plan["time_budget_s"] is None
+
+
+def test_explicit_steps_turn_the_budget_off_and_the_budget_runs_the_probe(monkeypatch):
+    res = _run("fp32")
+    assert res["budget"]["time_budget_s"] is None and res["config"]["steps"] == TINY["steps"]
+    seen = []
+
+    def probe(c, base, choice):
+        seen.append(c.precisions)
+        return dict.fromkeys(c.precisions, 1e-4)
+
+    monkeypatch.setattr(compare, "probe_step_seconds", probe)
+    monkeypatch.setattr(compare, "fit_budget", partial(compare.fit_budget, probe=probe))
+    res = _run("fp32,mpkern-bf16", time_budget=30.0, min_steps=3)
+    assert seen == [("fp32", "mpkern-bf16")] and res["budget"]["time_budget_s"] == 30.0
+    assert res["config"]["steps"] == TINY["steps"]  # the configured steps fit easily
+
+
+def test_real_probe_times_every_run():
+    cfg = compare.Config(**TINY, precisions=("fp32", "mpkern-bf16"))
+    base = compare.Classifier(2 * cfg.classes + 2 + cfg.noise_vocab, cfg.seq_len, cfg.d_model, cfg.layers,
+                              cfg.heads, cfg.classes)
+    before = [p.detach().clone() for p in base.parameters()]
+    step_s = compare.probe_step_seconds(cfg, base)
+    assert set(step_s) == {"fp32", "mpkern-bf16"} and all(v > 0 for v in step_s.values())
+    assert all(torch.equal(a, b) for a, b in zip(before, base.parameters()))  # the base model is untouched
+
+
+def _report(native: bool, naive_acc: float, device: str = "cpu"):
+    why = "test reason"
+    return {"runs": [{"name": "fp32", "val_acc": 1.0, "speedup_vs_fp32": 1.0},
+                     {"name": "bf16-naive", "val_acc": naive_acc, "speedup_vs_fp32": 0.3},
+                     {"name": "mpkern-bf16", "val_acc": 1.0, "speedup_vs_fp32": 0.4}],
+            "config": {"lr": 1e-4}, "task": {"chance_acc": 1 / 32}, "device": {"type": device, "name": "x"},
+            "native_compute": {"bfloat16": {"native": native, "why": why},
+                               "float16": {"native": False, "why": why}}}
+
+
+def test_lessons_are_worded_for_the_device():
+    text = compare.lessons(_report(False, 0.06))
+    assert "bf16-naive" in text[0] and "6.0 %" in text[0] and "mpkern-bf16 100.0 %" in text[0]
+    assert "does not compute bf16 natively" in text[1] and "memory" in text[1] and "0.30x" in text[1]
+    text = compare.lessons(_report(True, 0.06))
+    assert "computes bf16 natively" in text[1] and "fp16" not in text[1]  # no fp16 run: no fp16 sentence
+    text = compare.lessons(_report(True, 0.98))
+    assert "close to the runs with masters" in text[0]
+    low = _report(True, 0.03)
+    for r in low["runs"]:
+        r["val_acc"] = 0.04
+    assert "too few steps" in compare.lessons(low)[0]
+    assert not any("caveat" in t for t in text)
+    busy = _report(True, 0.06)
+    busy["device"].update(load_avg_1min_at_start=2.5, cores=2, threads=2)
+    assert "load average was 2.5" in compare.lessons(busy)[-1]
+
+
+def test_report_carries_native_compute_and_lessons(tmp_path):
+    _run("fp32,bf16-naive,mpkern-bf16", out=str(tmp_path))
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    nat = on_disk["native_compute"]
+    assert nat["type"] == "cpu" and {"bfloat16", "float16"} <= set(nat)
+    assert isinstance(nat["bfloat16"]["native"], bool) and nat["bfloat16"]["why"]
+    assert on_disk["lessons"] and any(line.startswith("Speed:") for line in on_disk["lessons"])
+    md = (tmp_path / "results.md").read_text()
+    assert "native 16-bit compute: bfloat16 " in md and "| GEMM |" in md
+
+
+def test_hf_model_gpt2_config(tmp_path):
+    """A GPT-2 config (tied wte/lm_head in the LM; the classifier has a score head): its Conv1D
+    projections are not torch.nn.Linear and stay; the score head is converted."""
+    transformers = pytest.importorskip("transformers")
+    transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50, n_positions=8,
+                            bos_token_id=0, eos_token_id=0).save_pretrained(tmp_path)
+    res = _run("fp32,mpkern-bf16", hf_model=str(tmp_path), linear="mpkern")
+    assert res["model"]["class"] == "GPT2ForSequenceClassification"
+    assert all(r["status"] == "ok" and math.isfinite(r["final_loss"]) for r in res["runs"])
+    note = res["runs"][1]["linear"]
+    assert "1 layers" in note and "4 Conv1D" in note  # c_attn, c_proj, c_fc, mlp.c_proj of the one block
