@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up mpkern from scratch on a fresh machine: a virtual environment in .venv, PyTorch, the test
-# tools, the optional extras (matplotlib, tqdm, transformers, accelerate -- MPKERN_EXTRAS=0 skips
-# them) and the native extension built in place (CPU kernels always; CUDA kernels compiled and
-# linked when nvcc is found -- MPKERN_BUILD_CUDA=1 makes that mandatory). Safe to re-run.
+# tools, the optional extras (matplotlib, tqdm, transformers, accelerate, lightning, peft --
+# MPKERN_EXTRAS=0 skips them; torch stays pinned while they install) and the native extension
+# built in place (CPU kernels always; CUDA kernels compiled and linked when nvcc is found --
+# MPKERN_BUILD_CUDA=1 makes that mandatory). Safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,9 +20,11 @@ echo "[setup] installing torch and tools (torch 2.14.1 is ~80 s from a local whe
 python -m pip install -q "torch==2.14.1" numpy "hypothesis>=6" "pytest>=7" ninja "setuptools>=64" wheel
 
 if [ "${MPKERN_EXTRAS:-1}" != "0" ]; then
-  echo "[setup] installing the optional extras: matplotlib tqdm transformers accelerate (torch stays pinned)"
+  echo "[setup] installing the optional extras: matplotlib tqdm transformers accelerate lightning peft" \
+       "(torch stays pinned)"
   echo "torch==2.14.1" > .venv/torch-pin.txt
-  python -m pip install -q -c .venv/torch-pin.txt matplotlib tqdm "transformers>=4.40" "accelerate>=0.26"
+  python -m pip install -q -c .venv/torch-pin.txt matplotlib tqdm "transformers>=4.40" "accelerate>=0.26" \
+    "lightning>=2.2" "peft>=0.10"
 fi
 
 echo "[setup] building the native extension (MPKERN_BUILD_CUDA=${MPKERN_BUILD_CUDA:-auto})"
