@@ -185,6 +185,22 @@ def reduce_stats(sumsq: Tensor, amax: Tensor, inf_norm: bool, rp: ReducePlan,
     return vals, torch.where(bad, inf, zero)
 
 
+def shard_offset(t: Tensor) -> int:
+    """Flat (row-major) index in the whole tensor of the first element of ``t``'s local shard (0 for
+    a plain tensor). For ``Shard(0)`` (FSDP2) the shard is one block of the whole tensor, so element
+    i of the shard is element ``offset + i`` of the tensor; other placements get a distinct offset."""
+    if not is_dtensor(t):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    flat, stride = 0, 1
+    for size, off in zip(reversed(tuple(t.shape)), reversed(tuple(offset))):
+        flat += int(off) * stride
+        stride *= int(size)
+    return flat
+
+
 def like_param(p: Tensor, value: Tensor) -> Tensor:
     """``value`` (a full tensor of ``p``'s shape, or a DTensor) in ``p``'s placement, without a
     collective when possible (each rank cuts its own shard from the full tensor it holds)."""
@@ -217,6 +233,7 @@ __all__ = [
     "plan",
     "check_reduced",
     "reduce_stats",
+    "shard_offset",
     "stamp",
     "version",
     "wrap_like",

@@ -201,6 +201,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
         self._versions: dict[int, Any] = {}  # id(param) -> its stamp (version, data pointer) after our last write
         self._mpkern_process_group = process_group
         self._storage_count: dict[int, int] | None = None  # see _shares_storage (rebuilt every step)
+        self._offsets: dict[int, int] = {}  # id(DTensor param) -> flat offset of its local shard
         super().__init__(params, defaults)
 
     # ---- settings ----------------------------------------------------------------------------
@@ -240,6 +241,11 @@ class FusedAdamWMP(torch.optim.Optimizer):
                 if group["master_weights"] == "remainder" and p.dtype not in (torch.bfloat16, torch.float32):
                     raise ValueError(f"FusedAdamWMP: master_weights='remainder' needs bfloat16 params, param {i} "
                                      f"of group {gi} is {p.dtype}")
+                if group["master_weights"] == "8bit" and p.dtype == torch.float32 and all(
+                        q.dtype == torch.float32 for q in group["params"]):
+                    raise ValueError(f"FusedAdamWMP: master_weights='8bit' is not needed for float32 params (param {i} "
+                                     f"of group {gi}): they are their own fp32 master -- use master_weights=True "
+                                     "(or keep the 8-bit masters for the 16-bit params' group)")
                 if group["stochastic_rounding"] and p.dtype == torch.float16:
                     raise ValueError(f"FusedAdamWMP: stochastic_rounding supports bfloat16 params, param {i} of "
                                      f"group {gi} is float16")
@@ -277,6 +283,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
         super().__setstate__(state)
         for key in ("_pending", "last_grad_norm", "last_found_inf", "_mpkern_process_group", "_storage_count"):
             self.__dict__.setdefault(key, None)
+        self._offsets = {}
         token = self.__dict__.pop("_mpkern_process_group_token", None)
         if token is not None:
             if token not in _GROUPS:
@@ -457,10 +464,12 @@ class FusedAdamWMP(torch.optim.Optimizer):
         """
         work = []
         uses_main = False
+        sid = -1  # the param's random-stream id: its position among all params of the optimizer
         for gi, group in enumerate(self.param_groups):
-            passes: list[dict[tuple[torch.device, int], list[tuple[Tensor, Tensor]]]] = [{}]
+            passes: list[dict[tuple[torch.device, storage.MasterKind], list[tuple[Tensor, Tensor, int]]]] = [{}]
             seen: dict[int, int] = {}
             for pi, p in enumerate(group["params"]):
+                sid += 1
                 g = getattr(p, "main_grad", None)
                 if g is None:
                     g = p.grad
@@ -480,7 +489,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
                 seen[id(p)] = k
                 if k == len(passes):
                     passes.append({})
-                passes[k].setdefault((p.device, self._kind(group, p)), []).append((p, g))
+                passes[k].setdefault((p.device, self._kind(group, p)), []).append((p, g, sid))
             for buckets in passes:
                 for (dev, kind), pairs in buckets.items():
                     work.append((group, dev, kind, pairs))
@@ -521,7 +530,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
                 raise RuntimeError(f"FusedAdamWMP: param group {gi} has a CPU tensor lr; in a captured CUDA graph "
                                    "its value would be frozen -- use a float or a tensor on the params' device")
         for group, _dev, _mode, pairs in work:
-            for p, _g in pairs:
+            for p, *_ in pairs:
                 if "step" not in self.state[p]:
                     raise RuntimeError("FusedAdamWMP: a param has no optimizer state yet; run one eager step "
                                        "(warm-up) before capturing step() in a CUDA graph")
@@ -621,7 +630,9 @@ class FusedAdamWMP(torch.optim.Optimizer):
                 per_dev[dev] = (_to_device(factor, dev, torch.float32).reshape(()),
                                 _to_device(found, dev, torch.float32).reshape(()))
             f_dev, found_dev = per_dev[dev]
-            fused_adamw_mp(_backend.select(dev), *lists, f_dev, found_dev, lr_tensor, lr_value, group, kind.mode)
+            *tensors, sids, offsets = lists
+            fused_adamw_mp(_backend.select(dev), *tensors, f_dev, found_dev, lr_tensor, lr_value, group, kind.mode,
+                           sids, offsets)
             for p, tmp in copies:  # params that are not one dense block went through a copy
                 p.copy_(tmp)
             if check_writes:
@@ -631,20 +642,23 @@ class FusedAdamWMP(torch.optim.Optimizer):
                 # it touched and recorded again -- one host read per bucket in the common case.
                 p0 = pairs[0][0]
                 if copies or versions.get(id(p0)) != _stamp(p0):
-                    for p, _ in pairs:
+                    for p, *_ in pairs:
                         versions[id(p)] = _stamp(p)
         self._consume_main_grads(work)
         return loss
 
-    def _prepare(self, group: dict[str, Any], kind: storage.MasterKind, pairs: list[tuple[Tensor, Tensor]],
+    def _prepare(self, group: dict[str, Any], kind: storage.MasterKind, pairs: list[tuple[Tensor, Tensor, int]],
                  check_writes: bool):
-        """Kernel argument lists for one bucket: flat views of dense params/grads/state."""
+        """Kernel argument lists for one bucket: flat views of dense params/grads/state, and each
+        param's random stream (id, offset of its local shard in the whole tensor)."""
         params, grads, ms, vs, vmaxs, masters, steps = [], [], [], [], [], [], []
+        sids, offsets = [], []
         copies: list[tuple[Tensor, Tensor]] = []
         amsgrad = group["amsgrad"]
         mkey = kind.key
         versions = self._versions
-        for p, g in pairs:
+        for p, g, sid in pairs:
+            sids.append(sid)
             st = self.state.get(p)
             if st is None or "step" not in st:
                 st = self._init_state(group, p)
@@ -663,8 +677,15 @@ class FusedAdamWMP(torch.optim.Optimizer):
             if mkey is not None:
                 ts.append(st[mkey])
             if type(p) is not Parameter and distributed.is_dtensor(p):
-                # FSDP2 / tensor parallel: the kernel updates the local shard
+                # FSDP2 / tensor parallel: the kernel updates the local shard, drawing the random
+                # bits the whole tensor would draw at its elements
+                off = self._offsets.get(id(p))
+                if off is None:
+                    off = self._offsets[id(p)] = distributed.shard_offset(p)
+                offsets.append(off)
                 p, g, ts = _local(p), _local(g), [_local(t) for t in ts]
+            else:
+                offsets.append(0)
             if p.is_contiguous():
                 pp, gg = p, (g if g.is_contiguous() else g.contiguous())
             elif _flat(p):  # dense in another memory format: flat views, state laid out like p
@@ -684,13 +705,13 @@ class FusedAdamWMP(torch.optim.Optimizer):
             if mkey is not None:
                 masters.append(ts[-1])
             steps.append(st["step"])
-        return (params, grads, ms, vs, vmaxs, masters, steps), copies
+        return (params, grads, ms, vs, vmaxs, masters, steps, sids, offsets), copies
 
     @staticmethod
     def _consume_main_grads(work) -> None:
         """Set every ``main_grad`` that fed this step to None -- or, inside a CUDA graph capture,
         zero it in place (a replay must find the same buffers, and the zeroing is captured)."""
-        mains = [p for _group, _dev, _mode, pairs in work for p, _g in pairs
+        mains = [p for _group, _dev, _mode, pairs in work for p, *_ in pairs
                  if getattr(p, "main_grad", None) is not None]
         if not mains:
             return
@@ -762,9 +783,9 @@ class FusedAdamWMP(torch.optim.Optimizer):
 
 def _check_own_args(master_weights: Any, state_dtype: Any, max_grad_norm: Any, stochastic_rounding: Any) -> str:
     """Validate mpkern's own arguments; return ``state_dtype`` as the name kept in the groups."""
-    if master_weights not in (True, False, "remainder") or isinstance(master_weights, int) and not isinstance(
+    if master_weights not in (True, False, "remainder", "8bit") or isinstance(master_weights, int) and not isinstance(
             master_weights, bool):
-        raise ValueError(f"master_weights must be True, False or 'remainder', got {master_weights!r}")
+        raise ValueError(f"master_weights must be True, False, 'remainder' or '8bit', got {master_weights!r}")
     name = storage.MOMENT_DTYPE_NAMES.get(state_dtype) if isinstance(state_dtype, torch.dtype) else state_dtype
     if not isinstance(name, str) or name not in storage.MOMENT_KINDS:
         raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16 (or 'float32' / 'bfloat16'), "

@@ -1,8 +1,8 @@
 """How ``FusedAdamWMP`` keeps each part of a param's state: one small description per kind.
 
 A *master kind* says how the fp32 master of a param is kept (``master_weights=``): ``"fp32"`` (an fp32
-copy), ``"remainder"`` (bf16 params: the low 16 bits in an int16 tensor), ``"none"`` (the param is
-the value). A *moment kind* says how ``exp_avg`` / ``exp_avg_sq`` are kept (``state_dtype=``).
+copy), ``"remainder"`` (bf16 params: the low 16 bits in an int16 tensor), ``"8bit"`` (bf16/fp16
+params: a stochastically rounded one-byte correction), ``"none"`` (the param is the value). A *moment kind* says how ``exp_avg`` / ``exp_avg_sq`` are kept (``state_dtype=``).
 Each description knows its state keys, its bytes per element, the kernel variant it selects, how
 its state is created, how it turns into an fp32 master (or fp32 moments) and back -- which is all
 that checkpoint conversion, master export, re-seeding after external writes and the byte model
@@ -19,7 +19,8 @@ import torch
 
 from .. import distributed
 from ..distributed import local as _local
-from ..reference import MASTER_F32, MASTER_NONE, MASTER_REMAINDER
+from .. import reference
+from ..reference import MASTER_8BIT, MASTER_F32, MASTER_NONE, MASTER_REMAINDER
 
 Tensor = torch.Tensor
 State = dict[str, Any]
@@ -143,6 +144,38 @@ class RemainderMaster(MasterKind):
             _local(st[self.key]).zero_()
 
 
+class Int8Master(MasterKind):
+    """``master_weights="8bit"`` (bf16 / fp16 params): a one-byte correction ``c`` of the param's
+    rounding error in units of ``ulp(p) / 256``; the master is ``p + c * ulp(p) / 256`` (exact in
+    fp32). The kernel re-encodes ``c`` with stochastic rounding (seeded), so an update smaller than
+    the correction's resolution still moves the master in expectation; conversions here round to
+    nearest."""
+
+    name, mode, key, state_dtype = "8bit", MASTER_8BIT, "master_correction", torch.int8
+
+    def create(self, p: Tensor) -> State:
+        return {self.key: like(p, torch.int8).zero_()}
+
+    def to_fp32(self, p: Tensor, st: State) -> Tensor:
+        pl, c = _local(p.detach()), _local(st[self.key])
+        if pl.dtype == torch.float32:  # the param became fp32 holding its 16-bit value: take it as it is
+            return distributed.wrap_like(p, pl.clone())
+        return distributed.wrap_like(p, reference.master8_decode(pl, c))
+
+    def from_fp32(self, p: Tensor, st: State, master: Tensor) -> None:
+        pl, m = _local(p), _local(master)
+        half = torch.full(pl.shape, 0x8000, dtype=torch.int32, device=pl.device)  # floor(x + 1/2): nearest
+        hi, c = reference.master8_encode(m, pl.dtype, half)
+        pl.copy_(hi)
+        st[self.key] = like(p, torch.int8).copy_(distributed.wrap_like(p, c))
+
+    def reseed(self, p: Tensor, st: State, *, loaded: bool, shared: bool) -> None:
+        # like the remainder: a written param is its own master (correction 0), except after a
+        # load or for views of one buffer (the write cannot be attributed)
+        if not loaded and not shared:
+            _local(st[self.key]).zero_()
+
+
 class NoMaster(MasterKind):
     """fp32 params, or ``master_weights=False``: the param itself is updated."""
 
@@ -158,11 +191,12 @@ class NoMaster(MasterKind):
         return 0.0
 
 
-FP32, REMAINDER, NONE = Fp32Master(), RemainderMaster(), NoMaster()
-#: every master kind that keeps state, in the order a checkpoint's entries are looked for
-STORED_MASTERS: tuple[MasterKind, ...] = (FP32, REMAINDER)
+FP32, REMAINDER, INT8, NONE = Fp32Master(), RemainderMaster(), Int8Master(), NoMaster()
+#: every master kind that keeps state, in the order a checkpoint's entries are looked for (the
+#: exact ones first: a checkpoint holding several converts from the most precise)
+STORED_MASTERS: tuple[MasterKind, ...] = (FP32, REMAINDER, INT8)
 #: ``master_weights=`` value -> kind for 16-bit params
-MASTER_KINDS: dict[Any, MasterKind] = {True: FP32, "remainder": REMAINDER, False: NONE}
+MASTER_KINDS: dict[Any, MasterKind] = {True: FP32, "remainder": REMAINDER, "8bit": INT8, False: NONE}
 
 
 def master_kind(master_weights: Any, param_dtype: torch.dtype) -> MasterKind:
@@ -223,6 +257,7 @@ def state_bytes_per_param(master_weights: Any, state_dtype: Any, param_dtype: to
 
 __all__ = [
     "FP32",
+    "INT8",
     "MASTER_KINDS",
     "MOMENT_KINDS",
     "NONE",

@@ -1,0 +1,209 @@
+"""Issue 15 at the optimizer level: master_weights="8bit", unbiased bf16 moments, unique streams.
+
+The kernels' bit-identity across backends is in test_kernels_compact.py; here the public API:
+small-update fidelity against float64 AdamW written in the test, the bitwise overflow skip,
+checkpoints (resume bit-identical, conversions), streams per param, errors, bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from conftest import DEVICE
+
+import mpkern
+from mpkern import FusedAdamWMP
+from mpkern.optim import storage
+
+B1, B2, EPS = 0.9, 0.999, 1e-8
+
+
+def _adamw64_path(w0: float, g: float, lr: float, steps: int) -> float:
+    """float64 AdamW (no weight decay) from w0 under a constant grad g: the final weight."""
+    w, m, v = w0, 0.0, 0.0
+    for t in range(1, steps + 1):
+        m = B1 * m + (1 - B1) * g
+        v = B2 * v + (1 - B2) * g * g
+        w -= lr * (m / (1 - B1**t)) / (math.sqrt(v / (1 - B2**t)) + EPS)
+    return w
+
+
+# The two long runs use the default backend (the kernels agree bit for bit: test_kernels_compact.py).
+def test_8bit_master_moves_small_updates_in_expectation():
+    # bf16 param at 1.0 (ulp 2^-7), lr 1e-5: every update is ~1e-5, a 1/780 of the ulp and below
+    # the correction's resolution (ulp/256 = 3.1e-5). Round-to-nearest would never move it.
+    n, steps, lr = 2048, 1000, 1e-5
+    p = torch.nn.Parameter(torch.ones(n, dtype=torch.bfloat16, device=DEVICE))
+    opt = FusedAdamWMP([p], lr=lr, weight_decay=0.0, master_weights="8bit", state_dtype=torch.bfloat16, seed=3)
+    g = torch.full((n,), 0.3, dtype=torch.bfloat16, device=DEVICE)
+    for _ in range(steps):
+        p.grad = g
+        opt.step()
+    moved = 1.0 - opt.master_params()[0].double().mean()
+    want = 1.0 - _adamw64_path(1.0, float(g[0]), lr, steps)
+    assert abs(float(moved) - want) <= 0.05 * want, (float(moved), want)
+
+
+def test_bf16_moments_decay_after_a_spike():
+    # one grad of 10, then N(0, 0.1^2) grads: fp32 v decays to ~0.0145; round-to-nearest bf16
+    # moments froze at ~0.100 (v * 0.999 rounds back). 400 elements x 3000 steps: the mean is the
+    # statistic (each element's own v is noisy); the float64 reference runs the same grads.
+    n, steps = 400, 3000
+    p = torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16, device=DEVICE))
+    opt = FusedAdamWMP([p], lr=0.0, weight_decay=0.0, master_weights=True, state_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    v64 = torch.zeros(n, dtype=torch.float64)
+    for t in range(steps):
+        g = torch.full((n,), 10.0) if t == 0 else torch.randn(n, generator=gen) * 0.1
+        g16 = g.to(torch.bfloat16)
+        v64 = B2 * v64 + (1 - B2) * g16.double() ** 2
+        p.grad = g16.to(DEVICE)
+        opt.step()
+    got = opt.state[p]["exp_avg_sq"].double().mean()
+    assert abs(float(got) / float(v64.mean()) - 1) < 0.10, (float(got), float(v64.mean()))
+
+
+def test_8bit_overflow_skip_is_bitwise(backend):
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(40, 24).to(DEVICE).to(torch.float16)
+    opt = FusedAdamWMP(lin.parameters(), lr=1e-3, master_weights="8bit")
+    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=2.0**8)
+    scaler.scale(torch.ones((), device=DEVICE))
+    for p in lin.parameters():
+        p.grad = torch.randn_like(p)
+    scaler.step(opt)
+    scaler.update()
+    snap = {id(p): (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in lin.parameters()}
+    for p in lin.parameters():
+        p.grad = torch.randn_like(p)
+    lin.bias.grad[3] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    for p in lin.parameters():
+        p0, st = snap[id(p)]
+        assert torch.equal(p, p0)
+        for k, v in st.items():
+            assert torch.equal(opt.state[p][k], v), k
+
+
+def _run(opt_kwargs, model_seed, steps, sd=None, model_sd=None):
+    torch.manual_seed(model_seed)
+    lin = torch.nn.Linear(33, 31).to(DEVICE).to(torch.bfloat16)
+    opt = FusedAdamWMP(lin.parameters(), lr=1e-3, **opt_kwargs)
+    if model_sd is not None:
+        lin.load_state_dict(model_sd)
+        opt.load_state_dict(sd)
+    gen = torch.Generator().manual_seed(100 + (0 if sd is None else 1))
+    for _ in range(steps):
+        for p in lin.parameters():
+            p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16).to(DEVICE)
+        opt.step()
+    return lin, opt
+
+
+def test_8bit_checkpoint_is_compact_and_resumes_bit_identically(backend):
+    kw = dict(master_weights="8bit", state_dtype=torch.bfloat16, seed=11)
+    lin, opt = _run(kw, 0, 2)
+    sd = copy.deepcopy(opt.state_dict())  # state_dict() shares the live tensors
+    st = sd["state"][0]
+    assert st["master_correction"].dtype == torch.int8 and "master_param" not in st
+    assert st["exp_avg"].dtype == torch.bfloat16
+    model_sd = {k: v.clone() for k, v in lin.state_dict().items()}
+    # continue the original, and a fresh optimizer resumed from the checkpoint, with the same grads
+    gen = torch.Generator().manual_seed(101)
+    for _ in range(2):
+        for p in lin.parameters():
+            p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16).to(DEVICE)
+        opt.step()
+    lin2, opt2 = _run(kw, 5, 2, sd=sd, model_sd=model_sd)
+    for a, b in zip(lin.parameters(), lin2.parameters()):
+        assert torch.equal(a, b)
+        for k in ("exp_avg", "exp_avg_sq", "master_correction", "step"):
+            assert torch.equal(opt.state[a][k], opt2.state[b][k]), k
+
+
+def test_fp32_master_checkpoint_into_8bit_and_back(backend):
+    lin, opt = _run({"master_weights": True}, 2, 3)
+    exact = [m.clone() for m in opt.master_params()]
+    sd, model_sd = opt.state_dict(), {k: v.clone() for k, v in lin.state_dict().items()}
+    torch.manual_seed(9)
+    lin8 = torch.nn.Linear(33, 31).to(DEVICE).to(torch.bfloat16)
+    opt8 = FusedAdamWMP(lin8.parameters(), lr=1e-3, master_weights="8bit")
+    lin8.load_state_dict(model_sd)
+    with pytest.warns(UserWarning, match="converted"):
+        opt8.load_state_dict(sd)
+    for m8, m, p in zip(opt8.master_params(), exact, lin8.parameters()):
+        # quantized to the nearest 1/256 of the param's ulp (at most one unit at the clamp)
+        unit = (m.to(torch.bfloat16).float().abs().clamp(min=2**-126) * 2.0**-15)
+        assert ((m8 - m).abs() <= unit * 1.01).all()
+        assert torch.equal(p, m.to(torch.bfloat16))
+    # and 8-bit -> fp32 master: the decoded value, exactly
+    decoded = [m.clone() for m in opt8.master_params()]
+    opt32 = FusedAdamWMP(lin8.parameters(), lr=1e-3, master_weights=True)
+    with pytest.warns(UserWarning, match="converted"):
+        opt32.load_state_dict(opt8.state_dict())
+    for a, b in zip(opt32.master_params(), decoded):
+        assert torch.equal(a, b)
+
+
+def test_streams_differ_between_params_of_different_groups(backend):
+    # the same values and grads in two groups: stochastic rounding must draw different bits
+    a = torch.nn.Parameter(torch.full((4096,), 1.0, dtype=torch.bfloat16, device=DEVICE))
+    b = torch.nn.Parameter(a.detach().clone())
+    opt = FusedAdamWMP([{"params": [a]}, {"params": [b]}], lr=1e-3, weight_decay=0.0, master_weights=False,
+                       stochastic_rounding=True)
+    g = torch.full((4096,), 0.5, dtype=torch.bfloat16, device=DEVICE)
+    a.grad, b.grad = g, g.clone()
+    opt.step()
+    assert not torch.equal(a, b)
+    # same seed, same step: reproducible
+    c = torch.nn.Parameter(torch.full((4096,), 1.0, dtype=torch.bfloat16, device=DEVICE))
+    d = torch.nn.Parameter(c.detach().clone())
+    opt2 = FusedAdamWMP([{"params": [c]}, {"params": [d]}], lr=1e-3, weight_decay=0.0, master_weights=False,
+                        stochastic_rounding=True)
+    c.grad, d.grad = g.clone(), g.clone()
+    opt2.step()
+    assert torch.equal(a, c) and torch.equal(b, d)
+
+
+def test_8bit_errors_name_the_argument():
+    p32 = torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(ValueError, match="not needed"):
+        FusedAdamWMP([p32], master_weights="8bit")
+    with pytest.raises(ValueError, match="master_weights"):
+        FusedAdamWMP([p32], master_weights="int8")
+    # a mixed group (bf16 weights, an fp32 norm kept in fp32) is fine: the fp32 param keeps no master
+    q = torch.nn.Parameter(torch.randn(4).to(torch.bfloat16))
+    opt = FusedAdamWMP([q, p32], master_weights="8bit")
+    q.grad, p32.grad = torch.randn_like(q), torch.randn_like(p32)
+    opt.step()
+    assert "master_correction" in opt.state[q] and "master_correction" not in opt.state[p32]
+
+
+def test_8bit_bytes_from_the_descriptions_match_the_state():
+    p = torch.nn.Parameter(torch.randn(1000).to(torch.bfloat16))
+    opt = FusedAdamWMP([p], master_weights="8bit", state_dtype=torch.bfloat16)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    got = sum(t.numel() * t.element_size() for k, t in opt.state[p].items() if k != "step") / p.numel()
+    assert got == storage.state_bytes_per_param("8bit", "bfloat16", torch.bfloat16) == 5.0
+
+
+def test_8bit_adamw_state_dict_and_masters(backend):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lin, opt = _run({"master_weights": "8bit"}, 4, 2)
+    masters = opt.master_params()
+    for m, p in zip(masters, lin.parameters()):
+        # the param is a nearest 16-bit value of its master (a correction of -128 is an exact tie)
+        ulp = (p.float().abs().clamp(min=2**-126) * 2.0**-7)
+        assert m.dtype == torch.float32 and ((m - p.float()).abs() <= ulp / 2).all()
+    sd = opt.adamw_state_dict()
+    ref = torch.optim.AdamW([torch.nn.Parameter(m.clone()) for m in masters], lr=1.0)
+    ref.load_state_dict(sd)
+    assert ref.param_groups[0]["lr"] == 1e-3
+    assert mpkern.FusedAdamWMP is FusedAdamWMP
