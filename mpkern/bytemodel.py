@@ -132,6 +132,8 @@ RECIPES = {
     "mpkern master_weights='remainder'": "bf16 params/grads, FusedAdamWMP: int16 remainder + fp32 moments",
     "mpkern bf16 moments": "bf16 params/grads, FusedAdamWMP: fp32 master, state_dtype=bfloat16",
     "mpkern remainder + bf16 moments": "bf16 params/grads, FusedAdamWMP: int16 remainder, bf16 moments",
+    "mpkern 8-bit master + bf16 moments": "bf16 params/grads, FusedAdamWMP: int8 master correction (stochastic), "
+                                          "bf16 moments (stochastic)",
 }
 
 
@@ -168,7 +170,7 @@ def build_recipe(name: str, seed: int = 0) -> tuple[list[Tensor], torch.optim.Op
             m.grad = p.grad.float()
         opt = torch.optim.AdamW(masters, lr=1e-3)
     else:
-        mw = "remainder" if "remainder" in name else True
+        mw = "remainder" if "remainder" in name else "8bit" if "8-bit master" in name else True
         sdt = torch.bfloat16 if "bf16 moments" in name else torch.float32
         opt = FusedAdamWMP(params, lr=1e-3, master_weights=mw, state_dtype=sdt)
     opt.step()

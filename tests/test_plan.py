@@ -64,6 +64,8 @@ def _build(name):
         kw = {}
         if "remainder" in name:
             kw["master_weights"] = "remainder"
+        if "8-bit master" in name:
+            kw["master_weights"] = "8bit"
         if "bf16 moments" in name:
             kw["state_dtype"] = torch.bfloat16
         opt = mpkern.FusedAdamWMP(ps, **kw)
@@ -96,6 +98,7 @@ def test_known_footprints(rows):
     assert by["mpkern master_weights=True"]["total_B"] == 16
     assert by["mpkern master_weights='remainder'"]["total_B"] == 14
     assert by["mpkern remainder + bf16 moments"]["total_B"] == 10
+    assert by["mpkern 8-bit master + bf16 moments"]["total_B"] == 9  # 2 + 2 + 1 + 4
 
 
 def test_sharding_divides_per_rank(rows):
@@ -186,7 +189,7 @@ def test_storage_descriptions_match_the_allocated_state():
     for name in bytemodel.RECIPES:
         if not name.startswith("mpkern"):
             continue
-        mw = "remainder" if "remainder" in name else True
+        mw = "remainder" if "remainder" in name else "8bit" if "8-bit master" in name else True
         sdt = "bfloat16" if "bf16 moments" in name else "float32"
         params, opt, masters = bytemodel.build_recipe(name)
         got = bytemodel.count_state(params, opt, masters=masters).per_param()
