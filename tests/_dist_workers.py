@@ -242,6 +242,62 @@ def single_save(ckpt: str, out: str) -> None:
                 "masters": [opt.state[p]["master_param"].clone() for p in m.parameters()]}, out)
 
 
+# ---- compact state (issue 15): 8-bit master correction + bf16 moments through DCP -----------------
+COMPACT = {"master_weights": "8bit", "state_dtype": torch.bfloat16, "seed": 5}
+
+
+def _compact_steps(m: torch.nn.Module, opt: mpkern.FusedAdamWMP, steps, dev: torch.device) -> None:
+    for step in steps:
+        loss_of(m, batch(step, dev, torch.bfloat16)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _compact_result(m: torch.nn.Module, opt: mpkern.FusedAdamWMP) -> dict:
+    return {"params": [full(p.detach()).cpu() for p in m.parameters()],
+            "masters": [full(x).cpu() for x in opt.master_params()]}
+
+
+def compact_save(rank: int, world: int, store: str, out: str, backend: str = "gloo") -> None:
+    """FSDP2 with master_weights='8bit' + bf16 moments: 3 steps, a DCP save, the 2-step continuation."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    dev = init(rank, world, store, backend)
+    fs = shard(model(torch.bfloat16, dev), dev)
+    opt = mpkern.FusedAdamWMP(fs.parameters(), lr=1e-2, max_grad_norm=0.5, **COMPACT)
+    _compact_steps(fs, opt, range(1, 4), dev)
+    for p in fs.parameters():  # the state is compact and sharded like the param
+        c = opt.state[p]["master_correction"]
+        assert type(c).__name__ == "DTensor" and c.dtype == torch.int8 and c.placements == p.placements
+    msd, osd = get_state_dict(fs, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, "ckpt"))
+    _compact_steps(fs, opt, (20, 21), dev)
+    res = _compact_result(fs, opt)
+    if rank == 0:
+        torch.save(res, os.path.join(out, "continuation.pt"))
+    finish()
+
+
+def compact_load(rank: int, world: int, store: str, ckpt: str, out: str, backend: str = "gloo") -> None:
+    """Load the compact checkpoint on another number of ranks (uneven shards) and continue."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    dev = init(rank, world, store, backend)
+    fs = shard(model(torch.bfloat16, dev), dev)
+    opt = mpkern.FusedAdamWMP(fs.parameters(), lr=1e-2, max_grad_norm=0.5, **COMPACT)
+    msd, osd = get_state_dict(fs, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=ckpt)
+    set_state_dict(fs, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    _compact_steps(fs, opt, (20, 21), dev)
+    res = _compact_result(fs, opt)
+    if rank == 0:
+        torch.save(res, out)
+    finish()
+
+
 # ---- DDP and hand sharding ------------------------------------------------------------------------
 def ddp(rank: int, world: int, store: str, out: str, backend: str = "gloo") -> None:
     """DDP with gradient_as_bucket_view and no_sync accumulation == one process on the full batch."""
