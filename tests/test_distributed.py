@@ -80,8 +80,9 @@ def test_dcp_compact_state_reshards_2_to_1_and_3(tmp_path, world):
     # master_weights="8bit" + bf16 moments: the int8 corrections and moments are DTensors laid out
     # like the params, so DCP reshards them (3 ranks: uneven shards); each shard draws the random
     # bits of its elements in the whole tensor, so the continuation matches the uninterrupted run
-    # up to the rounding of the grad reduction order -- a rounding it flips can move a param by
-    # one bf16 ulp per continuation step (2 steps here)
+    # up to the rounding of the grad reduction order: a rounding it flips can move a param by one
+    # bf16 ulp per continuation step (2 here), and a flipped bf16 moment rounding changes that
+    # step's update (|update| <= ~3 lr early on) by one part in 2^8
     _spawn(W.compact_save, 2, tmp_path, str(tmp_path))
     store = str(tmp_path / f"store-compact-load{world}")
     out = tmp_path / f"compact{world}.pt"
@@ -90,11 +91,11 @@ def test_dcp_compact_state_reshards_2_to_1_and_3(tmp_path, world):
     assert len(got["params"]) == len(want["params"]) > 0
     for a, b in zip(got["params"], want["params"]):
         ulp = b.float().abs().clamp(min=2**-126) * 2.0**-7  # >= the bf16 spacing at b
-        assert ((a.float() - b.float()).abs() <= 2 * ulp).all()
+        assert ((a.float() - b.float()).abs() <= 2 * ulp + 2 * 3e-2 * 2.0**-8).all()
         assert (a == b).float().mean() > 0.9  # the same streams: most stay bitwise equal
     for a, b in zip(got["masters"], want["masters"]):
         ulp = b.abs().clamp(min=2**-126) * 2.0**-7
-        assert ((a - b).abs() <= 2 * ulp).all()
+        assert ((a - b).abs() <= 2 * ulp + 2 * 3e-2 * 2.0**-8).all()
 
 
 def test_ddp_bucket_views_and_no_sync_equal_full_batch(tmp_path):
