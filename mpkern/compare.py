@@ -1020,12 +1020,13 @@ def lessons(results: dict[str, Any]) -> list[str]:
     if dev["type"] == "cpu":
         if bf.get("native"):
             out.append(f"Speed: this CPU computes bf16 natively ({bf['why']}): its bf16 GEMMs are faster than fp32 "
-                       "ones, and a bf16 run gains from that as far as GEMMs make up its step.{speeds}"
+                       f"ones, and a bf16 run gains from that as far as GEMMs make up its step.{speeds}"
                        + (" fp16 is not native on this CPU (" + fh.get("why", "?") + "): the fp16 runs show "
                           "the GradScaler recipe, not fp16 speed." if has_fp16 and not fh.get("native") else ""))
         else:
             out.append(f"Speed: this CPU does not compute bf16 natively ({bf.get('why', 'not measured')}). The bf16 "
-                       f"runs pay for that emulation and are not faster than fp32 here.{speeds} What mixed precision "
+                       "runs pay for that emulation in every bf16 op (in the GEMMs too, except where the GEMM column "
+                       f"says mpkern: its fp32 GEMM of the upcast operands).{speeds} What mixed precision "
                        "buys on this machine is memory (peak mem, act. saved, state bytes/param); speed needs native "
                        "16-bit compute: a CPU with AVX512-BF16 or AMX, or a GPU (bf16 from compute capability 8.0).")
     else:

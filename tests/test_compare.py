@@ -364,6 +364,9 @@ def test_lessons_are_worded_for_the_device():
     assert "does not compute bf16 natively" in text[1] and "memory" in text[1] and "0.30x" in text[1]
     text = compare.lessons(_report(True, 0.06))
     assert "computes bf16 natively" in text[1] and "fp16" not in text[1]  # no fp16 run: no fp16 sentence
+    assert "mpkern-bf16 0.40x" in text[1]
+    for native in (True, False):
+        assert not any("{" in t for t in compare.lessons(_report(native, 0.06)))  # every f-string formatted
     text = compare.lessons(_report(True, 0.98))
     assert "close to the runs with masters" in text[0]
     low = _report(True, 0.03)
