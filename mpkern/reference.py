@@ -99,11 +99,9 @@ def bf16_sr(x: Tensor, r16: Tensor) -> Tensor:
     return torch.where(torch.isfinite(x), bits.view(torch.bfloat16), x.to(torch.bfloat16))
 
 
-def _pow2(k: Tensor) -> Tensor:
-    """pow2i of math.h: 2^k (int32 k in [-149, 127]) as float32, subnormal below -126."""
-    normal = (k + 127) << 23
-    sub = torch.ones_like(k) << (k + 149).clamp(0, 22)
-    return torch.where(k >= -126, normal, sub).view(torch.float32)
+def _pow2n(k: Tensor) -> Tensor:
+    """pow2n of math.h: 2^k (int32 k in [-126, 127]) as float32."""
+    return ((k + 127) << 23).view(torch.float32)
 
 
 def _binade(bits: Tensor, dtype: torch.dtype) -> Tensor:
@@ -116,8 +114,9 @@ def master8_decode(p: Tensor, c: Tensor) -> Tensor:
     """The fp32 master of a bf16/fp16 param and its int8 correction: p + c * ulp(p) / 256."""
     bits = p.view(torch.int16).to(torch.int32) & 0xFFFF
     b = _binade(bits, p.dtype)
-    k = b - 142 if p.dtype == torch.bfloat16 else b - 33
-    return p.float() + c.float() * _pow2(k)
+    if p.dtype == torch.bfloat16:  # c * 2^(b - 142) as two exact multiplies (see math.h)
+        return p.float() + (c.float() * (1.0 / 32768.0)) * _pow2n(b.clamp(max=254) - 127)
+    return p.float() + c.float() * _pow2n(b - 33)
 
 
 def master8_encode(w: Tensor, dtype: torch.dtype, r16: Tensor) -> tuple[Tensor, Tensor]:
@@ -128,7 +127,7 @@ def master8_encode(w: Tensor, dtype: torch.dtype, r16: Tensor) -> tuple[Tensor, 
     pf = p.float()
     b = _binade(p.view(torch.int16).to(torch.int32) & 0xFFFF, dtype)
     d = w - pf
-    x = (d * _pow2(127 - b)) * 32768.0 if dtype == torch.bfloat16 else d * _pow2(33 - b)
+    x = (d * _pow2n(128 - b)) * 16384.0 if dtype == torch.bfloat16 else d * _pow2n(33 - b)
     y = torch.floor(x + r16.to(torch.float32) * (1.0 / 65536.0)).clamp(-128.0, 127.0)
     y = torch.where(torch.isfinite(pf), y, torch.zeros_like(y))
     return p, y.to(torch.int8)

@@ -71,12 +71,9 @@ def _bf16_sr(x, r16):
 
 
 @triton.jit
-def _pow2(k):
-    """pow2i of math.h: 2^k (int32 k in [-149, 127]) as float32."""
-    normal = ((k + 127) << 23).to(tl.uint32)
-    shift = tl.minimum(tl.maximum(k + 149, 0), 31).to(tl.uint32)
-    sub = tl.full(k.shape, 1, tl.uint32) << shift
-    return tl.where(k >= -126, normal, sub).to(tl.float32, bitcast=True)
+def _pow2n(k):
+    """pow2n of math.h: 2^k (int32 k in [-126, 127]) as float32."""
+    return ((k + 127) << 23).to(tl.uint32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -96,10 +93,9 @@ def _param_f32(h, PDT: tl.constexpr):
 def _master8_decode(h, c, PDT: tl.constexpr):
     p, b = _param_f32(h, PDT)
     if PDT == 2:
-        k = b - 142
+        return p + (c.to(tl.float32) * (1.0 / 32768.0)) * _pow2n(tl.minimum(b, 254) - 127)
     else:
-        k = b - 33
-    return p + c.to(tl.float32) * _pow2(k)
+        return p + c.to(tl.float32) * _pow2n(b - 33)
 
 
 @triton.jit
@@ -112,9 +108,9 @@ def _master8_encode(w, r16, PDT: tl.constexpr):
     p, b = _param_f32(h, PDT)
     d = w - p
     if PDT == 2:
-        x = (d * _pow2(127 - b)) * 32768.0
+        x = (d * _pow2n(128 - b)) * 16384.0
     else:
-        x = d * _pow2(33 - b)
+        x = d * _pow2n(33 - b)
     nonfinite = (p.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000
     y = tl.floor(x + r16.to(tl.float32) * (1.0 / 65536.0))
     y = tl.minimum(tl.maximum(y, -128.0), 127.0)

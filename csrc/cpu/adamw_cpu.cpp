@@ -106,28 +106,29 @@ void adamw_scalar(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& 
 // The random words are computed 8 lanes at a time (one key per call: the caller splits ranges at
 // multiples of 2^32 of the global element index, so the high index half is the same in a call).
 template <int PDT>
-MPK_AVX2 inline void decode8(const TensorPtrs& t, int64_t i, __m256& p) {
-  // master = p + c * 2^(max(e,1) - 142 | - 33)   (master8_decode)
+MPK_AVX2 __attribute__((always_inline)) inline void decode8(const TensorPtrs& t, int64_t i, __m256& p) {
+  // master = p + c * 2^(b - 142) (bf16: (c * 2^-15) * 2^(min(b, 254) - 127)) or c * 2^(b - 33)  (master8_decode)
   const __m128i h16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(t.p) + i));
   const __m256i h = _mm256_cvtepu16_epi32(h16);
-  __m256i b;
-  __m256 pv;
-  if constexpr (PDT == kBF16) {
-    pv = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-    b = _mm256_and_si256(_mm256_srli_epi32(h, 7), _mm256_set1_epi32(0xff));
-    b = _mm256_sub_epi32(_mm256_max_epi32(b, _mm256_set1_epi32(1)), _mm256_set1_epi32(142));
-  } else {
-    pv = _mm256_cvtph_ps(h16);
-    b = _mm256_and_si256(_mm256_srli_epi32(h, 10), _mm256_set1_epi32(0x1f));
-    b = _mm256_sub_epi32(_mm256_max_epi32(b, _mm256_set1_epi32(1)), _mm256_set1_epi32(33));
-  }
   const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(t.master) + i));
   const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c8));
-  p = _mm256_add_ps(pv, _mm256_mul_ps(c, pow2x8(b)));
+  if constexpr (PDT == kBF16) {
+    const __m256 pv = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+    __m256i b = _mm256_and_si256(_mm256_srli_epi32(h, 7), _mm256_set1_epi32(0xff));
+    b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_set1_epi32(1)), _mm256_set1_epi32(254));
+    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(b, 23));  // 2^(b - 127)
+    p = _mm256_add_ps(pv, _mm256_mul_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.0f / 32768.0f)), scale));
+  } else {
+    const __m256 pv = _mm256_cvtph_ps(h16);
+    __m256i b = _mm256_max_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 10), _mm256_set1_epi32(0x1f)),
+                                 _mm256_set1_epi32(1));
+    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(94)), 23));
+    p = _mm256_add_ps(pv, _mm256_mul_ps(c, scale));  // 2^(b - 33)
+  }
 }
 
 template <int PDT>
-MPK_AVX2 inline void encode8(const TensorPtrs& t, int64_t i, __m256 w, __m256i r16) {
+MPK_AVX2 __attribute__((always_inline)) inline void encode8(const TensorPtrs& t, int64_t i, __m256 w, __m256i r16) {
   // master8_encode: param = RNE(w); c = clamp(floor(x + r / 2^16)), x = (w - param) * 256 / ulp
   __m256i h;
   __m128i h16;
@@ -146,10 +147,11 @@ MPK_AVX2 inline void encode8(const TensorPtrs& t, int64_t i, __m256 w, __m256i r
   }
   const __m256 d = _mm256_sub_ps(w, p);
   __m256 x;
-  if constexpr (PDT == kBF16) {
-    x = _mm256_mul_ps(_mm256_mul_ps(d, pow2x8(_mm256_sub_epi32(_mm256_set1_epi32(127), b))), _mm256_set1_ps(32768.0f));
-  } else {
-    x = _mm256_mul_ps(d, pow2x8(_mm256_sub_epi32(_mm256_set1_epi32(33), b)));
+  if constexpr (PDT == kBF16) {  // (d * 2^(128 - b)) * 2^14
+    const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(255), b), 23));
+    x = _mm256_mul_ps(_mm256_mul_ps(d, f), _mm256_set1_ps(16384.0f));
+  } else {  // d * 2^(33 - b)
+    x = _mm256_mul_ps(d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(160), b), 23)));
   }
   const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(r16), _mm256_set1_ps(1.0f / 65536.0f));
   __m256 y = _mm256_floor_ps(_mm256_add_ps(x, u));

@@ -115,13 +115,13 @@ MPK_AVX2 inline __m128i pack_u16x8(__m256i r) {
 }
 
 // Stochastic rounding to bf16 (f32_to_bf16_sr of math.h): 16 random bits r (low halves of the
-// lanes) added below the kept part, then truncation; inf/NaN as round-to-nearest does them.
+// lanes) added below the kept part, then truncation. An inf has zero low bits, so the sum keeps
+// it; only NaN needs its own result (quiet, same sign).
 MPK_AVX2 inline __m256i bf16_sr_bits32(__m256 x, __m256i r) {
   const __m256i u = _mm256_castps_si256(x);
-  const __m256i expo = _mm256_set1_epi32(0x7f800000);
-  const __m256i nonfinite = _mm256_cmpeq_epi32(_mm256_and_si256(u, expo), expo);
   const __m256i sr = _mm256_srli_epi32(_mm256_add_epi32(u, r), 16);
-  return _mm256_blendv_epi8(sr, bf16_rne_bits32(x), nonfinite);
+  const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
+  return _mm256_blendv_epi8(sr, qnan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
 }
 
 // mix32 of math.h on 8 lanes.
@@ -132,13 +132,6 @@ MPK_AVX2 inline __m256i mix32x8(__m256i x) {
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bu)));
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
   return x;
-}
-
-// pow2i of math.h on 8 lanes: 2^k for k in [-149, 127].
-MPK_AVX2 inline __m256 pow2x8(__m256i k) {
-  const __m256i normal = _mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23);
-  const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(1), _mm256_add_epi32(k, _mm256_set1_epi32(149)));
-  return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(-126), k)));
 }
 
 MPK_AVX2 inline double hsum_f64(__m256 v) {

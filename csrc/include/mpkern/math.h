@@ -324,10 +324,8 @@ MPK_HD uint32_t rand16(uint32_t seed, uint32_t stream, uint64_t elem, uint32_t s
 // normal param; below a fp16's smallest normal the sum x + u may round, a < 2^-16 effect).
 // A non-finite param (non-finite or overflowing master) gets c = 0.
 // ----------------------------------------------------------------------------------------------
-// 2^k as a float for k in [-149, 127] (subnormal below -126).
-MPK_HD float pow2i(int k) {
-  return f32_from_bits(k >= -126 ? static_cast<uint32_t>(k + 127) << 23 : 1u << (k + 149));
-}
+// 2^k as a float for k in [-126, 127] (a normal float: one shift of the exponent field).
+MPK_HD float pow2n(int k) { return f32_from_bits(static_cast<uint32_t>(k + 127) << 23); }
 
 // max(e, 1) of a 16-bit param bit pattern: the binade of its ulp.
 MPK_HD int param_binade(uint16_t h, int32_t pdt) {
@@ -335,16 +333,21 @@ MPK_HD int param_binade(uint16_t h, int32_t pdt) {
   return e > 1 ? e : 1;
 }
 
+// c * ulp / 256 = c * 2^(b - 142) (bf16) or c * 2^(b - 33) (fp16), exact. bf16's exponent spans
+// more than a normal float's, so it is two exact multiplies, (c * 2^-15) * 2^(b - 127) (a
+// subnormal result is exact too: c has 8 bits); b is capped at 254 (an inf/NaN param, which
+// stays inf/NaN).
 MPK_HD float master8_decode(uint16_t h, int8_t c, int32_t pdt) {
   const float p = pdt == kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
   const int b = param_binade(h, pdt);
-  return p + static_cast<float>(c) * pow2i(pdt == kBF16 ? b - 142 : b - 33);
+  if (pdt == kBF16) return p + (static_cast<float>(c) * (1.0f / 32768.0f)) * pow2n((b < 254 ? b : 254) - 127);
+  return p + static_cast<float>(c) * pow2n(b - 33);
 }
 
-// d * 256 / ulp: for bf16 two exact power-of-two multiplies (2^(142-b) spans more than the float
-// exponent range), for fp16 one.
+// d * 256 / ulp: bf16 (d * 2^(128 - b)) * 2^14 (both factors normal for b in [1, 254]), fp16
+// d * 2^(33 - b); exact (|d| <= ulp / 2, and d is a multiple of the fp32 spacing).
 MPK_HD float master8_scale_up(float d, int b, int32_t pdt) {
-  return pdt == kBF16 ? (d * pow2i(127 - b)) * 32768.0f : d * pow2i(33 - b);
+  return pdt == kBF16 ? (d * pow2n(128 - b)) * 16384.0f : d * pow2n(33 - b);
 }
 
 MPK_HD void master8_encode(float w, int32_t pdt, uint32_t rand16_bits, uint16_t& h, int8_t& c) {

@@ -1,0 +1,86 @@
+"""Quick CPU timing of the compact AdamW kernel variants (issue 15), not a test.
+
+32M bf16 params in 200 tensors, bf16 grads, one fused ``mpkern::adamw_step_`` per step; prints the
+fastest and the median step time, the bytes the step moves per param (read + write) and the GB/s
+of the fastest, for the AVX2 path and (``--scalar``) the scalar path. The fastest of several runs
+is the figure to read on a shared machine (other work only ever slows a run down).
+
+    python benchmarks/adamw_compact_cpu.py [--numel 33554432] [--tensors 200] [--reps 7] [--scalar] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import mpkern  # noqa: F401  (registers the ops)
+from mpkern import _backend
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+# (name, master_mode, moment dtype, param stochastic rounding, bytes/param moved)
+# bytes: grad 2 + param r/w 2+2 + master r/w + moments r/w
+CASES = [
+    ("fp32 master + fp32 moments (mode 1)", 1, F32, False, 2 + 4 + 8 + 16),
+    ("fp32 master + bf16 moments SR (mode 1)", 1, BF16, False, 2 + 4 + 8 + 8),
+    ("no master, param SR + bf16 moments SR (mode 0)", 0, BF16, True, 2 + 4 + 8),
+    ("remainder + bf16 moments SR (mode 2)", 2, BF16, False, 2 + 4 + 4 + 8),
+    ("8-bit master + fp32 moments (mode 3)", 3, F32, False, 2 + 4 + 2 + 16),
+    ("8-bit master + bf16 moments SR (mode 3)", 3, BF16, False, 2 + 4 + 2 + 8),
+]
+
+
+def run(numel: int, tensors: int, reps: int) -> None:
+    sizes = [numel // tensors] * tensors
+    sizes[-1] += numel - sum(sizes)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(n, generator=gen).to(BF16) for n in sizes]
+    grads = [(torch.randn(n, generator=gen) * 1e-2).to(BF16) for n in sizes]
+    one, zero = torch.tensor(1.0), torch.tensor(0.0)
+    for name, mode, sdt, sr, nbytes in CASES:
+        ms = [torch.zeros(n, dtype=sdt) for n in sizes]
+        vs = [torch.zeros(n, dtype=sdt) for n in sizes]
+        masters = {0: [], 1: [p.float() for p in params], 2: [torch.zeros(n, dtype=torch.int16) for n in sizes],
+                   3: [torch.zeros(n, dtype=torch.int8) for n in sizes]}[mode]
+        steps = [torch.zeros(()) for _ in sizes]
+        ps = [p.clone() for p in params]
+        times = []
+        for r in range(reps + 1):
+            t0 = time.perf_counter()
+            torch.ops.mpkern.adamw_step_(ps, grads, ms, vs, [], masters, steps, one, zero, None, 1e-3, 0.9, 0.999,
+                                         1e-8, 0.01, False, mode, sr, 1)
+            if r:  # the first call warms up (page faults of fresh buffers)
+                times.append(time.perf_counter() - t0)
+        t, med = min(times), statistics.median(times)
+        print(f"{name:50s} {t * 1e3:8.2f} ms (median {med * 1e3:7.2f})  {nbytes:3d} B/param  "
+              f"{numel * nbytes / t / 1e9:6.1f} GB/s")
+        del ms, vs, masters, ps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--numel", type=int, default=32 * 2**20)
+    ap.add_argument("--tensors", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--scalar", action="store_true", help="also time the scalar (non-SIMD) path")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    ext = _backend.native()
+    print(f"threads {torch.get_num_threads()}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"mpkern simd level {ext.cpu_simd_level()}")
+    print("AVX2 path:")
+    run(a.numel, a.tensors, a.reps)
+    if a.scalar:
+        ext.set_cpu_simd(False)
+        print("scalar path:")
+        run(a.numel, a.tensors, a.reps)
+        ext.set_cpu_simd(True)
+
+
+if __name__ == "__main__":
+    main()
