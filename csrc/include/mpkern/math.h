@@ -317,11 +317,12 @@ MPK_HD uint32_t rand16(uint32_t seed, uint32_t stream, uint64_t elem, uint32_t s
 //   master = p + c * ulp(p) / 256,   c in [-128, 127] (int8),
 // where ulp(p) is the spacing of the param's format in p's binade: bf16 2^(max(e,1)-127-7),
 // fp16 2^(max(e,1)-15-10), e = the biased exponent field. Decoding is exact in fp32 (at most
-// 8 + 11 significant bits). Encoding rounds the master to nearest even into the param dtype,
+// 11 + 8 significant bits). Encoding rounds the master to nearest even into the param dtype,
 // then the remaining error x = (master - p) / ulp(p) * 256 (exact: a difference of neighbours,
 // power-of-two scalings; |x| <= 128) is rounded stochastically: c = floor(x + u), u = r / 2^16
 // uniform from 16 random bits -- exact and unbiased because x has at most 9 bits below 1 (for a
 // normal param; below a fp16's smallest normal the sum x + u may round, a < 2^-16 effect).
+// x = +128 (an exact tie that nearest-even rounded down) is clamped to 127, 1/256 ulp off.
 // A non-finite param (non-finite or overflowing master) gets c = 0.
 // ----------------------------------------------------------------------------------------------
 // 2^k as a float for k in [-126, 127] (a normal float: one shift of the exponent field).
