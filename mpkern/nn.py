@@ -154,7 +154,7 @@ def _refuse_fsdp(module: nn.Module) -> None:
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch without FSDP2
-        FSDPModule = ()  # noqa: N806
+        FSDPModule = ()
     from .distributed import is_dtensor
 
     for name, m in module.named_modules():

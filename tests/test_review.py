@@ -443,9 +443,8 @@ def test_autocast_over_bf16_weights_keeps_main_grad():
 def test_main_grad_layer_over_fp32_weights_warns_once():
     lin = mpkern.nn.convert(torch.nn.Linear(8, 4).to(DEVICE), fp32_main_grad=True)
     x = torch.randn(3, 8, device=DEVICE)
-    with pytest.warns(UserWarning, match="not main_grad"):
-        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-            lin(x).float().sum().backward()
+    with pytest.warns(UserWarning, match="not main_grad"), torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        lin(x).float().sum().backward()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with torch.autocast(DEVICE.type, dtype=torch.bfloat16):

@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 
-from .. import distributed
+from .. import distributed, reference
 from ..distributed import local as _local
-from .. import reference
 from ..reference import MASTER_8BIT, MASTER_F32, MASTER_NONE, MASTER_REMAINDER
 
 Tensor = torch.Tensor
