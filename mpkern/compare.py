@@ -346,8 +346,37 @@ ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 #: Measured: native bf16 (AVX512-BF16) runs at 2-3x fp32, emulated bf16 at 0.3-0.5x, fp16 without
 #: AVX512-FP16 at ~0.02x -- the threshold sits far from both.
 NATIVE_MIN_SPEED = 0.7
-#: A 1-minute load average at least this high before the runs means other processes compete for the CPU.
-LOAD_WARN = 0.5
+#: Other processes using at least this many cores on average while the runs trained make the timings
+#: unreliable on CPU (torch's worker threads wait for each other when one of them is descheduled).
+OTHERS_WARN = 0.25
+
+
+class _OthersCpu:
+    """CPU time other processes used over a region: all busy time in ``/proc/stat`` minus this
+    process's own (``/proc/self/stat``), in cores on average. None where /proc is not there."""
+
+    def __init__(self) -> None:
+        self.start = self._now()
+
+    @staticmethod
+    def _now() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                cpu = [int(v) for v in f.readline().split()[1:]]
+            with open("/proc/self/stat") as f:
+                mine = f.read().rsplit(")", 1)[1].split()
+            tick = os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
+        busy = sum(cpu) - cpu[3] - (cpu[4] if len(cpu) > 4 else 0)  # all but idle and iowait
+        return time.perf_counter(), busy / tick, (int(mine[11]) + int(mine[12])) / tick  # utime + stime
+
+    def cores(self) -> float | None:
+        end = self._now()
+        if self.start is None or end is None or end[0] <= self.start[0]:
+            return None
+        others = (end[1] - self.start[1]) - (end[2] - self.start[2])
+        return max(0.0, others / (end[0] - self.start[0]))
 #: Compute capability from which a CUDA GPU has tensor cores for the dtype.
 GPU_MIN_CAPABILITY = {"bfloat16": (8, 0), "float16": (7, 0)}
 
@@ -910,7 +939,7 @@ def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.de
                   threads=torch.get_num_threads())
     _check(cfg)
     t_all = time.perf_counter()
-    device_info = _device_info(dev)  # before any work of ours: the load average says who else runs
+    device_info = _device_info(dev)
     vocab = 2 * cfg.classes + 2 + cfg.noise_vocab  # as make_task builds it
     torch.manual_seed(cfg.seed)
     if cfg.hf_model:
@@ -926,8 +955,11 @@ def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.de
     if cfg.time_budget is not None:
         print(f"[compare] time budget: {budget['why']}", flush=True)
     task = make_task(cfg)
+    others = _OthersCpu()
     runs = [train_one(name, cfg, task, base, progress=progress, linear_choice=linear_choice)
             for name in cfg.precisions]
+    if dev.type == "cpu":
+        device_info["other_processes_cores"] = others.cores()
     ref = next((r for r in runs if r["name"] == "fp32" and r["tokens_per_s"]), None)
     for r in runs:
         if ref and r["tokens_per_s"]:
@@ -999,9 +1031,9 @@ def lessons(results: dict[str, Any]) -> list[str]:
                        f"{100 * best:.1f} %, chance {100 * chance:.1f} %); at lr {lr:g} the default model needs "
                        "~800 steps (the default takes up to 1000).")
         elif naive["val_acc"] < 0.5 * best:
-            out.append(f"Master weights: bf16-naive (bf16 params, no fp32 master) reached {100 * naive['val_acc']:.1f} % "
-                       f"(chance {100 * chance:.1f} %): at lr {lr:g} Adam's ~lr-sized updates are below half a bf16 "
-                       f"ulp of most weights and round away; with fp32 masters: {acc}.")
+            out.append(f"Master weights: bf16-naive (bf16 params, no fp32 master) reached "
+                       f"{100 * naive['val_acc']:.1f} % (chance {100 * chance:.1f} %): at lr {lr:g} Adam's ~lr-sized "
+                       f"updates are below half a bf16 ulp of most weights and round away; with fp32 masters: {acc}.")
         else:
             out.append(f"Master weights: at lr {lr:g} bf16-naive reached {100 * naive['val_acc']:.1f} %, close to the "
                        f"runs with masters ({acc}): its updates are large enough not to round away at this lr "
@@ -1020,23 +1052,24 @@ def lessons(results: dict[str, Any]) -> list[str]:
     if dev["type"] == "cpu":
         if bf.get("native"):
             out.append(f"Speed: this CPU computes bf16 natively ({bf['why']}): its bf16 GEMMs are faster than fp32 "
-                       f"ones, and a bf16 run gains from that as far as GEMMs make up its step.{speeds}"
+                       "ones, so a bf16 run gains where GEMMs dominate its step and can lose where casts and "
+                       f"elementwise ops weigh as much.{speeds}"
                        + (" fp16 is not native on this CPU (" + fh.get("why", "?") + "): the fp16 runs show "
                           "the GradScaler recipe, not fp16 speed." if has_fp16 and not fh.get("native") else ""))
         else:
             out.append(f"Speed: this CPU does not compute bf16 natively ({bf.get('why', 'not measured')}). The bf16 "
                        "runs pay for that emulation in every bf16 op (in the GEMMs too, except where the GEMM column "
-                       f"says mpkern: its fp32 GEMM of the upcast operands).{speeds} What mixed precision "
-                       "buys on this machine is memory (peak mem, act. saved, state bytes/param); speed needs native "
-                       "16-bit compute: a CPU with AVX512-BF16 or AMX, or a GPU (bf16 from compute capability 8.0).")
+                       f"says mpkern: its fp32 GEMM of the upcast operands).{speeds} What mixed precision buys on "
+                       "this machine is memory -- state bytes/param and the activations saved for backward (peak mem "
+                       "also counts the temporaries of the GEMM path); speed needs native 16-bit compute: a CPU with "
+                       "AVX512-BF16 or AMX, or a GPU (bf16 from compute capability 8.0).")
     else:
         out.append(f"Speed: {dev.get('name', 'this GPU')}: bf16 {'native' if bf.get('native') else 'not native'} "
                    f"({bf.get('why', '?')}); fp16 {'native' if fh.get('native') else 'not native'}.{speeds}")
-    load = dev.get("load_avg_1min_at_start")
-    if load is not None and load >= LOAD_WARN:
-        out.append(f"Timing caveat: the CPU's 1-minute load average was {load:.1f} ({dev.get('cores')} cores) when this "
-                   "started: other processes (or a run that just ended: the average trails by a minute) compete for the cores, "
-                   "and torch's worker threads wait for each other "
+    others = dev.get("other_processes_cores")
+    if others is not None and others >= OTHERS_WARN:
+        out.append(f"Timing caveat: other processes used {others:.2f} of the {dev.get('cores')} cores on average while "
+                   "the runs trained: they compete for the cores, and torch's worker threads wait for each other "
                    f"when one is descheduled ({dev.get('threads')} threads here) -- tokens/s can drop several-fold "
                    "(measured on a 2-core VM with one other busy process: 10x). Re-run on a quiet machine, or compare "
                    "with --threads 1.")
@@ -1058,13 +1091,9 @@ def _device_info(dev: torch.device) -> dict[str, Any]:
                 "capability": list(torch.cuda.get_device_capability(dev))}
     from .bench import cpu_name
 
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = None
     return {"type": "cpu", "name": cpu_name(),
             "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "aten_capability": torch.backends.cpu.get_cpu_capability(), "load_avg_1min_at_start": load}
+            "aten_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def _jsonable(v: Any) -> Any:
