@@ -23,6 +23,17 @@ import mpkern
 D_IN, CLASSES = 12, 3
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerator_state():
+    """accelerate keeps one process-wide state: an Accelerator (or a Trainer) made earlier in this
+    process fixes mixed_precision for every later one. Start and leave each test with none."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def _net(dtype: torch.dtype = torch.float32, convert: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(D_IN, 32), torch.nn.GELU(), torch.nn.Linear(32, CLASSES)).to(dtype)
@@ -58,7 +69,7 @@ def test_bf16_autocast_clip_grad_norm_and_step():
         assert _norm64(net.parameters()) == pytest.approx(min(want, 0.5), rel=1e-4)  # torch clipped .grad
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert losses[-1] < losses[0]
 
 
