@@ -205,6 +205,8 @@ def convert(module: nn.Module, *, fp32_main_grad: bool = False, report: bool = F
             rep.converted.append(name)
         elif isinstance(m, nn.Linear):
             rep.skipped[name] = f"{type(m).__qualname__} (a subclass of nn.Linear with its own forward)"
+        elif type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers"):
+            rep.skipped[name] = "transformers Conv1D (GPT-2's linear with a transposed weight; not an nn.Linear)"
     if fp32_main_grad:
         _install_main_grad_guard()
         if rep.skipped:

@@ -482,3 +482,12 @@ def test_adamw_state_dict_continues_in_torch_adamw(master, state_dtype):
     ref.step()
     for a, b in zip(opt.master_params(), masters):
         torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_convert_reports_transformers_conv1d():
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Conv1D(8, 4))
+    _, rep = mpkern.nn.convert(model, report=True)
+    assert rep.converted == ["0"] and "Conv1D" in rep.skipped["1"]
