@@ -181,6 +181,8 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``mpkern`` command (exposed for tests and docs)."""
+    from .compare import OPTIMIZER_STATES
+
     p = argparse.ArgumentParser(prog="mpkern", description="mpkern: fused mixed-precision training kernels")
     p.add_argument("--version", action="version", version=f"mpkern {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -223,10 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--warmup", type=_nonneg_int, help="untimed first steps (default 20)")
     pc.add_argument("--log-every", type=_positive_int, help="steps between progress updates / divergence checks")
     pc.add_argument("--max-grad-norm", type=_positive_float, help="gradient clipping norm (default 1.0)")
-    pc.add_argument("--optimizer-state", choices=("fp32", "remainder", "bf16-moments"), default=None,
-                    help="FusedAdamWMP state of the mpkern runs: fp32 masters+moments (default), int16 remainder "
-                         "masters (mpkern-bf16; mpkern-fp16 keeps fp32 masters), or bf16 moments -- changes "
-                         "the bytes per parameter")
+    pc.add_argument("--optimizer-state", choices=OPTIMIZER_STATES, default=None,
+                    help="FusedAdamWMP state of the mpkern runs: fp32 masters+moments (default, 16 B/param with "
+                         "param and grad), int16 remainder masters (14; mpkern-bf16 only, mpkern-fp16 keeps fp32 "
+                         "masters), bf16 moments (12), remainder + bf16 moments (10), or 8-bit master "
+                         "corrections + bf16 moments (9) -- bf16 moments and 8-bit masters are rounded "
+                         "stochastically (docs/storage.md)"),
     pc.add_argument("--linear", choices=("auto", "mpkern", "torch"), default=None,
                     help="Linear layers of the 16-bit-param runs: mpkern.nn.Linear or torch.nn.Linear "
                          "(auto: whichever is faster on this device, measured before the runs -- both accumulate "

@@ -58,7 +58,7 @@ from . import _progress, bytemodel
 Tensor = torch.Tensor
 
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-naive", "mpkern-bf16", "mpkern-fp16")
-OPTIMIZER_STATES = ("fp32", "remainder", "bf16-moments")
+OPTIMIZER_STATES = ("fp32", "remainder", "bf16-moments", "remainder-bf16", "8bit")
 LINEARS = ("auto", "mpkern", "torch")
 SCHEMA = "mpkern.compare/1"
 
@@ -574,7 +574,9 @@ def _build(name: str, cfg: Config, base: nn.Module, device: torch.device,
     lr, wd, clip = cfg.lr, cfg.weight_decay, cfg.max_grad_norm
     dt = device.type
     mp_state = {"fp32": {}, "remainder": {"master_weights": "remainder"},
-                "bf16-moments": {"state_dtype": torch.bfloat16}}[cfg.optimizer_state]
+                "bf16-moments": {"state_dtype": torch.bfloat16},
+                "remainder-bf16": {"master_weights": "remainder", "state_dtype": torch.bfloat16},
+                "8bit": {"master_weights": "8bit", "state_dtype": torch.bfloat16}}[cfg.optimizer_state]
     scaler = None
     autocast: Any = nullcontext
     layers = "the model's own layers" if cfg.hf_model else "torch.nn.Linear"
@@ -628,8 +630,9 @@ def _build(name: str, cfg: Config, base: nn.Module, device: torch.device,
                         "optimizer": "torch.optim.AdamW(fused), no master weights", "clip": "clip_grad_norm_"}
         else:
             fused_clip = name == "mpkern-bf16"
-            if pdt == torch.float16 and "master_weights" in mp_state:
-                mp_state = {}  # an int16 remainder completes a bf16 param only: fp16 keeps fp32 masters
+            if pdt == torch.float16 and mp_state.get("master_weights") == "remainder":
+                # an int16 remainder completes a bf16 param only: fp16 keeps fp32 masters
+                mp_state = {k: v for k, v in mp_state.items() if k != "master_weights"}
             opt = FusedAdamWMP(params, lr=lr, weight_decay=wd, max_grad_norm=clip if fused_clip else None, **mp_state)
             if name == "mpkern-fp16":
                 scaler = torch.amp.GradScaler(dt)

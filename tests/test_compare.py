@@ -96,6 +96,15 @@ def test_optimizer_state_variants_change_bytes_per_param():
     assert "remainder" in res["runs"][0]["optimizer"]
     res = _run("mpkern-bf16", optimizer_state="bf16-moments")
     assert res["runs"][0]["state_bytes_per_param"]["total"] == pytest.approx(2 + 2 + 4 + 4)
+    res = _run("mpkern-bf16", optimizer_state="remainder-bf16")
+    assert res["runs"][0]["state_bytes_per_param"]["total"] == pytest.approx(2 + 2 + 2 + 4)
+
+
+def test_8bit_state_applies_to_bf16_and_fp16():
+    res = _run("mpkern-bf16,mpkern-fp16", optimizer_state="8bit")
+    for r in res["runs"]:  # 16-bit param + grad, int8 correction, bf16 moments
+        assert r["state_bytes_per_param"]["total"] == pytest.approx(2 + 2 + 1 + 4), r["name"]
+        assert "'8bit'" in r["optimizer"]
 
 
 def test_remainder_applies_to_bf16_and_fp16_keeps_fp32_masters():
