@@ -1,4 +1,4 @@
-"""Quick CPU timing of the compact AdamW kernel variants (issue 15), not a test.
+"""Quick timing of the compact AdamW kernel variants (issue 15) on the CPU or a GPU, not a test.
 
 32M bf16 params in 200 tensors, bf16 grads, one fused ``mpkern::adamw_step_`` per step; prints the
 fastest and the median step time, the bytes the step moves per param (read + write) and the GB/s
@@ -6,6 +6,7 @@ of the fastest, for the AVX2 path and (``--scalar``) the scalar path. The fastes
 is the figure to read on a shared machine (other work only ever slows a run down).
 
     python benchmarks/adamw_compact_cpu.py [--numel 33554432] [--tensors 200] [--reps 7] [--scalar] [--threads N]
+    python benchmarks/adamw_compact_cpu.py --device cuda     # the CUDA kernels (scripts/gpu_check.sh runs it)
 """
 
 from __future__ import annotations
@@ -33,26 +34,31 @@ CASES = [
 ]
 
 
-def run(numel: int, tensors: int, reps: int) -> None:
+def run(numel: int, tensors: int, reps: int, device: str = "cpu") -> None:
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     sizes = [numel // tensors] * tensors
     sizes[-1] += numel - sum(sizes)
     gen = torch.Generator().manual_seed(0)
-    params = [torch.randn(n, generator=gen).to(BF16) for n in sizes]
-    grads = [(torch.randn(n, generator=gen) * 1e-2).to(BF16) for n in sizes]
-    one, zero = torch.tensor(1.0), torch.tensor(0.0)
+    params = [torch.randn(n, generator=gen).to(BF16).to(dev) for n in sizes]
+    grads = [(torch.randn(n, generator=gen) * 1e-2).to(BF16).to(dev) for n in sizes]
+    one, zero = torch.tensor(1.0, device=dev), torch.tensor(0.0, device=dev)
     for name, mode, sdt, sr, nbytes in CASES:
-        ms = [torch.zeros(n, dtype=sdt) for n in sizes]
-        vs = [torch.zeros(n, dtype=sdt) for n in sizes]
-        masters = {0: [], 1: [p.float() for p in params], 2: [torch.zeros(n, dtype=torch.int16) for n in sizes],
-                   3: [torch.zeros(n, dtype=torch.int8) for n in sizes]}[mode]
-        steps = [torch.zeros(()) for _ in sizes]
+        ms = [torch.zeros(n, dtype=sdt, device=dev) for n in sizes]
+        vs = [torch.zeros(n, dtype=sdt, device=dev) for n in sizes]
+        masters = {0: [], 1: [p.float() for p in params],
+                   2: [torch.zeros(n, dtype=torch.int16, device=dev) for n in sizes],
+                   3: [torch.zeros(n, dtype=torch.int8, device=dev) for n in sizes]}[mode]
+        steps = [torch.zeros((), device=dev) for _ in sizes]
         ps = [p.clone() for p in params]
         times = []
         for r in range(reps + 1):
+            sync()
             t0 = time.perf_counter()
             torch.ops.mpkern.adamw_step_(ps, grads, ms, vs, [], masters, steps, one, zero, None, 1e-3, 0.9, 0.999,
                                          1e-8, 0.01, False, mode, sr, 1)
-            if r:  # the first call warms up (page faults of fresh buffers)
+            sync()
+            if r:  # the first call warms up (page faults of fresh buffers, the device table)
                 times.append(time.perf_counter() - t0)
         t, med = min(times), statistics.median(times)
         print(f"{name:50s} {t * 1e3:8.2f} ms (median {med * 1e3:7.2f})  {nbytes:3d} B/param  "
@@ -67,7 +73,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--scalar", action="store_true", help="also time the scalar (non-SIMD) path")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     a = ap.parse_args()
+    if a.device.startswith("cuda"):
+        print(f"{torch.cuda.get_device_name()}: CUDA kernels")
+        run(a.numel, a.tensors, a.reps, a.device)
+        return
     if a.threads:
         torch.set_num_threads(a.threads)
     ext = _backend.native()

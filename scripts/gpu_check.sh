@@ -32,6 +32,7 @@ T_TEST_FILE=60  # per test file (a cold Triton cache compiles each kernel varian
 T_TESTS=210     # all test files together (files left when this runs out are reported as not run)
 T_BENCH=60
 T_COMPARE=35    # the CUDA default model (GPT-2 small) for 60 steps per run, 10 of them untimed
+T_COMPACT=25    # the compact AdamW variants (issue 15): 6 x 8 steps over 32M params
 
 PY=${PYTHON:-python3}
 CORES=$(nproc 2>/dev/null || echo 8)
@@ -44,9 +45,10 @@ if [[ $DRY -eq 1 ]]; then
   printf '  %-8s %4ss  %s\n' tests "$T_TESTS" "each file alone, <= ${T_TEST_FILE}s each, MPKERN_MATMUL_CONFIG=fixed, no -x:"
   for f in $TEST_FILES; do printf '  %-8s %4s   %s\n' "" "" "$f"; done
   printf '  %-8s %4ss  %s\n' bench "$T_BENCH" "mpkern bench all --device cuda --json $OUT/bench.json (if 'mpkern bench --help' works), else benchmarks/bench_*.py"
+  printf '  %-8s %4ss  %s\n' compact "$T_COMPACT" "benchmarks/adamw_compact_cpu.py --device cuda (GB/s of each storage mode)"
   printf '  %-8s %4ss  %s\n' compare "$T_COMPARE" "mpkern compare --device cuda --steps 60 --warmup 10 --out $OUT/compare (if 'mpkern compare --help' works)"
   printf '  %-8s %4s   %s\n' summary "" "$OUT/summary.txt: tests per file, GB/s and % of copy bandwidth per kernel, GEMM TFLOP/s vs cuBLAS"
-  total=$((T_BUILD + T_ASSERT + T_TESTS + T_BENCH + T_COMPARE))
+  total=$((T_BUILD + T_ASSERT + T_TESTS + T_BENCH + T_COMPACT + T_COMPARE))
   echo "  total limit: ${total}s ($((total / 60)) min $((total % 60)) s)"
   exit 0
 fi
@@ -122,6 +124,7 @@ else
     stage "$(basename "$b" .py)" "$left" "$OUT/$(basename "$b" .py).log" env -u MPKERN_MATMUL_CONFIG $PY "$b"
   done
 fi
+stage compact "$T_COMPACT" "$OUT/compact.log" $PY benchmarks/adamw_compact_cpu.py --device cuda
 if $PY -m mpkern compare --help > /dev/null 2>&1; then
   stage compare "$T_COMPARE" "$OUT/compare.log" $PY -m mpkern compare --device cuda --steps 60 --warmup 10 --out "$OUT/compare" --no-plot --no-progress
 else
@@ -132,7 +135,7 @@ fi
 {
   echo "==================== gpu_check summary ($(( $(date +%s) - START )) s) ===================="
   head -2 "$OUT/env.log"
-  for s in build assert bench compare; do [[ -n "${STATUS[$s]:-}" ]] && printf '%-8s %s\n' "$s" "${STATUS[$s]}"; done
+  for s in build assert bench compact compare; do [[ -n "${STATUS[$s]:-}" ]] && printf '%-8s %s\n' "$s" "${STATUS[$s]}"; done
   echo "--- tests per file ---"
   column -t "$OUT/tests.tsv" 2>/dev/null || cat "$OUT/tests.tsv"
   echo "--- kernels (GB/s, % of measured copy bandwidth; GEMM TFLOP/s vs cuBLAS) ---"
@@ -156,5 +159,7 @@ EOF
   else
     for f in "$OUT"/bench_*.log; do [[ -f "$f" ]] && { echo "# $(basename "$f")"; grep -E "GB/s|TFLOP|x " "$f" | tail -8; }; done
   fi
+  echo "--- compact AdamW variants (issue 15; goal >= 85 % of the copy bandwidth above) ---"
+  [[ -f "$OUT/compact.log" ]] && grep -E "GB/s|CUDA" "$OUT/compact.log" | tail -8
 } > "$OUT/summary.txt"
 cat "$OUT/summary.txt"
