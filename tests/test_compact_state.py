@@ -207,3 +207,31 @@ def test_8bit_adamw_state_dict_and_masters(backend):
     ref.load_state_dict(sd)
     assert ref.param_groups[0]["lr"] == 1e-3
     assert mpkern.FusedAdamWMP is FusedAdamWMP
+
+
+@pytest.mark.parametrize("flags", [{"amsgrad": True}, {"maximize": True}, {"lr": "tensor"}, {"main_grad": True},
+                                   {"groups": True}])
+def test_8bit_matches_fp32_master_within_one_correction_unit(backend, flags):
+    # one step from the same state: the 8-bit master differs from the fp32 master by the
+    # correction's stochastic rounding only (< 1/256 of the param's ulp, plus fp32 rounding)
+    torch.manual_seed(30)
+    w0 = torch.randn(257, 9, device=DEVICE).to(torch.bfloat16)
+    g = torch.randn(257, 9, device=DEVICE)
+    outs = []
+    for mw in (True, "8bit"):
+        p = torch.nn.Parameter(w0.clone())
+        q = torch.nn.Parameter(torch.randn(5, device=DEVICE).to(torch.bfloat16))
+        lr = torch.tensor(1e-2, device=DEVICE) if flags.get("lr") == "tensor" else 1e-2
+        kw = {k: v for k, v in flags.items() if k in ("amsgrad", "maximize")}
+        groups = [{"params": [p]}, {"params": [q], "master_weights": True}] if flags.get("groups") else [p, q]
+        opt = FusedAdamWMP(groups, lr=lr, master_weights=mw, **kw)
+        if flags.get("main_grad"):
+            p.main_grad = g.clone()
+        else:
+            p.grad = g.to(torch.bfloat16)
+        q.grad = torch.ones_like(q)
+        opt.step()
+        outs.append(opt.master_params()[0].clone())
+    unit = outs[0].abs().clamp(min=2**-126) * 2.0**-15  # >= ulp/256 of the param after the step
+    assert ((outs[0] - outs[1]).abs() <= 1.01 * unit + 1e-7).all()
+    assert not torch.equal(outs[1], w0.float())  # it moved
