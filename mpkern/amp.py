@@ -220,6 +220,7 @@ def unscale_(
     scaler: torch.amp.GradScaler | None = None,
     apply: bool = False,
     process_group: Any = None,
+    _collected: tuple[list[Tensor], list[Tensor]] | None = None,
 ) -> UnscaleResult:
     """Unscale gradients in place, detect inf/NaN and clip by global norm, in one fused pass.
 
@@ -265,7 +266,11 @@ def unscale_(
     max_norm_f = _check_max_norm(max_norm)
     if not isinstance(apply, bool):
         raise TypeError(f"unscale_: apply must be a bool, got {type(apply).__name__}")
-    optimizer, params, grads, names, n_items = _collect(params_or_optimizer)
+    if _collected is not None:  # FusedAdamWMP.step: its own validated (params, grads), no second walk
+        optimizer, (params, grads), names = params_or_optimizer, _collected, None
+        n_items = len(params)
+    else:
+        optimizer, params, grads, names, n_items = _collect(params_or_optimizer)
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(f"unscale_: scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
     if scaler is not None and optimizer is None:

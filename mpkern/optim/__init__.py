@@ -467,8 +467,10 @@ class FusedAdamWMP(torch.optim.Optimizer):
         sid = -1  # the param's random-stream id: its position among all params of the optimizer
         for gi, group in enumerate(self.param_groups):
             passes: list[dict[tuple[torch.device, storage.MasterKind], list[tuple[Tensor, Tensor, int]]]] = [{}]
-            seen: dict[int, int] = {}
-            for pi, p in enumerate(group["params"]):
+            plist = group["params"]
+            seen: dict[int, int] | None = {} if len(set(map(id, plist))) != len(plist) else None  # C-level test
+            kinds: dict[torch.dtype, storage.MasterKind] = {}
+            for pi, p in enumerate(plist):
                 sid += 1
                 g = getattr(p, "main_grad", None)
                 if g is None:
@@ -485,11 +487,17 @@ class FusedAdamWMP(torch.optim.Optimizer):
                     _raise_bad_grad(f"group {gi} param {pi}", p, g)
                 if type(g) is not Tensor:
                     distributed.check_reduced(g, f"FusedAdamWMP: group {gi} param {pi}")
-                k = seen.get(id(p), -1) + 1
+                kind = kinds.get(p.dtype)
+                if kind is None:
+                    kind = kinds[p.dtype] = self._kind(group, p)
+                if seen is None:
+                    passes[0].setdefault((p.device, kind), []).append((p, g, sid))
+                    continue
+                k = seen.get(id(p), -1) + 1  # a repeated param: a later pass
                 seen[id(p)] = k
                 if k == len(passes):
                     passes.append({})
-                passes[k].setdefault((p.device, self._kind(group, p)), []).append((p, g, sid))
+                passes[k].setdefault((p.device, kind), []).append((p, g, sid))
             for buckets in passes:
                 for (dev, kind), pairs in buckets.items():
                     work.append((group, dev, kind, pairs))
@@ -608,7 +616,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
             own_check = grad_scale is not None and uses_main
             if self.max_grad_norm is not None or own_check:
                 self._pending = None
-                amp.unscale_(self, inv, max_norm=self.max_grad_norm)
+                collected = ([x[0] for w in work for x in w[3]], [x[1] for w in work for x in w[3]])
+                amp.unscale_(self, inv, max_norm=self.max_grad_norm, _collected=collected)
                 pending, self._pending = self._pending, None
         elif self.max_grad_norm is not None:
             pending = self._own_clip(pending)
