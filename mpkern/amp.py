@@ -87,8 +87,10 @@ def _collect(
     """(optimizer or None, params with a grad, their grads, their names if given as
     ``named_parameters()`` pairs, number of items seen), validated; raises before any work."""
     optimizer = params_or_optimizer if isinstance(params_or_optimizer, torch.optim.Optimizer) else None
-    if optimizer is not None:
-        items: Iterable[Any] = [p for group in optimizer.param_groups for p in group["params"]]
+    if optimizer is not None:  # a param listed twice is processed once (scaled once, counted once)
+        seen: set[int] = set()
+        items: Iterable[Any] = [p for group in optimizer.param_groups for p in group["params"]
+                                if not (id(p) in seen or seen.add(id(p)))]
     elif isinstance(params_or_optimizer, torch.nn.Module):
         raise TypeError("unscale_: got a torch.nn.Module; pass model.parameters() (or model.named_parameters(), "
                         "or the optimizer)")

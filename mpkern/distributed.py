@@ -186,19 +186,30 @@ def reduce_stats(sumsq: Tensor, amax: Tensor, inf_norm: bool, rp: ReducePlan,
 
 
 def shard_offset(t: Tensor) -> int:
-    """Flat (row-major) index in the whole tensor of the first element of ``t``'s local shard (0 for
-    a plain tensor). For ``Shard(0)`` (FSDP2) the shard is one block of the whole tensor, so element
-    i of the shard is element ``offset + i`` of the tensor; other placements get a distinct offset."""
+    """Where the random stream of ``t``'s local shard starts (0 for a plain tensor).
+
+    ``Shard(0)`` (FSDP2) and ``Replicate``: the shard is one block of the whole tensor, so the
+    flat index of its first element -- element i of the shard draws the bits of element
+    ``offset + i`` of the whole tensor, whatever the number of shards. Other placements
+    (``Shard(1)``, tensor parallel): the shard's elements are not one block, so each shard gets a
+    disjoint range past the whole tensor's (unique bits, but not the unsharded tensor's)."""
     if not is_dtensor(t):
         return 0
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    flat, stride = 0, 1
-    for size, off in zip(reversed(tuple(t.shape)), reversed(tuple(offset))):
-        flat += int(off) * stride
-        stride *= int(size)
-    return flat
+    local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if all(isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in t.placements):
+        flat, stride = 0, 1
+        for size, off in zip(reversed(tuple(t.shape)), reversed(tuple(offset))):
+            flat += int(off) * stride
+            stride *= int(size)
+        return flat
+    numel = max(t.numel(), 1)
+    block, index = 1, 0
+    for size, off, loc in zip(tuple(t.shape), tuple(offset), tuple(local_shape)):
+        block = max(int(loc), 1)
+        index = index * (int(size) // block + 1) + int(off) // block
+    return numel * (1 + index)
 
 
 def like_param(p: Tensor, value: Tensor) -> Tensor:

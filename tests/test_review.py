@@ -6,6 +6,7 @@ nothing), never numbers produced by the code under test.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import warnings
@@ -491,3 +492,98 @@ def test_convert_reports_transformers_conv1d():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), Conv1D(8, 4))
     _, rep = mpkern.nn.convert(model, report=True)
     assert rep.converted == ["0"] and "Conv1D" in rep.skipped["1"]
+
+
+# ---- fixes after a second review --------------------------------------------------------------------
+def test_kept_remainder_of_a_zeroed_view_is_not_nan(backend):
+    torch.manual_seed(40)
+    buf = torch.randn(64, device=DEVICE).to(torch.bfloat16)
+    a, b = torch.nn.Parameter(buf[:32]), torch.nn.Parameter(buf[32:])
+    opt = FusedAdamWMP([a, b], lr=1e-3, master_weights="remainder")
+    for _ in range(3):
+        a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+        opt.step()
+    with torch.no_grad():
+        a.zero_()  # a view of a shared buffer: its remainders are kept -- but not below +-0
+    m = opt.master_params()[0]
+    assert torch.isfinite(m).all() and (m.abs() <= 2.0**-133).all()
+
+
+@pytest.mark.parametrize("master", ["remainder", "8bit"])
+def test_a_move_to_channels_last_keeps_the_low_bits(backend, master):
+    torch.manual_seed(41)
+    conv = torch.nn.Conv2d(4, 8, 3).to(DEVICE).to(torch.bfloat16)
+    opt = FusedAdamWMP(conv.parameters(), lr=1e-2, master_weights=master)
+    for _ in range(3):
+        for p in conv.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    before = [m.clone() for m in opt.master_params()]
+    conv.to(memory_format=torch.channels_last)
+    for a, b in zip(opt.master_params(), before):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("optimizer_first", [True, False])
+def test_remainder_ties_convert_the_same_in_either_order(backend, optimizer_first):
+    torch.manual_seed(42)
+    src = torch.nn.Linear(16, 8).to(DEVICE).to(torch.bfloat16)
+    opt = FusedAdamWMP(src.parameters(), lr=1e-2, master_weights="remainder")
+    for p in src.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    w = src.weight
+    opt.state[w]["master_remainder"][:, :4] = -32768  # exact ties: the bf16 half was rounded away from zero
+    hi = w.detach().view(torch.int16).to(torch.int64) & 0xFFFF
+    want = ((hi << 16) + opt.state[w]["master_remainder"].to(torch.int64)).to(torch.int32).view(torch.float32)
+    model_sd, opt_sd = {k: v.clone() for k, v in src.state_dict().items()}, copy.deepcopy(opt.state_dict())
+    dst = torch.nn.Linear(16, 8).to(DEVICE).to(torch.bfloat16)
+    new = FusedAdamWMP(dst.parameters(), lr=1e-2, master_weights=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if optimizer_first:
+            new.load_state_dict(opt_sd)
+            dst.load_state_dict(model_sd)
+        else:
+            dst.load_state_dict(model_sd)
+            new.load_state_dict(opt_sd)
+    assert torch.equal(new.master_params()[0], want)
+
+
+def test_repeated_strided_param_steps_twice_like_adamw(backend):
+    base = torch.arange(16, dtype=torch.float32, device=DEVICE).reshape(4, 4)
+    p = torch.nn.Parameter(base.clone()[:, ::2])  # not one dense block: the contiguous-copy path
+    q = torch.nn.Parameter(base.clone()[:, ::2])
+    with pytest.warns(UserWarning, match="duplicate"):
+        opt = FusedAdamWMP([p, p], lr=0.1, weight_decay=0.0)
+    with pytest.warns(UserWarning, match="duplicate"):
+        ref = torch.optim.AdamW([q, q], lr=0.1, weight_decay=0.0, foreach=False)
+    for _ in range(2):
+        p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(p.detach(), q.detach())
+
+
+def test_param_turned_fp16_in_a_remainder_group_is_an_error_before_any_update(backend):
+    a = torch.nn.Parameter(torch.randn(8, device=DEVICE).to(torch.bfloat16))
+    b = torch.nn.Parameter(torch.randn(8, device=DEVICE).to(torch.bfloat16))
+    opt = FusedAdamWMP([{"params": [a]}, {"params": [b], "master_weights": "remainder"}], lr=1e-2)
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    opt.step()
+    b.data = b.data.half()
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    a0 = a.detach().clone()
+    with pytest.raises(ValueError, match="remainder"):
+        opt.step()
+    assert torch.equal(a, a0)
+
+
+def test_unscale_of_an_optimizer_with_a_repeated_param_scales_once(backend):
+    p = torch.nn.Parameter(torch.ones(4, device=DEVICE))
+    with pytest.warns(UserWarning, match="duplicate"):
+        opt = torch.optim.SGD([p, p], lr=0.1)
+    p.grad = torch.full((4,), 8.0, device=DEVICE)
+    res = mpkern.unscale_(opt, 0.5)
+    assert torch.equal(p.grad, torch.full((4,), 4.0, device=DEVICE))
+    assert float(res.total_norm) == pytest.approx(8.0)

@@ -238,17 +238,12 @@ class FusedAdamWMP(torch.optim.Optimizer):
                 if p.dtype not in _FLOATS:
                     raise TypeError(f"FusedAdamWMP: param {i} of group {gi} has dtype {p.dtype}; expected float32, "
                                     "float16 or bfloat16")
-                if group["master_weights"] == "remainder" and p.dtype not in (torch.bfloat16, torch.float32):
-                    raise ValueError(f"FusedAdamWMP: master_weights='remainder' needs bfloat16 params, param {i} "
-                                     f"of group {gi} is {p.dtype}")
+                _check_param_dtype(group, p.dtype, f"param {i} of group {gi}")
                 if group["master_weights"] == "8bit" and p.dtype == torch.float32 and all(
                         q.dtype == torch.float32 for q in group["params"]):
                     raise ValueError(f"FusedAdamWMP: master_weights='8bit' is not needed for float32 params (param {i} "
                                      f"of group {gi}): they are their own fp32 master -- use master_weights=True "
                                      "(or keep the 8-bit masters for the 16-bit params' group)")
-                if group["stochastic_rounding"] and p.dtype == torch.float16:
-                    raise ValueError(f"FusedAdamWMP: stochastic_rounding supports bfloat16 params, param {i} of "
-                                     f"group {gi} is float16")
         except (ValueError, TypeError):
             self.param_groups.pop()  # nothing half-added
             raise
@@ -488,7 +483,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
                 if type(g) is not Tensor:
                     distributed.check_reduced(g, f"FusedAdamWMP: group {gi} param {pi}")
                 kind = kinds.get(p.dtype)
-                if kind is None:
+                if kind is None:  # once per dtype and group: a param may have changed dtype since
+                    _check_param_dtype(group, p.dtype, f"param {pi} of group {gi}")
                     kind = kinds[p.dtype] = self._kind(group, p)
                 if seen is None:
                     passes[0].setdefault((p.device, kind), []).append((p, g, sid))
@@ -596,8 +592,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
             raise ValueError("FusedAdamWMP.step: GradScaler.unscale_(optimizer) was called, which unscales .grad only; "
                              "the main_grad buffers (mpkern.nn fp32_main_grad=True) are still scaled -- call "
                              "mpkern.unscale_(optimizer, scaler=scaler) instead of scaler.unscale_(optimizer)")
-        pending, self._pending = self._pending, None
         if not work:
+            self._pending = None
             return loss
         # the external-write check is host-side: it runs in eager steps (not while compiling or
         # capturing a CUDA graph, whose replays run no Python)
@@ -605,6 +601,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
         self._storage_count = None
         prepared = [(group, dev, kind, pairs, *self._prepare(group, kind, pairs, check_writes),
                      _ops.lr_args(group["lr"], dev)) for group, dev, kind, pairs in work]
+        pending, self._pending = self._pending, None  # after everything that can fail: kept on an error
         out_dev = work[0][1]
         own_check = False
         if pending is None:
@@ -616,7 +613,9 @@ class FusedAdamWMP(torch.optim.Optimizer):
             own_check = grad_scale is not None and uses_main
             if self.max_grad_norm is not None or own_check:
                 self._pending = None
-                collected = ([x[0] for w in work for x in w[3]], [x[1] for w in work for x in w[3]])
+                seen: set[int] = set()  # a repeated param counts once in the norm, as in torch's clip
+                firsts = [x for w in work for x in w[3] if not (id(x[0]) in seen or seen.add(id(x[0])))]
+                collected = ([x[0] for x in firsts], [x[1] for x in firsts])
                 amp.unscale_(self, inv, max_norm=self.max_grad_norm, _collected=collected)
                 pending, self._pending = self._pending, None
         elif self.max_grad_norm is not None:
@@ -639,6 +638,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
                 per_dev[dev] = (_to_device(factor, dev, torch.float32).reshape(()),
                                 _to_device(found, dev, torch.float32).reshape(()))
             f_dev, found_dev = per_dev[dev]
+            for p, tmp in copies:  # not one dense block: (re)take the copy now -- a repeat of the
+                tmp.copy_(p)       # param in a later pass must see the earlier pass's update
             *tensors, sids, offsets = lists
             fused_adamw_mp(_backend.select(dev), *tensors, f_dev, found_dev, lr_tensor, lr_value, group, kind.mode,
                            sids, offsets)
@@ -806,6 +807,14 @@ def _check_own_args(master_weights: Any, state_dtype: Any, max_grad_norm: Any, s
         raise ValueError("stochastic_rounding applies to 16-bit params without master weights: "
                          "use it with master_weights=False")
     return name
+
+
+def _check_param_dtype(group: dict[str, Any], dtype: torch.dtype, where: str) -> None:
+    """Raise if a param of ``dtype`` cannot be stepped by ``group``'s storage mode."""
+    if group["master_weights"] == "remainder" and dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"FusedAdamWMP: master_weights='remainder' needs bfloat16 params, {where} is {dtype}")
+    if group["stochastic_rounding"] and dtype == torch.float16:
+        raise ValueError(f"FusedAdamWMP: stochastic_rounding supports bfloat16 params, {where} is float16")
 
 
 def _raise_bad_grad(where: str, p: Tensor, g: Any) -> None:

@@ -50,8 +50,8 @@ def state_from_checkpoint(p: Tensor, src: Any, group: dict[str, Any], kind: stor
         st[kind.key] = saved[kind]
     elif saved and (p.dtype == torch.bfloat16 or storage.REMAINDER not in saved):
         source, tmp = next(iter(saved.items()))
-        st[source.key] = tmp  # kept: converted again at the next step
-        kind.from_fp32(p, st, source.to_fp32(p, st))
+        st[source.key] = tmp  # kept: converted again at the next step, from the param as it is then
+        kind.from_fp32(p, st, source.to_fp32(p, st), write_param=False)
     else:
         st.update(kind.create(p))
     for key, val in src.items():  # entries we do not know: like torch.optim.Optimizer

@@ -77,9 +77,10 @@ class MasterKind:
         """The fp32 master this state and the param as it is now describe (a new tensor)."""
         raise NotImplementedError
 
-    def from_fp32(self, p: Tensor, st: State, master: Tensor) -> None:
+    def from_fp32(self, p: Tensor, st: State, master: Tensor, *, write_param: bool = True) -> None:
         """Store ``master`` (an fp32 tensor laid out like ``p``) in ``st``; the param takes its
-        16-bit rounding (as the kernel would write it)."""
+        16-bit rounding (as the kernel would write it) unless ``write_param=False`` (a checkpoint
+        load: the model may still be loaded, and the next step converts again)."""
         raise NotImplementedError
 
     def reseed(self, p: Tensor, st: State, *, loaded: bool, shared: bool) -> None:
@@ -107,9 +108,10 @@ class Fp32Master(MasterKind):
         m, pl = _local(st[self.key]), _local(p.detach())
         return distributed.wrap_like(p, torch.where(pl == m.to(pl.dtype), m, pl.float()))
 
-    def from_fp32(self, p: Tensor, st: State, master: Tensor) -> None:
+    def from_fp32(self, p: Tensor, st: State, master: Tensor, *, write_param: bool = True) -> None:
         st[self.key] = like(p, torch.float32).copy_(master)
-        p.copy_(master)
+        if write_param:
+            p.copy_(master)
 
     def reseed(self, p: Tensor, st: State, *, loaded: bool, shared: bool) -> None:
         # elementwise: keep the master where the param still is its rounding, else take the param
@@ -130,17 +132,26 @@ class RemainderMaster(MasterKind):
         hi = p.detach() if p.dtype == torch.bfloat16 else p.detach().to(torch.bfloat16)
         return remainder_to_master(hi, st[self.key])
 
-    def from_fp32(self, p: Tensor, st: State, master: Tensor) -> None:
+    def from_fp32(self, p: Tensor, st: State, master: Tensor, *, write_param: bool = True) -> None:
         hi, low = master_to_remainder(master)
-        _local(p).copy_(_local(hi))
+        if write_param:
+            _local(p).copy_(_local(hi))
         st[self.key] = like(p, torch.int16).copy_(low)
 
     def reseed(self, p: Tensor, st: State, *, loaded: bool, shared: bool) -> None:
         # a written param's value is its master (remainder 0). Kept after a load (the remainder
         # belongs to the checkpoint's param) and for views of one buffer: their shared version
         # counter cannot tell which one was written, and the others' low bits must survive.
+        rem = _local(st[self.key])
         if not loaded and not shared:
-            _local(st[self.key]).zero_()
+            rem.zero_()
+            return
+        # a kept remainder must still describe a value next to the param: below +-0 it would borrow
+        # into the sign (NaN), and an inf/NaN param has no low bits
+        bits = _local(p.detach())
+        bits = (bits if bits.dtype == torch.bfloat16 else bits.to(torch.bfloat16)).view(torch.int16).to(torch.int32)
+        bad = ((bits & 0x7FFF) == 0) | ((bits & 0x7F80) == 0x7F80)
+        rem.masked_fill_(bad, 0)
 
 
 class Int8Master(MasterKind):
@@ -161,11 +172,12 @@ class Int8Master(MasterKind):
             return distributed.wrap_like(p, pl.clone())
         return distributed.wrap_like(p, reference.master8_decode(pl, c))
 
-    def from_fp32(self, p: Tensor, st: State, master: Tensor) -> None:
+    def from_fp32(self, p: Tensor, st: State, master: Tensor, *, write_param: bool = True) -> None:
         pl, m = _local(p), _local(master)
         half = torch.full(pl.shape, 0x8000, dtype=torch.int32, device=pl.device)  # floor(x + 1/2): nearest
         hi, c = reference.master8_encode(m, pl.dtype, half)
-        pl.copy_(hi)
+        if write_param:
+            pl.copy_(hi)
         st[self.key] = like(p, torch.int8).copy_(distributed.wrap_like(p, c))
 
     def reseed(self, p: Tensor, st: State, *, loaded: bool, shared: bool) -> None:
@@ -183,8 +195,9 @@ class NoMaster(MasterKind):
     def to_fp32(self, p: Tensor, st: State) -> Tensor:
         return p.detach().float()
 
-    def from_fp32(self, p: Tensor, st: State, master: Tensor) -> None:
-        p.copy_(master)
+    def from_fp32(self, p: Tensor, st: State, master: Tensor, *, write_param: bool = True) -> None:
+        if write_param:
+            p.copy_(master)
 
     def bytes_per_element(self, param_dtype: torch.dtype) -> float:
         return 0.0

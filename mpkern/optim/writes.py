@@ -40,7 +40,9 @@ def conform(kind: storage.MasterKind, p: Tensor, st: dict[str, Any], *, recorded
     * a param without master state (fp32 -> bf16 by ``model.to``): the param is the master;
     * ``kind`` is "none" and the param is fp32 now (``model.float()`` after steps): the old
       master restores the param's low bits where the param still is its rounding;
-    * otherwise the kind re-seeds itself from the written param (:meth:`MasterKind.reseed`).
+    * otherwise the kind re-seeds itself from the written param (:meth:`MasterKind.reseed`); a
+      move to another layout or device counts as a load (the values are the same: remainders and
+      corrections are kept).
     ``recorded`` is the stamp recorded at the optimizer's last write (:data:`LOADED` after a
     checkpoint load); ``shared()`` says whether ``p`` shares its storage with other params.
     """
@@ -49,6 +51,7 @@ def conform(kind: storage.MasterKind, p: Tensor, st: dict[str, Any], *, recorded
         raise ValueError(f"FusedAdamWMP: a param now has shape {tuple(p.shape)}, its optimizer state "
                          f"{tuple(ref.shape)} (it was replaced by a tensor of another shape after the first "
                          "step); rebuild the optimizer or load a matching state dict")
+    moved = False
     if not distributed.is_dtensor(p):
         for key, t in list(st.items()):
             if key == "step" or not isinstance(t, Tensor) or t.shape != p.shape:
@@ -56,6 +59,7 @@ def conform(kind: storage.MasterKind, p: Tensor, st: dict[str, Any], *, recorded
             want = storage.like(p, t.dtype)
             if want.device != t.device or want.stride() != t.stride():
                 st[key] = want.copy_(t)
+                moved = True
     others = storage.stored_kinds(st, but=kind)
     if kind is storage.NONE:
         if p.dtype == torch.float32 and others:
@@ -77,7 +81,10 @@ def conform(kind: storage.MasterKind, p: Tensor, st: dict[str, Any], *, recorded
     elif not kind.has_state(st):
         st.update(kind.create(p))
     else:
-        kind.reseed(p, st, loaded=recorded is LOADED, shared=shared() if recorded is not LOADED else False)
+        # a move to another layout or device (model.to(memory_format=...), .to(device)) keeps the
+        # values: its remainders / corrections are kept like after a load
+        kind.reseed(p, st, loaded=recorded is LOADED or moved,
+                    shared=shared() if recorded is not LOADED and not moved else False)
 
 
 __all__ = ["LOADED", "conform", "stamp"]
