@@ -2,8 +2,10 @@
 
 * :class:`Linear` -- a subclass of ``torch.nn.Linear`` (same parameters, state_dict keys, init and
   ``isinstance``) whose forward is :func:`mpkern.linear` for fp16/bf16 weights and inputs of the
-  same dtype; any other combination (fp32 weights, mixed dtypes, autocast) runs
-  ``torch.nn.functional.linear`` unchanged.
+  same dtype -- and under autocast for a weight of the autocast dtype (the input is cast to it,
+  as ``F.linear`` under autocast would); any other combination (fp32 weights, mixed dtypes) runs
+  ``torch.nn.functional.linear`` unchanged, and with ``fp32_main_grad=True`` says so once (the
+  weight gradient then goes to ``.grad``).
 * ``fp32_main_grad=True``: the weight gradient ``dW = dY^T X`` is accumulated straight into
   ``weight.main_grad`` (fp32, allocated at the first backward, then reused) in the GEMM epilogue
   -- ``main_grad += dY^T X`` with no 16-bit ``weight.grad`` and no separate add -- across any
