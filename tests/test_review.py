@@ -587,3 +587,24 @@ def test_unscale_of_an_optimizer_with_a_repeated_param_scales_once(backend):
     res = mpkern.unscale_(opt, 0.5)
     assert torch.equal(p.grad, torch.full((4,), 4.0, device=DEVICE))
     assert float(res.total_norm) == pytest.approx(8.0)
+
+
+def test_master_params_between_optimizer_and_model_load_keeps_the_conversion(backend):
+    torch.manual_seed(43)
+    src = torch.nn.Linear(24, 16).to(DEVICE).to(torch.bfloat16)
+    opt = FusedAdamWMP(src.parameters(), lr=1e-2, master_weights="remainder")
+    for _ in range(2):
+        for p in src.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    want = [m.clone() for m in opt.master_params()]
+    model_sd, opt_sd = {k: v.clone() for k, v in src.state_dict().items()}, copy.deepcopy(opt.state_dict())
+    dst = torch.nn.Linear(24, 16).to(DEVICE).to(torch.bfloat16)
+    new = FusedAdamWMP(dst.parameters(), lr=1e-2, master_weights=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        new.load_state_dict(opt_sd)
+    new.master_params()  # e.g. an EMA initialised right after the optimizer load
+    dst.load_state_dict(model_sd)
+    for a, b in zip(new.master_params(), want):
+        assert torch.equal(a, b)

@@ -365,7 +365,15 @@ class FusedAdamWMP(torch.optim.Optimizer):
             for p in group["params"]:
                 st = self.state.get(p, {})
                 kind = self._kind(group, p)
-                if "step" in st and self._versions.get(id(p), -1) != _stamp(p):
+                rec = self._versions.get(id(p), -1)
+                if "step" in st and rec is writes.LOADED:
+                    # a checkpoint was loaded and the model may still be: read, do not conform (the
+                    # step converts from the param as it is then)
+                    others = storage.stored_kinds(st, but=kind)
+                    if others:
+                        out.append(others[0].to_fp32(p, st))
+                        continue
+                elif "step" in st and rec != _stamp(p):
                     self._conform(kind, p, st)  # written since our last step
                 if kind is storage.FP32 and kind.has_state(st):
                     out.append(st[kind.key])  # live
