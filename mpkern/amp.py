@@ -194,10 +194,9 @@ def _inv_scale_tensor(inv_scale: Any, scaler: Any) -> Tensor | float:
 
 
 def _to_device(t: Tensor, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
-    """``t`` on ``device`` without a host sync where that is safe: asynchronous between GPUs and
-    host-to-GPU, but **blocking** into CPU memory -- a non-blocking device-to-host copy returns
-    before the data lands, and a CPU kernel would read it at once."""
-    return t.to(device=device, dtype=dtype, non_blocking=torch.device(device).type != "cpu")
+    """``t`` on ``device``, asynchronous only where that is safe (:func:`mpkern._ops.non_blocking_to`:
+    never into CPU memory)."""
+    return t.to(device=device, dtype=dtype, non_blocking=_ops.non_blocking_to(device))
 
 
 def _flat(g: Tensor) -> bool:

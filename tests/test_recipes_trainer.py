@@ -22,25 +22,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from test_trainer import LEN, VOCAB, Counting  # the same counting task as the README recipe
+
 import mpkern
-
-VOCAB, LEN = 24, 16
-
-
-class Counting(torch.utils.data.Dataset):
-    """x_t = (start + step * t) mod VOCAB: predictable after the first two tokens."""
-
-    def __init__(self, n: int, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        start = torch.randint(0, VOCAB, (n, 1), generator=g)
-        step = torch.randint(1, 4, (n, 1), generator=g)
-        self.ids = (start + step * torch.arange(LEN)) % VOCAB
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def _args(out: str, max_steps: int, **kw) -> transformers.TrainingArguments:

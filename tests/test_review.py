@@ -297,16 +297,22 @@ def test_clip_grad_norm_after_scaler_unscale_sees_unscaled_grads(backend):
                                atol=1e-7)
 
 
-# ---- 7: a "remainder" checkpoint into master_weights=True, either load order -----------------------
-@pytest.mark.parametrize("optimizer_first", [True, False])
-def test_remainder_checkpoint_to_fp32_master_any_order(backend, optimizer_first):
-    torch.manual_seed(7)
-    src = torch.nn.Linear(40, 104).to(DEVICE).to(torch.bfloat16)
+def _remainder_run(seed: int, shape: tuple[int, int], steps: int):
+    """A bf16 Linear stepped ``steps`` times with master_weights="remainder" (random grads)."""
+    torch.manual_seed(seed)
+    src = torch.nn.Linear(*shape).to(DEVICE).to(torch.bfloat16)
     opt = FusedAdamWMP(src.parameters(), lr=1e-2, master_weights="remainder")
-    for _ in range(3):
+    for _ in range(steps):
         for p in src.parameters():
             p.grad = torch.randn_like(p)
         opt.step()
+    return src, opt
+
+
+# ---- 7: a "remainder" checkpoint into master_weights=True, either load order -----------------------
+@pytest.mark.parametrize("optimizer_first", [True, False])
+def test_remainder_checkpoint_to_fp32_master_any_order(backend, optimizer_first):
+    src, opt = _remainder_run(7, (40, 104), 3)
     model_sd = {k: v.clone() for k, v in src.state_dict().items()}
     opt_sd = opt.state_dict()
     # the exact fp32 masters, rebuilt here from the bits (bf16 high half + int16 low half)
@@ -526,12 +532,7 @@ def test_a_move_to_channels_last_keeps_the_low_bits(backend, master):
 
 @pytest.mark.parametrize("optimizer_first", [True, False])
 def test_remainder_ties_convert_the_same_in_either_order(backend, optimizer_first):
-    torch.manual_seed(42)
-    src = torch.nn.Linear(16, 8).to(DEVICE).to(torch.bfloat16)
-    opt = FusedAdamWMP(src.parameters(), lr=1e-2, master_weights="remainder")
-    for p in src.parameters():
-        p.grad = torch.randn_like(p)
-    opt.step()
+    src, opt = _remainder_run(42, (16, 8), 1)
     w = src.weight
     opt.state[w]["master_remainder"][:, :4] = -32768  # exact ties: the bf16 half was rounded away from zero
     hi = w.detach().view(torch.int16).to(torch.int64) & 0xFFFF
@@ -590,13 +591,7 @@ def test_unscale_of_an_optimizer_with_a_repeated_param_scales_once(backend):
 
 
 def test_master_params_between_optimizer_and_model_load_keeps_the_conversion(backend):
-    torch.manual_seed(43)
-    src = torch.nn.Linear(24, 16).to(DEVICE).to(torch.bfloat16)
-    opt = FusedAdamWMP(src.parameters(), lr=1e-2, master_weights="remainder")
-    for _ in range(2):
-        for p in src.parameters():
-            p.grad = torch.randn_like(p)
-        opt.step()
+    src, opt = _remainder_run(43, (24, 16), 2)
     want = [m.clone() for m in opt.master_params()]
     model_sd, opt_sd = {k: v.clone() for k, v in src.state_dict().items()}, copy.deepcopy(opt.state_dict())
     dst = torch.nn.Linear(24, 16).to(DEVICE).to(torch.bfloat16)
