@@ -309,6 +309,22 @@ def _remainder_run(seed: int, shape: tuple[int, int], steps: int):
     return src, opt
 
 
+def _load_into_fp32_master(shape: tuple[int, int], model_sd, opt_sd, optimizer_first: bool) -> FusedAdamWMP:
+    """A fresh bf16 Linear + FusedAdamWMP(master_weights=True) loaded from the two state dicts in
+    the given order; returns the optimizer."""
+    dst = torch.nn.Linear(*shape).to(DEVICE).to(torch.bfloat16)
+    new = FusedAdamWMP(dst.parameters(), lr=1e-2, master_weights=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "converted" (layout differs)
+        if optimizer_first:
+            new.load_state_dict(opt_sd)
+            dst.load_state_dict(model_sd)
+        else:
+            dst.load_state_dict(model_sd)
+            new.load_state_dict(opt_sd)
+    return new
+
+
 # ---- 7: a "remainder" checkpoint into master_weights=True, either load order -----------------------
 @pytest.mark.parametrize("optimizer_first", [True, False])
 def test_remainder_checkpoint_to_fp32_master_any_order(backend, optimizer_first):
@@ -322,16 +338,7 @@ def test_remainder_checkpoint_to_fp32_master_any_order(backend, optimizer_first)
         lo = opt.state[p]["master_remainder"].to(torch.int64)
         want.append(((hi << 16) + lo).to(torch.int32).view(torch.float32))
     torch.manual_seed(8)
-    dst = torch.nn.Linear(40, 104).to(DEVICE).to(torch.bfloat16)
-    new = FusedAdamWMP(dst.parameters(), lr=1e-2, master_weights=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "converted" (layout differs)
-        if optimizer_first:
-            new.load_state_dict(opt_sd)
-            dst.load_state_dict(model_sd)
-        else:
-            dst.load_state_dict(model_sd)
-            new.load_state_dict(opt_sd)
+    new = _load_into_fp32_master((40, 104), model_sd, opt_sd, optimizer_first)
     for m, w in zip(new.master_params(), want):
         assert torch.equal(m, w)
 
@@ -538,16 +545,7 @@ def test_remainder_ties_convert_the_same_in_either_order(backend, optimizer_firs
     hi = w.detach().view(torch.int16).to(torch.int64) & 0xFFFF
     want = ((hi << 16) + opt.state[w]["master_remainder"].to(torch.int64)).to(torch.int32).view(torch.float32)
     model_sd, opt_sd = {k: v.clone() for k, v in src.state_dict().items()}, copy.deepcopy(opt.state_dict())
-    dst = torch.nn.Linear(16, 8).to(DEVICE).to(torch.bfloat16)
-    new = FusedAdamWMP(dst.parameters(), lr=1e-2, master_weights=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if optimizer_first:
-            new.load_state_dict(opt_sd)
-            dst.load_state_dict(model_sd)
-        else:
-            dst.load_state_dict(model_sd)
-            new.load_state_dict(opt_sd)
+    new = _load_into_fp32_master((16, 8), model_sd, opt_sd, optimizer_first)
     assert torch.equal(new.master_params()[0], want)
 
 
