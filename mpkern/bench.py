@@ -5,7 +5,12 @@ One implementation behind ``mpkern bench`` and ``benchmarks/bench_*.py`` (thin w
 * :func:`bench_unscale` -- ``mpkern.unscale_`` vs ``_amp_foreach_non_finite_check_and_unscale_`` +
   ``clip_grad_norm_`` on the same bf16 grads.
 * :func:`bench_adamw` -- ``mpkern.unscale_`` + ``FusedAdamWMP.step`` vs (a) the AMP recipe on fp32
-  params (fused AdamW) and (b) bf16 params with hand-kept fp32 masters.
+  params (fused AdamW) and (b) bf16 params with hand-kept fp32 masters; then, against (a):
+  :func:`bench_adamw_modes` (the compact storage modes: bytes moved, state bytes, GB/s vs the copy
+  bandwidth, ratio and limit), :func:`bench_torchao` (torchao's AdamW8bit and bf16 stochastic-
+  rounding AdamW, state bytes from their tensors) and :func:`bench_host_time` (us per tensor of a
+  step on 1000 tiny tensors, vs torch fused AdamW + foreach clip; :func:`host_time` is also
+  ``benchmarks/host_time.py``).
 * :func:`bench_matmul` -- ``mpkern.matmul`` vs ``torch.matmul`` (TFLOP/s). On CUDA the Triton GEMM
   against cuBLAS; on CPU what mpkern runs there (ATen in fp32, then a cast) against ATen's own
   16-bit GEMM; with ``check=True`` on CPU also the Triton kernel in the interpreter vs float64.
@@ -116,22 +121,37 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     return info
 
 
-def _row(kernel: str, method: str, t: float, *, bpp: float | None = None, params: int = 0,
+def _row(kernel: str, method: str, t: float | None, *, bpp: float | None = None, params: int = 0,
          flops: float | None = None, bw: float | None = None, peer_ratio: float | None = None,
-         limit: float | None = None, bound: float | None = None) -> dict[str, Any]:
-    """One table row. Memory-bound rows: ``bpp`` bytes/param over ``params`` -> GB/s and % of ``bw``.
-    Compute rows: ``flops`` -> TFLOP/s and % of ``bound`` (the peer's TFLOP/s)."""
-    r: dict[str, Any] = {"kernel": kernel, "method": method, "ms": t * 1e3}
-    if flops is not None:
+         limit: float | None = None, bound: float | None = None, bound_name: str = "in-place bandwidth",
+         state_bpp: float | None = None, vs: str | None = None, note: str | None = None) -> dict[str, Any]:
+    """One table row. Memory-bound rows: ``bpp`` bytes/param over ``params`` -> GB/s and % of ``bw``
+    (``bound_name`` says which bandwidth). Compute rows: ``flops`` -> TFLOP/s and % of ``bound`` (the
+    peer's TFLOP/s). Neither (a peer whose traffic the byte model does not know): time only.
+    ``t`` None: the row did not run (``note`` says why). ``state_bpp``: resident optimizer-state
+    bytes/param. ``vs``: ``peer_ratio`` is this row's speed over row ``vs`` (``vs`` time / this time)
+    instead of mpkern's over this row."""
+    r: dict[str, Any] = {"kernel": kernel, "method": method, "ms": None if t is None else t * 1e3}
+    if t is None:
+        r.update(unit="", rate=None, bytes_per_param=bpp, pct_of_bound=None, bound=None)
+    elif flops is not None:
         rate = flops / t / 1e12
         r.update(unit="TFLOP/s", rate=rate, bytes_per_param=None,
                  pct_of_bound=None if bound is None else 100 * rate / bound, bound="peer TFLOP/s")
-    else:
+    elif bpp is not None:
         rate = bpp * params / t / 1e9
         r.update(unit="GB/s", rate=rate, bytes_per_param=bpp,
-                 pct_of_bound=None if bw is None else 100 * rate / bw, bound="in-place bandwidth")
+                 pct_of_bound=None if bw is None else 100 * rate / bw, bound=bound_name)
+    else:
+        r.update(unit="", rate=None, bytes_per_param=None, pct_of_bound=None, bound=None)
     r["mpkern_speedup"] = peer_ratio
     r["byte_model_limit"] = limit
+    if state_bpp is not None:
+        r["state_bytes_per_param"] = state_bpp
+    if vs is not None:
+        r["vs"] = vs
+    if note is not None:
+        r["note"] = note
     return r
 
 
@@ -184,6 +204,48 @@ def bench_unscale(device: torch.device | str, *, params: int = FULL["params"], t
 
 
 # ---- AdamW --------------------------------------------------------------------------------------
+#: the optimizer-side step every AdamW row times: loss scale 1024, clip at 1.0, lr 1e-4
+ADAMW_LR, ADAMW_INV_SCALE, ADAMW_MAX_NORM = 1e-4, 1.0 / 1024, 1.0
+
+
+def _adamw_problem(dev: torch.device, sizes: list[int], seed: int = 1) -> tuple[list[Tensor], list[Tensor]]:
+    """``(grads16, init)``: "loss-scaled" bf16 grads (N(0, 64^2)) and fp32 initial weights (N(0, 0.02^2))."""
+    g = torch.Generator().manual_seed(seed)
+    grads16 = [(torch.randn(n, generator=g) * 64).to(torch.bfloat16).to(dev) for n in sizes]
+    init = [(torch.randn(n, generator=g) * 0.02).to(dev) for n in sizes]
+    return grads16, init
+
+
+def _unscale_clip(params: list[Tensor], inv: Tensor) -> None:
+    """PyTorch's AMP recipe before the step: GradScaler's unscale (with its inf check), then the clip."""
+    found = torch.zeros((), device=inv.device)
+    torch._amp_foreach_non_finite_check_and_unscale_([p.grad for p in params], found, inv)
+    torch.nn.utils.clip_grad_norm_(params, ADAMW_MAX_NORM, foreach=True)
+
+
+def amp_fp32_recipe(init: list[Tensor], grads16: list[Tensor], inv: Tensor,
+                    lr: float = ADAMW_LR) -> tuple[Callable[[], None], Callable[[], None], torch.optim.Optimizer]:
+    """``(step, restore, optimizer)`` of the baseline every AdamW row is measured against: the AMP
+    recipe on fp32 params and grads (unscale + ``clip_grad_norm_(foreach=True)`` +
+    ``torch.optim.AdamW(fused=True)``; 48 B/param). ``restore()`` puts the grads back (untimed)."""
+    dev = inv.device
+    fused_kw = {"fused": True} if dev.type in ("cuda", "cpu") else {}
+    pa = [torch.nn.Parameter(w.clone()) for w in init]
+    ga = [x.float() for x in grads16]
+    for p, x in zip(pa, ga):
+        p.grad = x.clone()
+    opt = torch.optim.AdamW(pa, lr=lr, **fused_kw)
+
+    def restore() -> None:
+        torch._foreach_copy_([p.grad for p in pa], ga)
+
+    def step() -> None:
+        _unscale_clip(pa, inv)
+        opt.step()
+
+    return step, restore, opt
+
+
 def bench_adamw(device: torch.device | str, *, params: int = FULL["params"], tensors: int = FULL["tensors"],
                 reps: int = 10, bandwidth: dict[str, float] | None = None,
                 log: Callable[[str], None] = print) -> list[dict[str, Any]]:
@@ -192,28 +254,11 @@ def bench_adamw(device: torch.device | str, *, params: int = FULL["params"], ten
 
     dev = torch.device(device)
     bw = bandwidth or measure_bandwidth(dev)
-    sizes = tensor_sizes(params, tensors)
-    g = torch.Generator().manual_seed(1)
-    grads16 = [(torch.randn(n, generator=g) * 64).to(torch.bfloat16).to(dev) for n in sizes]
-    init = [(torch.randn(n, generator=g) * 0.02).to(dev) for n in sizes]
-    inv = torch.tensor(1.0 / 1024, device=dev)
-    lr = 1e-4
+    grads16, init = _adamw_problem(dev, tensor_sizes(params, tensors))
+    inv = torch.tensor(ADAMW_INV_SCALE, device=dev)
+    lr = ADAMW_LR
     fused_kw = {"fused": True} if dev.type in ("cuda", "cpu") else {}
-
-    pa = [torch.nn.Parameter(w.clone()) for w in init]  # (a) fp32 params and grads
-    ga = [x.float() for x in grads16]
-    for p, x in zip(pa, ga):
-        p.grad = x.clone()
-    opt_a = torch.optim.AdamW(pa, lr=lr, **fused_kw)
-
-    def restore_a() -> None:
-        torch._foreach_copy_([p.grad for p in pa], ga)
-
-    def recipe_a() -> None:
-        found = torch.zeros((), device=dev)
-        torch._amp_foreach_non_finite_check_and_unscale_([p.grad for p in pa], found, inv)
-        torch.nn.utils.clip_grad_norm_(pa, 1.0, foreach=True)
-        opt_a.step()
+    recipe_a, restore_a, _ = amp_fp32_recipe(init, grads16, inv, lr)  # (a) fp32 params and grads
 
     pb = [torch.nn.Parameter(w.to(torch.bfloat16)) for w in init]  # (b) bf16 params, fp32 masters by hand
     for p, x in zip(pb, grads16):
@@ -225,9 +270,7 @@ def bench_adamw(device: torch.device | str, *, params: int = FULL["params"], ten
 
     def recipe_b() -> None:
         torch._foreach_copy_([m.grad for m in masters], [p.grad for p in pb])
-        found = torch.zeros((), device=dev)
-        torch._amp_foreach_non_finite_check_and_unscale_([m.grad for m in masters], found, inv)
-        torch.nn.utils.clip_grad_norm_(masters, 1.0, foreach=True)
+        _unscale_clip(masters, inv)
         opt_b.step()
         torch._foreach_copy_([p.data for p in pb], [m.data for m in masters])
 
@@ -237,7 +280,7 @@ def bench_adamw(device: torch.device | str, *, params: int = FULL["params"], ten
     opt_c = mpkern.FusedAdamWMP(pc, lr=lr)
 
     def fused() -> None:
-        mpkern.unscale_(opt_c, inv, max_norm=1.0)  # deferred into the step: grads are only read
+        mpkern.unscale_(opt_c, inv, max_norm=ADAMW_MAX_NORM)  # deferred into the step: grads are only read
         opt_c.step()
 
     recipe_b()
@@ -297,6 +340,391 @@ def write_check_host_cost(device: torch.device, tensors: int = 200, rounds: int 
             sync(device)
             res[check].append((time.perf_counter() - t) / steps * 1e6)
     return statistics.median(res[True]), statistics.median(res[False])
+
+
+# ---- AdamW: the compact optimizer-state modes, torchao, host time per tensor (issue 15) ---------
+#: ``master_weights=`` / ``state_dtype=`` values -> the words of the tables
+MASTER_LABELS: dict[Any, str] = {True: "fp32 master", "remainder": "remainder", "8bit": "8-bit master",
+                                 False: "no master (SR params)"}
+MOMENT_LABELS = {"float32": "fp32 moments", "bfloat16": "bf16 moments", "8bit": "8-bit moments"}
+#: the headline modes of issue 15 (``adamw_modes("default")``); those whose moment kind this
+#: build lacks (``"8bit"`` before it lands in ``mpkern.optim.storage.MOMENT_KINDS``) are left out
+DEFAULT_ADAMW_MODES: tuple[tuple[Any, str], ...] = (
+    (True, "float32"), ("remainder", "bfloat16"), ("8bit", "bfloat16"), ("8bit", "8bit"), ("remainder", "8bit"))
+BASELINE = "torch AMP recipe, fp32 params"
+_MASTER_NAMES = {"true": True, "fp32": True, "remainder": "remainder", "8bit": "8bit", "false": False,
+                 "none": False}
+_MOMENT_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def adamw_modes(which: str | None = "default") -> list[tuple[Any, str]]:
+    """The ``(master_weights, state_dtype)`` pairs the compact-mode rows run: ``"default"``
+    (:data:`DEFAULT_ADAMW_MODES`), ``"all"`` (every master kind x every moment kind of this build),
+    ``"none"``, or a comma list of ``master:moments`` (master ``true``/``fp32``, ``remainder``,
+    ``8bit``, ``false``/``none``; moments ``float32``/``fp32``, ``bfloat16``/``bf16``, ``8bit``)."""
+    from .optim import storage
+
+    moments = storage.MOMENT_KINDS
+    if which in (None, "none", ""):
+        return []
+    if which == "default":
+        return [m for m in DEFAULT_ADAMW_MODES if m[1] in moments]
+    if which == "all":
+        return [(mw, sd) for mw in storage.MASTER_KINDS for sd in moments]
+    out = []
+    for item in which.split(","):
+        mw, _, sd = item.strip().partition(":")
+        sd = _MOMENT_NAMES.get(sd.lower(), sd.lower())
+        if mw.lower() not in _MASTER_NAMES or sd not in moments:
+            raise ValueError(f"adamw mode {item!r}: want master:moments with master in {sorted(_MASTER_NAMES)} and "
+                             f"moments in {sorted(moments) + sorted(_MOMENT_NAMES)}, or 'default', 'all', 'none'")
+        out.append((_MASTER_NAMES[mw.lower()], sd))
+    return out
+
+
+def mode_label(master_weights: Any, state_dtype: str) -> str:
+    """``"remainder + bf16 moments"`` for ``("remainder", "bfloat16")``."""
+    return f"{MASTER_LABELS[master_weights]} + {MOMENT_LABELS.get(state_dtype, state_dtype + ' moments')}"
+
+
+def step_bytes_per_param(master_weights: Any, state_dtype: Any, param_dtype: torch.dtype = torch.bfloat16,
+                         grad_dtype: torch.dtype = torch.bfloat16, *, clip: bool = True,
+                         amsgrad: bool = False) -> float:
+    """Bytes one loss-scaled, clipped ``FusedAdamWMP`` step moves per param in a storage mode.
+
+    :mod:`mpkern.bytemodel` has this only for the fp32 mode (``STEP_TRAFFIC["mpkern"]``, 30), so it
+    is computed here -- in this one helper -- from the storage descriptions
+    (:func:`mpkern.optim.storage.state_bytes_per_param`, the bytes the optimizer allocates) and the
+    param/grad sizes: the read-only clip/unscale pre-pass reads the grad (``clip``), then the fused
+    step reads the grad, reads and writes all of the state, writes the param, and reads the param
+    too unless an fp32 master holds the whole value (remainder, 8-bit correction and no-master
+    modes rebuild the value from the param). fp32 + fp32 gives 30 = ``STEP_TRAFFIC["mpkern"]``;
+    8-bit master + 8-bit moments 2 x 7.125 = 14.25 (DESIGN.md).
+    """
+    from .optim import storage
+
+    kind = storage.master_kind(master_weights, param_dtype)
+    state = storage.state_bytes_per_param(master_weights, state_dtype, param_dtype, amsgrad=amsgrad)
+    p, g = param_dtype.itemsize, grad_dtype.itemsize
+    param_rw = p if kind.mode == storage.FP32.mode else 2 * p
+    return (g if clip else 0) + g + param_rw + 2 * state
+
+
+def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of an optimizer's per-param state, from the tensors themselves: tensor subclasses
+    (torchao's quantized states) count their inner tensors (codes, scales, maps); 0-dim tensors
+    (``step``) are not counted; a storage shared by several tensors counts once."""
+    seen: set[tuple[int, str]] = set()
+
+    def count(t: Tensor) -> int:
+        if type(t) is not Tensor and not isinstance(t, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+            return sum(count(getattr(t, n)) for n in names)
+        if t.dim() == 0:
+            return 0
+        st = t.untyped_storage()
+        key = (st.data_ptr(), str(t.device))
+        if key in seen or st.data_ptr() == 0:
+            return 0
+        seen.add(key)
+        return st.nbytes()
+
+    return sum(count(v) for st in optimizer.state.values() for v in st.values() if isinstance(v, Tensor))
+
+
+def bench_adamw_modes(device: torch.device | str, *, params: int = FULL["params"], tensors: int = FULL["tensors"],
+                      reps: int = 10, modes: str | list[tuple[Any, str]] = "default",
+                      bandwidth: dict[str, float] | None = None, baseline_s: float | None = None,
+                      log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """``mpkern.unscale_`` + ``FusedAdamWMP.step`` on bf16 params in each compact storage mode
+    (:func:`adamw_modes`), the same problem as :func:`bench_adamw`.
+
+    Each row: time, the bytes the step moves (:func:`step_bytes_per_param`), GB/s and its share of
+    the measured *copy* bandwidth, the resident optimizer-state bytes/param (the storage
+    descriptions; the tensors' own count is ``state_bytes_measured``), and the speed ratio over
+    the baseline (:func:`amp_fp32_recipe`, timed here unless ``baseline_s`` is given) beside its
+    byte-model limit 48 / bytes moved. ``master_weights=False`` runs with ``stochastic_rounding=True``
+    (the only way a bf16 param without a master keeps small updates). As in :func:`bench_adamw`
+    the grads are only read (the unscale is deferred into the step), so nothing is restored.
+    """
+    import mpkern
+
+    from .optim import storage
+
+    dev = torch.device(device)
+    modes = adamw_modes(modes) if isinstance(modes, str) else list(modes)
+    if not modes:
+        return []
+    bw = bandwidth or measure_bandwidth(dev)
+    copy_bw = bw.get("copy_GBps")
+    grads16, init = _adamw_problem(dev, tensor_sizes(params, tensors))
+    inv = torch.tensor(ADAMW_INV_SCALE, device=dev)
+    base_bpp = bytemodel.STEP_TRAFFIC["amp_fp32"]
+    if baseline_s is None:
+        step_a, restore_a, _ = amp_fp32_recipe(init, grads16, inv)
+        baseline_s = time_fn(step_a, dev, reps=reps, setup=restore_a)
+        del step_a, restore_a
+    rows = []
+    for mw, sd in modes:
+        ps = [torch.nn.Parameter(w.to(torch.bfloat16)) for w in init]
+        for p, x in zip(ps, grads16):
+            p.grad = x
+        opt = mpkern.FusedAdamWMP(ps, lr=ADAMW_LR, master_weights=mw, state_dtype=sd, stochastic_rounding=mw is False)
+
+        def fused(opt: torch.optim.Optimizer = opt) -> None:
+            mpkern.unscale_(opt, inv, max_norm=ADAMW_MAX_NORM)  # deferred into the step: grads are only read
+            opt.step()
+
+        bpp = step_bytes_per_param(mw, sd)
+        state_model = storage.state_bytes_per_param(mw, sd, torch.bfloat16)
+        label = mode_label(mw, sd)
+        try:
+            t = time_fn(fused, dev, reps=reps)
+        except Exception as e:  # noqa: BLE001 -- e.g. a Python storage kind ahead of the built kernels
+            why = _failure(e)
+            log(f"adamw {label}: {why}")
+            rows.append(_row("adamw", f"FusedAdamWMP {label}: {why}", None, bpp=bpp, state_bpp=state_model, note=why)
+                        | {"master_weights": mw, "state_dtype": sd})
+            del opt, ps, fused
+            continue
+        row = _row("adamw", f"FusedAdamWMP {label} ({mpkern._backend.select(dev)})", t, bpp=bpp, params=params,
+                   bw=copy_bw, bound_name="copy bandwidth", peer_ratio=baseline_s / t,
+                   limit=bytemodel.limit(base_bpp, bpp), state_bpp=state_model, vs=BASELINE)
+        row.update(master_weights=mw, state_dtype=sd, state_bytes_measured=state_nbytes(opt) / params)
+        rows.append(row)
+        log(f"adamw {label}: {t * 1e3:.2f} ms, {bpp:g} B/param moved, state {state_model:g} B/param, "
+            f"{baseline_s / t:.2f}x the AMP fp32 recipe (limit {base_bpp / bpp:.2f}x)")
+        del opt, ps, fused
+    return rows
+
+
+def _failure(e: BaseException) -> str:
+    """A row's one-line reason for a benchmark that raised."""
+    first = str(e).strip().splitlines()[0][:100] if str(e).strip() else ""
+    return f"failed: {type(e).__name__}: {first}"
+
+
+# ---- torchao, side by side ----------------------------------------------------------------------
+#: (label, torchao class name, param dtype, constructor kwargs) of the torchao rows
+TORCHAO_CASES: tuple[tuple[str, str, torch.dtype, dict[str, Any]], ...] = (
+    ("AdamW8bit, fp32 params", "AdamW8bit", torch.float32, {}),
+    ("AdamW8bit, bf16 params (bf16_stochastic_round)", "AdamW8bit", torch.bfloat16, {"bf16_stochastic_round": True}),
+    ("bf16 AdamW, stochastic rounding (bf16 params and moments)", "_AdamW", torch.bfloat16,
+     {"bf16_stochastic_round": True}),
+)
+
+
+def torchao_optim() -> tuple[Any, str, str]:
+    """``(module, version, "")`` of torchao's low-bit optimizers, or ``(None, "", why)``:
+    ``torchao.optim`` (torchao >= 0.11), else the older ``torchao.prototype.low_bit_optim``."""
+    try:
+        import torchao
+    except ImportError:
+        return None, "", "not installed (pip install torchao)"
+    except Exception as e:  # noqa: BLE001 -- a torchao built for another torch can fail in many ways
+        return None, "", f"unavailable: import torchao failed ({type(e).__name__}: {e})"
+    version = getattr(torchao, "__version__", "?")
+    for name in ("torchao.optim", "torchao.prototype.low_bit_optim"):
+        try:
+            mod = __import__(name, fromlist=["AdamW8bit"])
+        except Exception:  # noqa: BLE001, S112
+            continue
+        if hasattr(mod, "AdamW8bit"):
+            return mod, version, ""
+    return None, version, f"unavailable: torchao {version} has no AdamW8bit"
+
+
+def _torchao_sizes(params: int, tensors: int) -> list[int]:
+    """Equal tensor sizes, multiples of 256 (torchao quantizes only tensors of >= 4096 elements
+    divisible by its block) -- one shape, so its per-param ``torch.compile`` compiles once."""
+    per = max(4096, (params // tensors) // 256 * 256)
+    return [per] * max(1, min(tensors, params // per))
+
+
+def bench_torchao(device: torch.device | str, *, params: int = FULL["params"], tensors: int = FULL["tensors"],
+                  reps: int = 10, baseline_s: float | None = None, baseline_params: int | None = None,
+                  cases: tuple[tuple[str, str, torch.dtype, dict[str, Any]], ...] = TORCHAO_CASES,
+                  log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """torchao's low-bit AdamWs (:data:`TORCHAO_CASES`) doing the same loss-scaled, clipped step
+    (``_amp_foreach_non_finite_check_and_unscale_`` + ``clip_grad_norm_`` + ``step()``, grads
+    restored untimed before each call); rows say "not installed" when torchao does not import.
+
+    ``params`` in ``tensors`` equal tensors (:func:`_torchao_sizes`; the row's ``params`` says the
+    count used). Each row: time (the first step, which compiles, is timed apart as
+    ``first_step_s``), the optimizer-state bytes/param summed from the real state tensors
+    (:func:`state_nbytes`), and the speed ratio over the baseline per param (``baseline_s`` over
+    ``baseline_params``; both sides memory-bound, so time scales with the param count). torchao's
+    compiled step has no byte-model count here, so no GB/s and no limit."""
+    dev = torch.device(device)
+    mod, version, why = torchao_optim()
+    if mod is None:
+        log(f"torchao: {why}")
+        return [_row("adamw", f"torchao {label}: {why}", None, note=why) for label, *_ in cases]
+    sizes = _torchao_sizes(params, tensors)
+    n = sum(sizes)
+    grads16, init = _adamw_problem(dev, sizes, seed=2)
+    inv = torch.tensor(ADAMW_INV_SCALE, device=dev)
+    rows = []
+    for label, cls_name, dt, kw in cases:
+        cls = getattr(mod, cls_name, None)
+        api = f"{mod.__name__}.{cls_name}"
+        if cls is None:
+            why = f"torchao {version} has no {cls_name}"
+            rows.append(_row("adamw", f"torchao {label}: {why}", None, note=why))
+            continue
+        ps = [torch.nn.Parameter(w.to(dt)) for w in init]
+        gs = [x.to(dt) for x in grads16]
+        for p, x in zip(ps, gs):
+            p.grad = x.clone()
+        opt = cls(ps, lr=ADAMW_LR, **kw)
+
+        def restore(ps: list[Tensor] = ps, gs: list[Tensor] = gs) -> None:
+            torch._foreach_copy_([p.grad for p in ps], gs)
+
+        def step(ps: list[Tensor] = ps, opt: torch.optim.Optimizer = opt) -> None:
+            _unscale_clip(ps, inv)
+            opt.step()
+
+        try:
+            restore()
+            sync(dev)
+            t0 = time.perf_counter()
+            step()
+            sync(dev)
+            first = time.perf_counter() - t0
+            t = time_fn(step, dev, reps=reps, warmup=1, setup=restore)
+        except Exception as e:  # noqa: BLE001 -- e.g. no C++ compiler for inductor on this machine
+            why = _failure(e)
+            log(f"torchao {label}: {why}")
+            rows.append(_row("adamw", f"torchao {label}: {why}", None, note=why))
+            continue
+        state = state_nbytes(opt) / n
+        ratio = None
+        if baseline_s is not None:
+            ratio = (baseline_s / (baseline_params or n)) / (t / n)
+        row = _row("adamw", f"torchao {label} (torchao {version})", t, params=n, peer_ratio=ratio, state_bpp=state,
+                   vs=None if ratio is None else BASELINE, note="per-param time ratio" if n != baseline_params else None)
+        row.update(api=api, kwargs={k: v for k, v in kw.items()}, params=n, first_step_s=first,
+                   torchao_version=version)
+        rows.append(row)
+        log(f"torchao {label}: {t * 1e3:.2f} ms ({n / 1e6:g}M params; first step incl. compile {first:.1f} s), "
+            f"state {state:.3f} B/param")
+        del opt, ps, gs, step, restore
+    return rows
+
+
+# ---- host time per tensor -------------------------------------------------------------------------
+def _best(fn: Callable[[], object], reps: int, device: torch.device) -> float:
+    """Fastest of ``reps`` calls, seconds (host-bound timings: the minimum is the figure)."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def host_time(device: torch.device | str = "cpu", *, tensors: int = 1000, numel: int = 256, reps: int = 30,
+              clip: bool = True, modes: str | list[tuple[Any, str]] = "default",
+              breakdown: bool = False) -> dict[str, Any]:
+    """Host time of one optimizer step on ``tensors`` tiny bf16 tensors (host-bound: Python,
+    dispatch and per-tensor setup, not memory traffic), fastest of ``reps``, in seconds.
+
+    Returns ``{"tensors", "numel", "clip", "mpkern": {mode label: s (or why it failed)}, "torch": s, "breakdown"}``:
+    ``FusedAdamWMP.step`` (clipping fused via ``max_grad_norm``) in each mode of :func:`adamw_modes`,
+    torch's fused AdamW + foreach ``clip_grad_norm_`` on fp32 copies, and with ``breakdown`` the
+    parts of the first mode's step (collect, prepare, kernel call incl. the dispatcher's list
+    unpacking; read through the optimizer's private helpers, so ``{"error": ...}`` when they change).
+    """
+    import mpkern
+
+    dev = torch.device(device)
+    modes = adamw_modes(modes) if isinstance(modes, str) else list(modes)
+    max_norm = ADAMW_MAX_NORM if clip else None
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(numel, generator=g).to(torch.bfloat16).to(dev) for _ in range(tensors)]
+    grads = [torch.randn(numel, generator=g).to(torch.bfloat16).to(dev) for _ in range(tensors)]
+    out: dict[str, Any] = {"tensors": tensors, "numel": numel, "clip": clip, "mpkern": {}, "breakdown": None}
+    first = None
+    for mw, sd in modes:
+        ps = [torch.nn.Parameter(x.clone()) for x in base]
+        for p, x in zip(ps, grads):
+            p.grad = x
+        opt = mpkern.FusedAdamWMP(ps, lr=1e-3, max_grad_norm=max_norm, master_weights=mw, state_dtype=sd,
+                                  stochastic_rounding=mw is False)
+        try:
+            for _ in range(3):
+                opt.step()
+            sync(dev)
+            out["mpkern"][mode_label(mw, sd)] = _best(opt.step, reps, dev)
+        except Exception as e:  # noqa: BLE001 -- as in bench_adamw_modes
+            out["mpkern"][mode_label(mw, sd)] = _failure(e)
+            continue
+        if first is None:
+            first = opt
+    ref_ps = [torch.nn.Parameter(x.float()) for x in base]
+    for q, x in zip(ref_ps, grads):
+        q.grad = x.float()
+    fused_kw = {"fused": True} if dev.type in ("cuda", "cpu") else {}
+    ref = torch.optim.AdamW(ref_ps, lr=1e-3, **fused_kw)
+
+    def torch_step() -> None:
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ref_ps, ADAMW_MAX_NORM, foreach=True)
+        ref.step()
+
+    torch_step()
+    out["torch"] = _best(torch_step, reps, dev)
+    if breakdown and first is not None:
+        out["breakdown"] = _host_breakdown(first, reps, dev)
+    return out
+
+
+def _host_breakdown(opt: Any, reps: int, dev: torch.device) -> dict[str, Any]:
+    """Seconds of the parts of ``opt.step()`` (first bucket), through the optimizer's private helpers."""
+    try:
+        from .optim.functional import fused_adamw_mp
+
+        work, _ = opt._collect()
+        group, _dev, kind, pairs = work[0]
+        lists, _ = opt._prepare(group, kind, pairs, True)
+        *tensors, sids, offs = lists
+        one, zero = torch.ones((), device=dev), torch.zeros((), device=dev)
+        return {"collect": _best(opt._collect, reps, dev),
+                "prepare": _best(lambda: opt._prepare(group, kind, pairs, True), reps, dev),
+                "kernel call": _best(lambda: fused_adamw_mp(dev.type, *tensors, one, zero, None, 1e-3, group,
+                                                            kind.mode, sids, offs), reps, dev)}
+    except Exception as e:  # noqa: BLE001 -- private API of mpkern.optim, changed by its authors
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def bench_host_time(device: torch.device | str = "cpu", *, tensors: int = 1000, numel: int = 256, reps: int = 30,
+                    modes: str | list[tuple[Any, str]] = "default",
+                    log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """:func:`host_time` (clip on) as table rows: ``rate`` is us per tensor; each mpkern row carries
+    its speed over torch's fused AdamW + foreach clip (no byte-model limit: the step is host-bound)."""
+    res = host_time(device, tensors=tensors, numel=numel, reps=reps, clip=True, modes=modes)
+    what = f"{tensors} bf16 x {numel}, clip on"
+    peer = "torch fused AdamW + foreach clip_grad_norm_ (fp32 copies)"
+    t_ref = res["torch"]
+    rows = []
+    for label, t in res["mpkern"].items():
+        if isinstance(t, str):  # the mode failed: why
+            rows.append(_row("adamw", f"host time: FusedAdamWMP {label}: {t}", None, note=t))
+            continue
+        rows.append(_host_row(f"host time: FusedAdamWMP {label} ({what})", t, tensors, t_ref / t, peer))
+    rows.append(_host_row(f"host time: {peer} ({what})", t_ref, tensors))
+    log("adamw host time: " + ", ".join(f"{k} {v / tensors * 1e6:.2f} us" if not isinstance(v, str) else f"{k} {v}"
+                                        for k, v in res["mpkern"].items())
+        + f"; torch {t_ref / tensors * 1e6:.2f} us per tensor")
+    return rows
+
+
+def _host_row(method: str, t: float, tensors: int, ratio: float | None = None, vs: str | None = None) -> dict[str, Any]:
+    r = _row("adamw", method, t, peer_ratio=ratio, vs=vs, note="host-bound: no byte-model limit" if vs else None)
+    r.update(unit="us/tensor", rate=t / tensors * 1e6, tensors=tensors)
+    return r
 
 
 # ---- matmul -------------------------------------------------------------------------------------
@@ -472,7 +900,8 @@ def check_matmul_interpreter(dtypes: str = "bf16,fp16", log: Callable[[str], Non
 # ---- all together -------------------------------------------------------------------------------
 def run(which: str = "all", *, device: str | torch.device | None = None, quick: bool = False,
         params: int | None = None, tensors: int | None = None, reps: int | None = None,
-        log: Callable[[str], None] = print) -> dict[str, Any]:
+        modes: str = "default", torchao: bool = True, torchao_params: int | None = None,
+        host: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run benchmark ``which`` (``unscale``, ``adamw``, ``matmul`` or ``all``); return ``{"meta", "rows"}``.
 
     Sizes (``params``/``tensors``/``reps`` override those of the optimizer-side benchmarks): full
@@ -482,6 +911,12 @@ def run(which: str = "all", *, device: str | torch.device | None = None, quick: 
     repetitions) or 2048x1024x2048 (at most 10); on CUDA the 4096^3 square (quick; also 8192^3 in
     full) and the LLM-layer forward, input-gradient and weight-gradient GEMMs with 4096 tokens
     (quick) or 16384.
+
+    ``adamw`` also runs, on the same sizes and against the same AMP-recipe baseline:
+    :func:`bench_adamw_modes` for ``modes`` (see :func:`adamw_modes`: ``"default"``, ``"all"``,
+    ``"none"`` or a ``master:moments`` list); with ``torchao`` :func:`bench_torchao` on
+    ``torchao_params`` (default: the same count; "not installed" rows without torchao); with
+    ``host`` :func:`bench_host_time` (1000 bf16 tensors of 256 elements, clip on, fastest of 30).
     """
     if which not in KERNELS + ("all",):
         raise ValueError(f"which must be one of {KERNELS + ('all',)}, got {which!r}")
@@ -494,8 +929,14 @@ def run(which: str = "all", *, device: str | torch.device | None = None, quick: 
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{k} must be a positive integer, got {v!r}")
             size[k] = v
+    if torchao_params is not None and (not isinstance(torchao_params, int) or torchao_params < 1):
+        raise ValueError(f"torchao_params must be a positive integer, got {torchao_params!r}")
     kernels = KERNELS if which == "all" else (which,)
     meta = machine_info(dev) | {"which": which, "quick": quick, **size}
+    if "adamw" in kernels:
+        _mod, version, why = torchao_optim() if torchao else (None, "", "not run")
+        mode_list = adamw_modes(modes)  # a bad mode fails here, before the long runs
+        meta.update(adamw_modes=[[mw, sd] for mw, sd in mode_list], torchao=version or why)
     bw = None
     if "unscale" in kernels or "adamw" in kernels:
         log(f"measuring memory bandwidth on {dev} ...")
@@ -508,8 +949,18 @@ def run(which: str = "all", *, device: str | torch.device | None = None, quick: 
         rows += bench_unscale(dev, params=size["params"], tensors=size["tensors"], reps=size["reps"], bandwidth=bw,
                               log=log)
     if "adamw" in kernels:
-        rows += bench_adamw(dev, params=size["params"], tensors=size["tensors"], reps=max(size["reps"] - 5, 3),
-                            bandwidth=bw, log=log)
+        areps = max(size["reps"] - 5, 3)
+        base = bench_adamw(dev, params=size["params"], tensors=size["tensors"], reps=areps, bandwidth=bw, log=log)
+        rows += base
+        baseline_s = base[1]["ms"] / 1e3  # (a), the AMP recipe on fp32 params
+        rows += bench_adamw_modes(dev, params=size["params"], tensors=size["tensors"], reps=areps, modes=mode_list,
+                                  bandwidth=bw, baseline_s=baseline_s, log=log)
+        if torchao:
+            rows += bench_torchao(dev, params=min(torchao_params or size["params"], size["params"]),
+                                  tensors=size["tensors"], reps=areps, baseline_s=baseline_s,
+                                  baseline_params=size["params"], log=log)
+        if host:
+            rows += bench_host_time(dev, log=log)
     if "matmul" in kernels:
         rows += bench_matmul(dev, quick=quick, log=log)
     meta["seconds"] = time.perf_counter() - t0
@@ -517,20 +968,32 @@ def run(which: str = "all", *, device: str | torch.device | None = None, quick: 
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a markdown table; a peer's row carries mpkern's speedup over it and the limit."""
-    cols = ["kernel", "method", "ms", "B/param", "rate", "% of bound", "mpkern speedup", "byte-model limit"]
+    """The rows as a markdown table. A peer's row carries mpkern's speedup over it and the limit; a row
+    with ``vs`` carries its own speed over that row (``1.85x vs <vs>``). "state B/param": resident
+    optimizer state (masters + moments) per param, where the row has it."""
+    state = any(r.get("state_bytes_per_param") is not None for r in rows)
+    cols = ["kernel", "method", "ms", "B/param", *(["state B/param"] if state else []), "rate", "% of bound",
+            "mpkern speedup", "byte-model limit"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lim = r["byte_model_limit"]
-        if r["mpkern_speedup"] is not None and lim is None:
-            lim_s = "n/a (compute-bound)"
+        if lim is not None:
+            lim_s = f"{lim:.2f}x"
+        elif r["mpkern_speedup"] is not None:
+            lim_s = r.get("note") or "n/a (compute-bound)"
         else:
-            lim_s = f"{lim:.2f}x" if lim is not None else ""
-        cells = [r["kernel"], r["method"], f"{r['ms']:.3g}",
-                 "" if r["bytes_per_param"] is None else f"{r['bytes_per_param']:g}",
-                 f"{r['rate']:.3g} {r['unit']}",
-                 "" if r["pct_of_bound"] is None else f"{r['pct_of_bound']:.0f} % of {r['bound']}",
-                 "" if r["mpkern_speedup"] is None else f"{r['mpkern_speedup']:.2f}x", lim_s]
+            lim_s = ""
+        x = r["mpkern_speedup"]
+        speed = "" if x is None else f"{x:.2f}x" if x >= 0.1 else f"{x:.2g}x"
+        if speed and r.get("vs"):
+            speed += f" vs {r['vs']}"
+        cells = [r["kernel"], r["method"], "" if r["ms"] is None else f"{r['ms']:.3g}",
+                 "" if r["bytes_per_param"] is None else f"{r['bytes_per_param']:g}"]
+        if state:
+            sb = r.get("state_bytes_per_param")
+            cells.append("" if sb is None else f"{sb:.4g}")
+        cells += ["" if r["rate"] is None else f"{r['rate']:.3g} {r['unit']}",
+                  "" if r["pct_of_bound"] is None else f"{r['pct_of_bound']:.0f} % of {r['bound']}", speed, lim_s]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -570,8 +1033,9 @@ def plot(result: dict[str, Any], path: str) -> bool:
     ax.bar([x + w / 2 for x in xs], [r["byte_model_limit"] or 0 for r in peers], w, label="byte-model limit")
     ax.axhline(1.0, color="gray", lw=1, ls=":")
     ax.set_xticks(xs)
-    ax.set_xticklabels([f"{r['kernel']}\nvs {r['method'][:38]}" for r in peers], fontsize=7, rotation=15)
-    ax.set_ylabel("peer time / mpkern time")
+    ax.set_xticklabels([f"{r['method'][:38]}\nvs {r['vs'][:30]}" if r.get("vs") else
+                        f"{r['kernel']}\nvs {r['method'][:38]}" for r in peers], fontsize=7, rotation=15)
+    ax.set_ylabel("peer time / mpkern time (or time of 'vs' / row time)")
     ax.set_title(f"mpkern bench -- {result['meta']['device']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -579,6 +1043,27 @@ def plot(result: dict[str, Any], path: str) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def add_adamw_arguments(ap: Any) -> None:
+    """The AdamW benchmark's own options on an ``argparse`` parser (``benchmarks/bench_adamw.py``;
+    ``mpkern bench`` can take the same); :func:`adamw_run_kwargs` turns them into :func:`run`'s."""
+    ap.add_argument("--modes", default="default", metavar="default|all|none|MASTER:MOMENTS,...",
+                    help="FusedAdamWMP storage modes on bf16 params: 'default' (fp32+fp32, remainder+bf16, "
+                         "8bit+bf16, and 8bit+8bit, remainder+8bit where 8-bit moments exist), 'all' (every "
+                         "master_weights x state_dtype), 'none', or a list such as remainder:bf16,8bit:8bit")
+    ap.add_argument("--torchao-params", type=float, default=None, metavar="N",
+                    help="cap the params of the torchao rows (torchao compiles per tensor and is slow on CPU)")
+    ap.add_argument("--no-torchao", action="store_true", help="skip the torchao rows")
+    ap.add_argument("--no-host-time", action="store_true",
+                    help="skip the host-time rows (1000 bf16 tensors of 256, us per tensor)")
+
+
+def adamw_run_kwargs(args: Any) -> dict[str, Any]:
+    """:func:`run`'s AdamW keywords from options added by :func:`add_adamw_arguments` (absent: defaults)."""
+    tp = getattr(args, "torchao_params", None)
+    return {"modes": getattr(args, "modes", "default"), "torchao": not getattr(args, "no_torchao", False),
+            "torchao_params": None if tp is None else int(tp), "host": not getattr(args, "no_host_time", False)}
 
 
 def script_main(kernel: str, argv: list[str] | None = None, *, out_dir: str | None = None,
@@ -594,9 +1079,11 @@ def script_main(kernel: str, argv: list[str] | None = None, *, out_dir: str | No
     ap.add_argument("--tensors", type=int, default=None, help=f"number of tensors (default {FULL['tensors']})")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (median reported)")
     ap.add_argument("--no-plot", action="store_true")
+    if kernel in ("adamw", "all"):
+        add_adamw_arguments(ap)
     args = ap.parse_args(argv)
     res = run(kernel, device=args.device, quick=args.quick, params=None if args.params is None else int(args.params),
-              tensors=args.tensors, reps=args.reps)
+              tensors=args.tensors, reps=args.reps, **adamw_run_kwargs(args))
     md = format_table(res["rows"])
     print(f"\n{res['meta']['device']}, {res['meta']['threads']} threads\n\n{md}")
     ok = True

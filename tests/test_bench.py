@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import os
 
+import pytest
 import torch
-
 from conftest import requires_cuda
-from mpkern import bench
+
+from mpkern import bench, bytemodel
 
 
 def test_run_docstring_gives_the_sizes_the_code_uses():
@@ -60,3 +62,142 @@ def test_the_fp32_check_catches_a_bf16_rounded_product():
     mag = mg.double().abs() + a.double().abs() @ b.double().abs()
     rounded = mg.clone().add_(torch.matmul(a, b))
     assert float(((rounded.double() - want).abs() / mag).max()) > 1e-4
+
+
+# ---- AdamW: compact storage modes, torchao, host time (issue 15) ---------------------------------
+def test_adamw_modes_default_all_and_lists():
+    from mpkern.optim import storage
+
+    moments = storage.MOMENT_KINDS
+    default = bench.adamw_modes("default")
+    assert default == [m for m in bench.DEFAULT_ADAMW_MODES if m[1] in moments]
+    assert default[:3] == [(True, "float32"), ("remainder", "bfloat16"), ("8bit", "bfloat16")]
+    assert (("8bit", "8bit") in default) == ("8bit" in moments)  # present exactly when the kind is
+    assert bench.adamw_modes("all") == [(mw, sd) for mw in storage.MASTER_KINDS for sd in moments]
+    assert bench.adamw_modes("none") == []
+    assert bench.adamw_modes("remainder:bf16, false:fp32,fp32:bfloat16") == [
+        ("remainder", "bfloat16"), (False, "float32"), (True, "bfloat16")]
+    for bad in ("remainder", "8bits:bf16", "true:int4"):
+        with pytest.raises(ValueError, match="master:moments"):
+            bench.adamw_modes(bad)
+
+
+def test_step_bytes_come_from_the_storage_descriptions():
+    """One count: grad read by the pre-pass and the step, state read + written, param written (and
+    read unless an fp32 master holds the value) -- and it agrees with bytemodel and DESIGN.md."""
+    from mpkern.optim import storage
+
+    assert bench.step_bytes_per_param(True, "float32") == bytemodel.STEP_TRAFFIC["mpkern"] == 30
+    for mw, sd in bench.adamw_modes("all"):
+        state = storage.state_bytes_per_param(mw, sd, torch.bfloat16)
+        param_rw = 2 if mw is True else 4
+        assert bench.step_bytes_per_param(mw, sd) == 2 + 2 + param_rw + 2 * state, (mw, sd)
+        assert bench.step_bytes_per_param(mw, sd, clip=False) == 2 + param_rw + 2 * state
+    if "8bit" in storage.MOMENT_KINDS:  # DESIGN.md's compact-state traffic
+        assert bench.step_bytes_per_param("8bit", "8bit") == pytest.approx(14.25)
+        assert bench.step_bytes_per_param("remainder", "8bit") == pytest.approx(16.25)
+
+
+def test_adamw_mode_rows_carry_the_byte_model_and_the_baseline_ratio():
+    from mpkern.optim import storage
+
+    rows = bench.bench_adamw_modes("cpu", params=6000, tensors=3, reps=1, modes="default",
+                                   bandwidth={"inplace_GBps": 1.0, "copy_GBps": 2.0}, baseline_s=0.05,
+                                   log=lambda s: None)
+    assert [(r["master_weights"], r["state_dtype"]) for r in rows] == bench.adamw_modes("default")
+    for r in rows:
+        mw, sd = r["master_weights"], r["state_dtype"]
+        assert r["kernel"] == "adamw" and bench.mode_label(mw, sd) in r["method"]
+        assert r["bytes_per_param"] == bench.step_bytes_per_param(mw, sd)
+        assert r["state_bytes_per_param"] == storage.state_bytes_per_param(mw, sd, torch.bfloat16)
+        if r["ms"] is None:  # a mode this build's kernels cannot run yet: said, not raised
+            assert r["note"].startswith("failed:")
+            continue
+        assert r["byte_model_limit"] == pytest.approx(bytemodel.STEP_TRAFFIC["amp_fp32"] / r["bytes_per_param"])
+        assert r["mpkern_speedup"] == pytest.approx(50.0 / r["ms"]) and r["vs"] == bench.BASELINE
+        assert r["rate"] == pytest.approx(r["bytes_per_param"] * 6000 / (r["ms"] / 1e3) / 1e9)
+        assert r["pct_of_bound"] == pytest.approx(100 * r["rate"] / 2.0) and r["bound"] == "copy bandwidth"
+        # the allocated state agrees with the descriptions (8-bit moments: a short last group of
+        # scales costs its whole scale)
+        assert r["state_bytes_measured"] == pytest.approx(r["state_bytes_per_param"], abs=0.02)
+    assert rows[0]["ms"] is not None  # fp32 + fp32 always runs
+    table = bench.format_table(rows)
+    assert "state B/param" in table and f"vs {bench.BASELINE}" in table
+
+
+def test_state_nbytes_counts_inner_tensors_of_subclasses_once():
+    from types import SimpleNamespace
+
+    a = torch.zeros(1000)
+    opt = SimpleNamespace(state=None)  # only .state is read
+    opt.state = {0: {"step": torch.tensor(3.0), "exp_avg": a, "alias": a[:10]}, 1: {"exp_avg_sq": torch.zeros(
+        7, dtype=torch.bfloat16)}}
+    assert bench.state_nbytes(opt) == 4000 + 14  # 0-dim step not counted, the alias once
+    sub8 = pytest.importorskip("torchao.optim.subclass_8bit")
+    q = sub8.OptimState8bit.zeros((8192,), True, 256, "cpu")
+    opt.state = {0: {"exp_avg": q}}
+    assert bench.state_nbytes(opt) == 8192 + 4 * 8192 // 256 + 4 * 256  # codes, scales, qmap
+
+
+def test_torchao_rows_say_not_installed(monkeypatch):
+    monkeypatch.setattr(bench, "torchao_optim", lambda: (None, "", "not installed (pip install torchao)"))
+    rows = bench.bench_torchao("cpu", params=8192, tensors=1, reps=1, log=lambda s: None)
+    assert len(rows) == len(bench.TORCHAO_CASES)
+    assert all(r["ms"] is None and "not installed" in r["method"] for r in rows)
+    assert "not installed" in bench.format_table(rows)
+
+
+def test_torchao_rows_measure_state_from_the_tensors():
+    pytest.importorskip("torchao")
+    mod, version, why = bench.torchao_optim()
+    if mod is None:
+        pytest.skip(why)
+    # the bf16 stochastic-rounding AdamW only: it compiles in ~1 s (AdamW8bit takes longer cold)
+    case = next(c for c in bench.TORCHAO_CASES if c[1] == "_AdamW")
+    rows = bench.bench_torchao("cpu", params=8192, tensors=2, reps=1, baseline_s=0.01, baseline_params=10000,
+                               cases=(case,), log=lambda s: None)
+    (r,) = rows
+    if r["ms"] is None:  # e.g. inductor lacks a compiler here: said in the row
+        pytest.skip(r["note"])
+    assert r["api"].endswith("._AdamW") and r["kwargs"] == {"bf16_stochastic_round": True}
+    assert r["params"] == 8192 and r["torchao_version"] == version
+    assert r["state_bytes_per_param"] == 4.0  # bf16 exp_avg + exp_avg_sq, no master
+    assert r["mpkern_speedup"] == pytest.approx((0.01 / 10000) / (r["ms"] / 1e3 / 8192))
+
+
+def test_host_time_rows_are_us_per_tensor():
+    modes = bench.adamw_modes("default")
+    rows = bench.bench_host_time("cpu", tensors=20, numel=16, reps=2, log=lambda s: None)
+    assert len(rows) == len(modes) + 1 and "torch fused AdamW" in rows[-1]["method"]
+    t_ref = rows[-1]["ms"]
+    for r, (mw, sd) in zip(rows, modes):
+        assert bench.mode_label(mw, sd) in r["method"]
+        if r["ms"] is None:
+            assert r["note"].startswith("failed:")
+            continue
+        assert r["unit"] == "us/tensor" and r["rate"] == pytest.approx(r["ms"] * 1e3 / 20)
+        assert r["mpkern_speedup"] == pytest.approx(t_ref / r["ms"]) and r["byte_model_limit"] is None
+    assert rows[0]["ms"] is not None
+    assert "us/tensor" in bench.format_table(rows)
+
+
+def test_host_time_script_is_a_wrapper_of_bench():
+    assert "FusedAdamWMP" in inspect.getsource(bench.host_time)
+    with open(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "host_time.py")) as f:
+        text = f.read()
+    assert "bench.host_time(" in text and "FusedAdamWMP(" not in text  # no second implementation
+
+
+def test_adamw_options_reach_run():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    bench.add_adamw_arguments(ap)
+    kw = bench.adamw_run_kwargs(ap.parse_args(["--modes", "all", "--torchao-params", "1e6", "--no-host-time"]))
+    assert kw == {"modes": "all", "torchao": True, "torchao_params": 1_000_000, "host": False}
+    assert bench.adamw_run_kwargs(argparse.Namespace()) == {"modes": "default", "torchao": True,
+                                                            "torchao_params": None, "host": True}
+    with pytest.raises(ValueError, match="master:moments"):  # before anything is timed
+        bench.run("adamw", device="cpu", modes="bogus", log=lambda s: None)
+    with pytest.raises(ValueError, match="torchao_params"):
+        bench.run("adamw", device="cpu", torchao_params=0, log=lambda s: None)
