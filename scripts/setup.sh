@@ -20,11 +20,14 @@ echo "[setup] installing torch and tools (torch 2.14.1 is ~80 s from a local whe
 python -m pip install -q "torch==2.14.1" numpy "hypothesis>=6" "pytest>=7" ninja "setuptools>=64" wheel
 
 if [ "${MPKERN_EXTRAS:-1}" != "0" ]; then
-  echo "[setup] installing the optional extras: matplotlib tqdm transformers accelerate lightning peft" \
+  echo "[setup] installing the optional extras: matplotlib tqdm transformers accelerate lightning peft torchao" \
        "(torch stays pinned)"
   echo "torch==2.14.1" > .venv/torch-pin.txt
   python -m pip install -q -c .venv/torch-pin.txt matplotlib tqdm "transformers>=4.40" "accelerate>=0.26" \
     "lightning>=2.2" "peft>=0.10"
+  # torchao: its low-bit AdamWs run beside mpkern's in `mpkern bench adamw` (torchao declares no
+  # dependencies, so it cannot replace torch; the pin guards that anyway)
+  python -m pip install -q -c .venv/torch-pin.txt torchao
 fi
 
 echo "[setup] building the native extension (MPKERN_BUILD_CUDA=${MPKERN_BUILD_CUDA:-auto})"
