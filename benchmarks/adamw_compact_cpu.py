@@ -21,9 +21,10 @@ import mpkern  # noqa: F401  (registers the ops)
 from mpkern import _backend
 
 BF16, F32 = torch.bfloat16, torch.float32
+MOM8 = "8-bit"  # int8 exp_avg + uint8 exp_avg_sq codes with bf16 scales per 32 elements
 
 # (name, master_mode, moment dtype, param stochastic rounding, bytes/param moved)
-# bytes: grad 2 + param r/w 2+2 + master r/w + moments r/w
+# bytes: grad 2 + param r/w 2+2 + master r/w + moments r/w (the byte model of DESIGN.md)
 CASES = [
     ("fp32 master + fp32 moments (mode 1)", 1, F32, False, 2 + 4 + 8 + 16),
     ("fp32 master + bf16 moments SR (mode 1)", 1, BF16, False, 2 + 4 + 8 + 8),
@@ -31,6 +32,11 @@ CASES = [
     ("remainder + bf16 moments SR (mode 2)", 2, BF16, False, 2 + 4 + 4 + 8),
     ("8-bit master + fp32 moments (mode 3)", 3, F32, False, 2 + 4 + 2 + 16),
     ("8-bit master + bf16 moments SR (mode 3)", 3, BF16, False, 2 + 4 + 2 + 8),
+    # 8-bit moments: int8 + uint8 codes r/w (4) and two bf16 scales per 32 elements r/w (0.25)
+    ("fp32 master + 8-bit moments (mode 1)", 1, MOM8, False, 2 + 4 + 8 + 4.25),
+    ("no master, param SR + 8-bit moments (mode 0)", 0, MOM8, True, 2 + 4 + 4.25),
+    ("remainder + 8-bit moments (mode 2)", 2, MOM8, False, 2 + 4 + 4 + 4.25),
+    ("8-bit master + 8-bit moments (mode 3)", 3, MOM8, False, 2 + 4 + 2 + 4.25),
 ]
 
 
@@ -44,8 +50,14 @@ def run(numel: int, tensors: int, reps: int, device: str = "cpu") -> None:
     grads = [(torch.randn(n, generator=gen) * 1e-2).to(BF16).to(dev) for n in sizes]
     one, zero = torch.tensor(1.0, device=dev), torch.tensor(0.0, device=dev)
     for name, mode, sdt, sr, nbytes in CASES:
-        ms = [torch.zeros(n, dtype=sdt, device=dev) for n in sizes]
-        vs = [torch.zeros(n, dtype=sdt, device=dev) for n in sizes]
+        scales = ([], [])
+        if sdt == MOM8:
+            ms = [torch.zeros(n, dtype=torch.int8, device=dev) for n in sizes]
+            vs = [torch.zeros(n, dtype=torch.uint8, device=dev) for n in sizes]
+            scales = tuple([torch.zeros((n + 31) // 32, dtype=BF16, device=dev) for n in sizes] for _ in range(2))
+        else:
+            ms = [torch.zeros(n, dtype=sdt, device=dev) for n in sizes]
+            vs = [torch.zeros(n, dtype=sdt, device=dev) for n in sizes]
         masters = {0: [], 1: [p.float() for p in params],
                    2: [torch.zeros(n, dtype=torch.int16, device=dev) for n in sizes],
                    3: [torch.zeros(n, dtype=torch.int8, device=dev) for n in sizes]}[mode]
@@ -56,12 +68,12 @@ def run(numel: int, tensors: int, reps: int, device: str = "cpu") -> None:
             sync()
             t0 = time.perf_counter()
             torch.ops.mpkern.adamw_step_(ps, grads, ms, vs, [], masters, steps, one, zero, None, 1e-3, 0.9, 0.999,
-                                         1e-8, 0.01, False, mode, sr, 1)
+                                         1e-8, 0.01, False, mode, sr, 1, [], [], *scales)
             sync()
             if r:  # the first call warms up (page faults of fresh buffers, the device table)
                 times.append(time.perf_counter() - t0)
         t, med = min(times), statistics.median(times)
-        print(f"{name:50s} {t * 1e3:8.2f} ms (median {med * 1e3:7.2f})  {nbytes:3d} B/param  "
+        print(f"{name:50s} {t * 1e3:8.2f} ms (median {med * 1e3:7.2f})  {nbytes:6.2f} B/param  "
               f"{numel * nbytes / t / 1e9:6.1f} GB/s")
         del ms, vs, masters, ps
 

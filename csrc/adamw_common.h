@@ -12,7 +12,8 @@ inline void check_adamw_args(const char* op, at::TensorList params, at::TensorLi
                              at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters,
                              at::TensorList steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
                              const std::optional<at::Tensor>& lr_tensor, int64_t master_mode,
-                             at::IntArrayRef stream_ids = {}, at::IntArrayRef elem_offsets = {}) {
+                             at::IntArrayRef stream_ids = {}, at::IntArrayRef elem_offsets = {},
+                             at::TensorList exp_avg_scales = {}, at::TensorList exp_avg_sq_scales = {}) {
   const size_t n = params.size();
   TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n, op,
               ": params, grads, exp_avgs, exp_avg_sqs and steps must have the same length");
@@ -31,6 +32,19 @@ inline void check_adamw_args(const char* op, at::TensorList params, at::TensorLi
     TORCH_CHECK_VALUE(elem_offsets[i] >= 0, op, ": elem_offsets[", i, "] = ", elem_offsets[i], " is negative");
   TORCH_CHECK_VALUE(master_mode == kMasterNone ? masters.empty() : masters.size() == n, op,
               ": masters must be one per param (empty when master_mode is 0)");
+  // 8-bit companded moments: selected by int8 exp_avgs, for every param of the call or none
+  const bool mom8 = n && exp_avgs[0].scalar_type() == at::kChar;
+  if (mom8) {
+    TORCH_CHECK_VALUE(max_exp_avg_sqs.empty(), op, ": amsgrad is not supported with 8-bit moments (max_exp_avg_sqs "
+                      "must be empty when exp_avgs are int8)");
+    TORCH_CHECK_VALUE(exp_avg_scales.size() == n && exp_avg_sq_scales.size() == n, op,
+                      ": 8-bit moments need exp_avg_scales and exp_avg_sq_scales, one per param; got ",
+                      exp_avg_scales.size(), " and ", exp_avg_sq_scales.size(), " for ", n, " params");
+  } else {
+    TORCH_CHECK_VALUE(exp_avg_scales.empty() && exp_avg_sq_scales.empty(), op,
+                      ": exp_avg_scales and exp_avg_sq_scales must be empty unless the moments are 8-bit "
+                      "(int8 exp_avgs, uint8 exp_avg_sqs)");
+  }
   const c10::Device dev = n ? params[0].device() : grad_factor.device();
   check_scalar_f32(op, "grad_factor", grad_factor, dev);
   check_scalar_f32(op, "found_inf", found_inf, dev);
@@ -51,8 +65,28 @@ inline void check_adamw_args(const char* op, at::TensorList params, at::TensorLi
     dtype_code(p.scalar_type());
     dtype_code(grads[i].scalar_type());
     const auto sdt = exp_avgs[i].scalar_type();
-    TORCH_CHECK_TYPE(sdt == at::kFloat || sdt == at::kBFloat16, op, ": moments must be float32 or bfloat16, got ", sdt);
-    TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == sdt, op, ": exp_avg and exp_avg_sq dtypes differ");
+    if (mom8) {
+      TORCH_CHECK_TYPE(sdt == at::kChar, op, ": exp_avgs[", i, "] is ", sdt,
+                       ", but exp_avgs[0] is int8 (8-bit moments): every param of a call has the same moment kind");
+      TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == at::kByte, op, ": exp_avg_sqs[", i,
+                       "] must be uint8 with 8-bit (int8) exp_avgs, got ", exp_avg_sqs[i].scalar_type());
+      const int64_t groups = (numel + kMom8Group - 1) / kMom8Group;
+      auto scale = [&](const at::Tensor& s, const char* what) {
+        TORCH_CHECK_VALUE(s.layout() == at::kStrided, op, ": ", what, "[", i, "] must be a strided (dense) tensor");
+        TORCH_CHECK_TYPE(s.scalar_type() == at::kBFloat16, op, ": ", what, "[", i, "] must be bfloat16, got ",
+                         s.scalar_type());
+        TORCH_CHECK_VALUE(s.device() == dev, op, ": ", what, "[", i, "] is on ", s.device(), ", expected ", dev);
+        TORCH_CHECK_VALUE(s.numel() == groups, op, ": ", what, "[", i, "] has ", s.numel(),
+                          " elements, expected ceil(numel / 32) = ", groups);
+        TORCH_CHECK_VALUE(s.is_contiguous(), op, ": ", what, "[", i, "] must be contiguous");
+      };
+      scale(exp_avg_scales[i], "exp_avg_scales");
+      scale(exp_avg_sq_scales[i], "exp_avg_sq_scales");
+    } else {
+      TORCH_CHECK_TYPE(sdt == at::kFloat || sdt == at::kBFloat16, op, ": exp_avgs[", i,
+                       "]: moments must be float32, bfloat16 or 8-bit (int8 exp_avgs + uint8 exp_avg_sqs), got ", sdt);
+      TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == sdt, op, ": exp_avg and exp_avg_sq dtypes differ");
+    }
     if (!max_exp_avg_sqs.empty()) {
       same(max_exp_avg_sqs[i], "max_exp_avg_sqs");
       TORCH_CHECK_TYPE(max_exp_avg_sqs[i].scalar_type() == at::kFloat, op, ": max_exp_avg_sqs must be float32");
@@ -84,9 +118,10 @@ inline c10::Device check_adamw_args_on(const char* op, at::TensorList params, at
                                        const at::Tensor& grad_factor, const at::Tensor& found_inf,
                                        const std::optional<at::Tensor>& lr_tensor, int64_t master_mode,
                                        at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets,
+                                       at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales,
                                        c10::DeviceType device_type) {
   check_adamw_args(op, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
-                   lr_tensor, master_mode, stream_ids, elem_offsets);
+                   lr_tensor, master_mode, stream_ids, elem_offsets, exp_avg_scales, exp_avg_sq_scales);
   const c10::Device dev = params.empty() ? grad_factor.device() : params[0].device();
   TORCH_CHECK_VALUE(dev.type() == device_type, op, ": tensors are on ", dev, ", expected ", device_type);
   return dev;
@@ -99,6 +134,12 @@ namespace mpkern {
 inline uint32_t stream_of(at::IntArrayRef stream_ids, size_t i) {
   return static_cast<uint32_t>(stream_ids.empty() ? static_cast<int64_t>(i) : stream_ids[i]);
 }
+// Moment code of a tensor: kF32 / kBF16, or kMom8 for int8 (8-bit companded) exp_avgs.
+inline int32_t moment_code(const at::Tensor& exp_avg) {
+  return exp_avg.scalar_type() == at::kChar ? kMom8 : dtype_code(exp_avg.scalar_type());
+}
+// An optional tensor list of the schema (Tensor[]?) as a list (None: empty).
+inline at::TensorList list_or_empty(const std::optional<at::TensorList>& l) { return l.has_value() ? *l : at::TensorList(); }
 inline uint64_t offset_of(at::IntArrayRef elem_offsets, size_t i) {
   return elem_offsets.empty() ? 0u : static_cast<uint64_t>(elem_offsets[i]);
 }

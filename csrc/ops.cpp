@@ -31,13 +31,15 @@ TORCH_LIBRARY(mpkern, m) {
   // corrections; empty list for master_mode 0) and the per-param step counters -- or nothing when
   // found_inf != 0. stream_ids / elem_offsets (one per tensor, or empty: index in the list, 0)
   // name the random stream of each tensor: element i draws the bits of element elem_offsets[t] + i
-  // of stream stream_ids[t] (see math.h, rng_key).
+  // of stream stream_ids[t] (see math.h, rng_key). 8-bit companded moments (int8 exp_avgs, uint8
+  // exp_avg_sqs) come with one bf16 scale per 32 elements in exp_avg_scales / exp_avg_sq_scales
+  // (None or empty otherwise; a Tensor[] cannot have a default, hence the optional lists).
   m.def(
       "adamw_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] masters, Tensor(f!)[] steps, Tensor grad_factor, "
       "Tensor found_inf, Tensor? lr_tensor, float lr, float beta1, float beta2, float eps, float weight_decay, "
       "bool maximize, int master_mode, bool stochastic_rounding, int seed, int[] stream_ids=[], "
-      "int[] elem_offsets=[]) -> ()");
+      "int[] elem_offsets=[], Tensor(g!)[]? exp_avg_scales=None, Tensor(h!)[]? exp_avg_sq_scales=None) -> ()");
 }
 
 #ifndef MPKERN_TORCH_VERSION
@@ -80,16 +82,19 @@ PYBIND11_MODULE(_C, mod) {
          const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& masters,
          const std::vector<at::Tensor>& steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
          const std::optional<at::Tensor>& lr_tensor, int64_t master_mode, const std::vector<int64_t>& stream_ids,
-         const std::vector<int64_t>& elem_offsets) {
+         const std::vector<int64_t>& elem_offsets, const std::optional<std::vector<at::Tensor>>& exp_avg_scales,
+         const std::optional<std::vector<at::Tensor>>& exp_avg_sq_scales) {
+        const std::vector<at::Tensor> none;
         mpkern::check_adamw_args("mpkern::adamw_step_", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                                  masters, steps, grad_factor, found_inf, lr_tensor, master_mode, stream_ids,
-                                 elem_offsets);
+                                 elem_offsets, exp_avg_scales.value_or(none), exp_avg_sq_scales.value_or(none));
       },
       pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("exp_avgs"), pybind11::arg("exp_avg_sqs"),
       pybind11::arg("max_exp_avg_sqs"), pybind11::arg("masters"), pybind11::arg("steps"),
       pybind11::arg("grad_factor"), pybind11::arg("found_inf"), pybind11::arg("lr_tensor"),
       pybind11::arg("master_mode"), pybind11::arg("stream_ids") = std::vector<int64_t>{},
-      pybind11::arg("elem_offsets") = std::vector<int64_t>{},
+      pybind11::arg("elem_offsets") = std::vector<int64_t>{}, pybind11::arg("exp_avg_scales") = pybind11::none(),
+      pybind11::arg("exp_avg_sq_scales") = pybind11::none(),
       "Raise like mpkern::adamw_step_ does on bad arguments");
 #if defined(MPKERN_WITH_CUDA) && MPKERN_WITH_CUDA
   mod.def("cuda_table_cache_stats", &mpkern::cuda::table_cache_stats,

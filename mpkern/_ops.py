@@ -29,7 +29,7 @@ _ADAMW_SCHEMA = (
     "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] masters, Tensor(f!)[] steps, Tensor grad_factor, "
     "Tensor found_inf, Tensor? lr_tensor, float lr, float beta1, float beta2, float eps, float weight_decay, "
     "bool maximize, int master_mode, bool stochastic_rounding, int seed, int[] stream_ids=[], "
-    "int[] elem_offsets=[]) -> ()")
+    "int[] elem_offsets=[], Tensor(g!)[]? exp_avg_scales=None, Tensor(h!)[]? exp_avg_sq_scales=None) -> ()")
 _SCHEMAS = {
     "grad_stats": "grad_stats(Tensor[] grads, Tensor inv_scale) -> (Tensor sumsq, Tensor amax)",
     "scale_": "scale_(Tensor(a!)[] tensors, Tensor scale) -> ()",
@@ -72,6 +72,21 @@ def _fake_adamw_step_(*args, **kwargs) -> None:
     # run the full check_adamw_args)
     params, masters, mode = args[0], args[5], int(args[16] if len(args) > 16 else kwargs["master_mode"])
     torch._check(0 <= mode <= 3, lambda: f"mpkern::adamw_step_: bad master_mode {mode}")
+    exp_avgs, exp_avg_sqs, max_exp_avg_sqs = args[2], args[3], args[4]
+    sm = args[21] if len(args) > 21 else kwargs.get("exp_avg_scales")
+    sv = args[22] if len(args) > 22 else kwargs.get("exp_avg_sq_scales")
+    if len(exp_avgs) and exp_avgs[0].dtype == torch.int8:
+        torch._check(not max_exp_avg_sqs, lambda: "mpkern::adamw_step_: amsgrad is not supported with 8-bit moments")
+        torch._check(sm is not None and sv is not None and len(sm) == len(params) and len(sv) == len(params),
+                     lambda: "mpkern::adamw_step_: 8-bit moments need exp_avg_scales and exp_avg_sq_scales, one per param")
+        for i, p in enumerate(params):
+            torch._check(exp_avgs[i].dtype == torch.int8 and exp_avg_sqs[i].dtype == torch.uint8,
+                         lambda: "mpkern::adamw_step_: 8-bit moments are int8 exp_avgs and uint8 exp_avg_sqs")
+            torch._check(sm[i].dtype == torch.bfloat16 and sv[i].dtype == torch.bfloat16,
+                         lambda: "mpkern::adamw_step_: 8-bit moment scales must be bfloat16")
+    else:
+        torch._check(not sm and not sv, lambda: (
+            "mpkern::adamw_step_: exp_avg_scales and exp_avg_sq_scales must be empty unless the moments are 8-bit"))
     if mode == reference.MASTER_8BIT:
         for i, p in enumerate(params):
             torch._check(p.dtype in (torch.bfloat16, torch.float16), lambda: (
@@ -112,16 +127,19 @@ def check_scale_args(tensors: Sequence[Tensor], scale: Tensor) -> None:
 
 def check_adamw_args(*args: Any) -> None:
     """Raise exactly like the C++ ``mpkern::adamw_step_`` kernels do; ``args`` follow its schema
-    (the trailing ``stream_ids``, ``elem_offsets`` may be left out)."""
+    (the trailing ``stream_ids``, ``elem_offsets``, ``exp_avg_scales``, ``exp_avg_sq_scales`` may be
+    left out; None scales are empty lists)."""
     ext = _native_checks()
     if ext is not None:
         (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
          lr_tensor) = args[:10]
         streams = [int(x) for x in args[19]] if len(args) > 19 else []
         offsets = [int(x) for x in args[20]] if len(args) > 20 else []
+        sm = list(args[21]) if len(args) > 21 and args[21] is not None else []
+        sv = list(args[22]) if len(args) > 22 and args[22] is not None else []
         ext.check_adamw_args(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
                              list(masters), list(steps), grad_factor, found_inf, lr_tensor, int(args[16]), streams,
-                             offsets)
+                             offsets, sm, sv)
 
 
 def capturing() -> bool:

@@ -133,12 +133,139 @@ def master8_encode(w: Tensor, dtype: torch.dtype, r16: Tensor) -> tuple[Tensor, 
     return p, y.to(torch.int8)
 
 
+# ---- 8-bit companded moments (math.h mom8_*) --------------------------------------------------------
+MOM8_GROUP = 32
+MOM8_KM = float.fromhex("0x1.040c2p-14")  # fp32(1 / 127^2): exp_avg scale per unit of the group max
+MOM8_KV = float.fromhex("0x1.040a14p-32")  # fp32(1 / 255^4): exp_avg_sq scale per unit of the group max
+MOM8_NAN_SCALE = 0x7FC0
+_Q255 = float(torch.tensor(65025.0) * torch.tensor(65025.0))  # fp32(255^4)
+
+
+def moment8_groups(numel: int) -> int:
+    """Number of scales of an 8-bit moment of ``numel`` elements: ceil(numel / 32)."""
+    return (int(numel) + MOM8_GROUP - 1) // MOM8_GROUP
+
+
+def _grouped(x: Tensor) -> Tensor:
+    """Flat ``x`` as ``[groups, 32]``, the last group padded with zeros."""
+    x = x.reshape(-1)
+    pad = (-x.numel()) % MOM8_GROUP
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad)])
+    return x.reshape(-1, MOM8_GROUP)
+
+
+def _scale_bits(x: Tensor, k: float) -> Tensor:
+    """int32 bf16 bits of the scales of grouped fp32 ``x`` [G, 32] (mom8_scale_bits)."""
+    amax = (x.view(torch.int32) & 0x7FFFFFFF).amax(dim=1)  # NaN > inf > finite, as bits
+    b = (amax.view(torch.float32) * k).view(torch.int32).to(torch.int64)  # >= 0: no sign bit
+    b = torch.where((b & 0xFFFF) != 0, b + 0x10000, b) >> 16
+    return torch.where(amax >= 0x7F800000, torch.full_like(b, MOM8_NAN_SCALE), b).to(torch.int32)
+
+
+def _bits_to_bf16(b: Tensor) -> Tensor:
+    return b.to(torch.int16).view(torch.bfloat16)  # int32 -> int16 keeps the low bits
+
+
+def _inv_scale(b: Tensor) -> Tensor:
+    """mom8_inv_scale: 1 / s, or 0 for a zero or NaN scale."""
+    s = (b << 16).view(torch.float32)
+    inv = torch.div(torch.ones_like(s), s)
+    return torch.where((b == 0) | (b == MOM8_NAN_SCALE), torch.zeros_like(s), inv)
+
+
+def _q4(k: Tensor) -> Tensor:
+    k2 = k * k
+    return k2 * k2
+
+
+def _encode_m(m: Tensor, inv: Tensor, r16: Tensor) -> Tensor:
+    """mom8_encode_m on grouped m [G, 32], inv [G, 1], r16 int [G, 32] -> int8 codes."""
+    y = m.abs() * inv
+    k = torch.floor(torch.sqrt(y))
+    k = torch.where(k * k > y, k - 1.0, k)
+    kp = k + 1.0
+    k = torch.where(kp * kp <= y, k + 1.0, k)
+    d = y - k * k
+    w = 2.0 * k + 1.0
+    c = torch.where(r16.to(torch.float32) * w < d * 65536.0, k + 1.0, k)
+    c = torch.where(y >= 16129.0, torch.full_like(c, 127.0), c)
+    c = torch.where(y > 0, c, torch.zeros_like(c))
+    c = torch.where(m < 0, -c, c)
+    return c.to(torch.int8)
+
+
+def _encode_v(v: Tensor, inv: Tensor, r16: Tensor) -> Tensor:
+    """mom8_encode_v on grouped v [G, 32] -> uint8 codes (a positive v gets at least code 1)."""
+    y = v * inv
+    k = torch.floor(torch.sqrt(torch.sqrt(y)))
+    k = torch.where(_q4(k) > y, k - 1.0, k)
+    k = torch.where(_q4(k + 1.0) <= y, k + 1.0, k)
+    q = _q4(k)
+    d = y - q
+    w = _q4(k + 1.0) - q
+    c = torch.where(r16.to(torch.float32) * w < d * 65536.0, k + 1.0, k)
+    c = torch.clamp(c, min=1.0)
+    c = torch.where(y >= _Q255, torch.full_like(c, 255.0), c)
+    c = torch.where(y > 0, c, torch.zeros_like(c))
+    return c.to(torch.uint8)
+
+
+def moment8_decode(codes: Tensor, scales: Tensor) -> Tensor:
+    """The fp32 moment of 8-bit codes and their bf16 scales (one per 32 consecutive elements of the
+    flattened codes, from element 0): float32 tensor of ``codes.shape`` on ``codes``' device.
+
+    * ``codes.dtype == torch.int8`` (exp_avg):   ``sign(c) * s * c^2``  (exact in fp32);
+    * ``codes.dtype == torch.uint8`` (exp_avg_sq): ``(s * c^2) * c^2``.
+    A group whose scale is NaN decodes as NaN."""
+    if codes.dtype not in (torch.int8, torch.uint8):
+        raise TypeError(f"moment8_decode: codes must be int8 (exp_avg) or uint8 (exp_avg_sq), got {codes.dtype}")
+    if scales.dtype != torch.bfloat16 or scales.numel() != moment8_groups(codes.numel()):
+        raise ValueError(f"moment8_decode: scales must be bfloat16 with ceil(numel / 32) = "
+                         f"{moment8_groups(codes.numel())} elements, got {scales.dtype} with {scales.numel()}")
+    n = codes.numel()
+    s = scales.reshape(-1, 1).float()
+    f = _grouped(codes.reshape(-1).to(torch.float32))
+    if codes.dtype == torch.int8:
+        x = s * (f * f.abs())
+    else:
+        f2 = f * f
+        x = (s * f2) * f2
+    return x.reshape(-1)[:n].reshape(codes.shape)
+
+
+def moment8_encode(values: Tensor, kind: str, r16: Tensor | int | None = None) -> tuple[Tensor, Tensor]:
+    """Quantize an fp32 moment to 8-bit codes and bf16 scales, exactly as the kernels store it.
+
+    ``kind``: ``"exp_avg"`` (int8 codes, signed values) or ``"exp_avg_sq"`` (uint8 codes, values >= 0).
+    ``r16``: the 16 random bits per element (an int64 tensor of ``values.shape`` with values in
+    [0, 2^16), or one int for all); None = 32768, which rounds to the nearest code value (ties
+    down) -- the deterministic choice for checkpoint conversion. Random bits give the kernels'
+    unbiased stochastic rounding. Returns ``(codes of values.shape, scales [ceil(numel / 32)])``."""
+    if kind not in ("exp_avg", "exp_avg_sq"):
+        raise ValueError(f"moment8_encode: kind must be 'exp_avg' or 'exp_avg_sq', got {kind!r}")
+    n = values.numel()
+    x = _grouped(values.detach().reshape(-1).to(torch.float32))
+    if r16 is None or isinstance(r16, int):
+        r = torch.full_like(x, 32768.0 if r16 is None else float(int(r16) & 0xFFFF))
+    else:
+        r = _grouped(r16.reshape(-1).to(torch.float32))
+    if kind == "exp_avg":
+        b = _scale_bits(x, MOM8_KM)
+        codes = _encode_m(x, _inv_scale(b)[:, None], r)
+    else:
+        b = _scale_bits(x, MOM8_KV)
+        codes = _encode_v(x, _inv_scale(b)[:, None], r)
+    return codes.reshape(-1)[:n].reshape(values.shape), _bits_to_bf16(b)
+
+
 def adamw_step_(
     params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor],
     max_exp_avg_sqs: Sequence[Tensor], masters: Sequence[Tensor], steps: Sequence[Tensor], grad_factor: Tensor,
     found_inf: Tensor, lr_tensor: Tensor | None, lr: float, beta1: float, beta2: float, eps: float,
     weight_decay: float, maximize: bool, master_mode: int, stochastic_rounding: bool, seed: int,
     stream_ids: Sequence[int] = (), elem_offsets: Sequence[int] = (),
+    exp_avg_scales: Sequence[Tensor] | None = None, exp_avg_sq_scales: Sequence[Tensor] | None = None,
 ) -> None:
     """Pure-PyTorch version of the fused AdamW step (same contract as the C++/CUDA kernels).
 
@@ -147,6 +274,8 @@ def adamw_step_(
     (param stochastic rounding, bf16 moments, 8-bit master corrections) are the kernels' own
     stream (:func:`rand16`), computed with integer tensor ops: element i of tensor t draws the
     bits of element ``elem_offsets[t] + i`` of stream ``stream_ids[t]`` (defaults: t and 0).
+    8-bit moments (int8 exp_avgs, uint8 exp_avg_sqs, bf16 scales per 32 elements) are decoded with
+    :func:`moment8_decode` and re-encoded as :func:`moment8_encode` with the kernels' random bits.
     """
     ok = found_inf.reshape(()) == 0
     factor = grad_factor.reshape(()).to(torch.float32)
@@ -178,8 +307,13 @@ def adamw_step_(
             w = master8_decode(p, masters[i])
         else:
             w = p.float()
-        m = exp_avgs[i].float()
-        v = exp_avg_sqs[i].float()
+        mom8 = exp_avgs[i].dtype == torch.int8
+        if mom8:
+            m = moment8_decode(exp_avgs[i], exp_avg_scales[i]).reshape(p.shape)
+            v = moment8_decode(exp_avg_sqs[i], exp_avg_sq_scales[i]).reshape(p.shape)
+        else:
+            m = exp_avgs[i].float()
+            v = exp_avg_sqs[i].float()
         w = w * decay
         m = m + (1 - beta1) * (g - m)
         v = v * beta2 + (1 - beta2) * g * g
@@ -189,7 +323,12 @@ def adamw_step_(
             max_exp_avg_sqs[i].copy_(torch.where(ok, vv, max_exp_avg_sqs[i]))
         denom = vv.sqrt() * inv_bc2 + eps
         w = w - step_size * m / denom
-        if exp_avgs[i].dtype == torch.bfloat16:  # stochastic rounding: unbiased small changes
+        if mom8:
+            m_new, sm = moment8_encode(m, "exp_avg", bits(RAND_EXP_AVG))
+            v_new, sv = moment8_encode(v, "exp_avg_sq", bits(RAND_EXP_AVG_SQ))
+            exp_avg_scales[i].copy_(torch.where(ok, sm.reshape(exp_avg_scales[i].shape), exp_avg_scales[i]))
+            exp_avg_sq_scales[i].copy_(torch.where(ok, sv.reshape(exp_avg_sq_scales[i].shape), exp_avg_sq_scales[i]))
+        elif exp_avgs[i].dtype == torch.bfloat16:  # stochastic rounding: unbiased small changes
             m_new, v_new = bf16_sr(m, bits(RAND_EXP_AVG)), bf16_sr(v, bits(RAND_EXP_AVG_SQ))
         else:
             m_new, v_new = m, v

@@ -8,7 +8,10 @@ rounded bf16 moments, the 8-bit master correction (master_mode 3).
   two small-update cases of the issue;
 * stream identity: different stream ids draw different bits, a tensor split with elem_offsets
   draws the bits of the whole one (shard equivalence);
-* found_inf is a bitwise no-op in mode 3; mode 3 on fp32 params is refused alike everywhere.
+* found_inf is a bitwise no-op in mode 3; mode 3 on fp32 params is refused alike everywhere;
+* 8-bit companded moments (int8 exp_avg / uint8 exp_avg_sq, a bf16 scale per 32 elements): the
+  same bit-identity in every master mode, the codec unbiased against float64 over six decades,
+  zero and NaN groups, the spike-then-decay and small-update cases, found_inf, argument checks.
 """
 
 from __future__ import annotations
@@ -361,3 +364,349 @@ def test_cuda_and_triton_on_gpu_bit_identical():
     """On a GPU the CUDA kernel and the Triton kernel agree bit for bit (covered by
     test_kernel_paths_bit_identical when both run; kept explicit for the GPU check script)."""
     assert {"cuda", "triton"} <= set(_kernel_backends())
+
+
+# ---- 8-bit companded moments (int8 exp_avg, uint8 exp_avg_sq, a bf16 scale per 32 elements) -------
+G32 = 32
+KM64, KV64 = 1.0 / 127**2, 1.0 / 255**4
+
+
+def _ngroups(n):
+    return (n + G32 - 1) // G32
+
+
+def _decode64(codes, scales):
+    """float64 decode written here: sign(c) c^2 s (int8) or c^4 s (uint8), per group of 32."""
+    c = codes.reshape(-1).double().cpu()
+    s = scales.reshape(-1).double().cpu().repeat_interleave(G32)[:c.numel()]
+    return (s * c * c.abs()) if codes.dtype == torch.int8 else s * c**4
+
+
+def _mom8_state(n, gen, zero=False):
+    """Codes and scales of a random 8-bit moment pair (m ~ 1e-2, v ~ 1e-4 in magnitude)."""
+    g = _ngroups(n)
+    if zero:
+        return (torch.zeros(n, dtype=torch.int8, device=DEVICE), torch.zeros(n, dtype=torch.uint8, device=DEVICE),
+                torch.zeros(g, dtype=BF16, device=DEVICE), torch.zeros(g, dtype=BF16, device=DEVICE))
+    cm = torch.randint(-127, 128, (n,), generator=gen, dtype=torch.int8)
+    cv = torch.randint(0, 256, (n,), generator=gen).to(torch.uint8)
+    sm = (torch.rand(g, generator=gen) * 0.02 * KM64).to(BF16)
+    sv = (torch.rand(g, generator=gen) * 2e-4 * KV64 + 1e-20).to(BF16)
+    return cm.to(DEVICE), cv.to(DEVICE), sm.to(DEVICE), sv.to(DEVICE)
+
+
+def _case8(mode, pdt, seed=0, sizes=SIZES + (300,)):
+    """8-bit moment state for one call: the SIZES and an offset view (element 1 of a buffer);
+    the stream offset of the 1000-element tensor crosses 2^32 inside a group of 32."""
+    gen = torch.Generator().manual_seed(seed)
+    params, grads, ms, vs, masters, steps, sms, svs = [], [], [], [], [], [], [], []
+    for k, n in enumerate(sizes):
+        p = _rand(n + 5, pdt, gen)[1:1 + n] if n == 300 else _rand(n, pdt, gen)
+        params.append(p)
+        grads.append(_rand(n, (F32, BF16, F16)[k % 3], gen, 0.1))
+        cm, cv, sm, sv = _mom8_state(n, gen)
+        ms.append(cm), vs.append(cv), sms.append(sm), svs.append(sv)
+        if mode == reference.MASTER_F32:
+            masters.append(p.float() + _rand(n, F32, gen, 1e-4))
+        elif mode == reference.MASTER_REMAINDER:
+            masters.append(torch.randint(-2**15, 2**15, (n,), generator=gen, dtype=torch.int16).to(DEVICE))
+        elif mode == reference.MASTER_8BIT:
+            masters.append(torch.randint(-128, 128, (n,), generator=gen, dtype=torch.int8).to(DEVICE))
+        steps.append(torch.full((), float(k + 3), device=DEVICE))
+    streams = [11 * k + 5 for k in range(len(sizes))]
+    offsets = [0, 7, 2**20, 2**32 - 510, 2**33 + 3, 12345][:len(sizes)]
+    return [params, grads, ms, vs, [], masters, steps, sms, svs], streams, offsets
+
+
+def _args8(state, mode, sr, streams, offsets, found_inf=0.0, maximize=False, lr=LR):
+    params, grads, ms, vs, vmax, masters, steps, sms, svs = state
+    return (params, grads, ms, vs, vmax, masters, steps, torch.tensor(0.5, device=DEVICE),
+            torch.tensor(found_inf, device=DEVICE), None, lr, B1, B2, EPS, WD, maximize, mode, sr, 1234,
+            streams, offsets, sms, svs)
+
+
+def _run8(backend, state, *args, **kw):
+    ext = _backend.native()
+    if backend == "cpu-scalar":
+        ext.set_cpu_simd(False)
+        try:
+            _ops.adamw_step_("cpu", *_args8(state, *args, **kw))
+        finally:
+            ext.set_cpu_simd(True)
+    else:
+        _ops.adamw_step_(backend, *_args8(state, *args, **kw))
+    return state
+
+
+MODES8 = [(0, BF16, True), (0, F32, False), (1, BF16, False), (1, F16, False), (2, BF16, False), (3, BF16, False),
+          (3, F16, False)]
+NAMES8 = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "masters", "steps", "exp_avg_scales",
+          "exp_avg_sq_scales")
+
+
+@pytest.mark.parametrize("mode,pdt,sr", MODES8, ids=lambda x: str(x).replace("torch.", ""))
+def test_mom8_kernel_paths_bit_identical(mode, pdt, sr):
+    bs = _kernel_backends()
+    if len(bs) < 2:
+        pytest.skip("needs two kernel paths")
+    maximize = mode == 1
+    state0, streams, offsets = _case8(mode, pdt, seed=30 + mode)
+    out = {b: _run8(b, _clone(state0), mode, sr, streams, offsets, maximize=maximize) for b in bs}
+    ref = out[bs[0]]
+    for b in bs[1:]:
+        for name, lst_a, lst_b in zip(NAMES8, ref, out[b]):
+            for i, (a, c) in enumerate(zip(lst_a, lst_b)):
+                assert torch.equal(_bits(a), _bits(c)), f"{b} vs {bs[0]}: {name}[{i}] differs"
+    for k in (0, 2, 3, 7, 8):  # params, codes and scales moved
+        assert not torch.equal(_bits(ref[k][3]), _bits(state0[k][3])), NAMES8[k]
+
+
+@pytest.mark.parametrize("mode,pdt,sr", MODES8[::2], ids=lambda x: str(x).replace("torch.", ""))
+def test_mom8_reference_matches_kernels(mode, pdt, sr):
+    """The pure-PyTorch reference computes the same fp32 operations in the same order: the same
+    codes and scales, up to rare one-code flips where an fp32 rounding differs."""
+    bs = _kernel_backends()
+    if not bs:
+        pytest.skip("no kernel backend")
+    state0, streams, offsets = _case8(mode, pdt, seed=40 + mode, sizes=(1, 31, 33, 1000, 300))
+    k = _run8(bs[0], _clone(state0), mode, sr, streams, offsets)
+    r = _clone(state0)
+    reference.adamw_step_(*_args8(r, mode, sr, streams, offsets))
+    for idx in (2, 3):
+        for a, b in zip(k[idx], r[idx]):
+            diff = (a.int() - b.int()).abs()
+            assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= max(2, a.numel() // 100)
+    for idx in (7, 8):
+        for a, b in zip(k[idx], r[idx]):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=0)
+    for a, b in zip(_master_of(k, mode), _master_of(r, mode)):
+        torch.testing.assert_close(a.double(), b.double(), rtol=2**-14, atol=1e-30)
+    assert all(torch.equal(a, b) for a, b in zip(k[6], r[6]))
+
+
+def _encode_with_kernel(x, draws, backend="cpu"):
+    """Encode x (fp32, flat) `draws` times with fresh random bits through the kernel: zero state,
+    beta1 = beta2 = 0 makes the updated moments exactly m = g and v = g * g. Returns the codes and
+    scales of every draw."""
+    n = x.numel()
+    cms, cvs, sms, svs = [], [], [], []
+    step = torch.zeros((), device=DEVICE)
+    one, zero = torch.tensor(1.0, device=DEVICE), torch.tensor(0.0, device=DEVICE)
+    for _ in range(draws):
+        cm, cv, sm, sv = _mom8_state(n, None, zero=True)
+        p = torch.zeros(n, device=DEVICE)
+        _ops.adamw_step_(backend, [p], [x], [cm], [cv], [], [], [step], one, zero, None, 0.0, 0.0, 0.0, EPS, 0.0,
+                         False, 0, False, 77, [], [], [sm], [sv])
+        cms.append(cm), cvs.append(cv), sms.append(sm), svs.append(sv)
+    return cms, cvs, sms, svs
+
+
+def _magnitudes(groups, gen, decades):
+    """Per group of 32: element 0 is the group max (1.0 times a group factor), the others
+    10^(-decades * u) of it with random signs; returns (x, log10 of |x| / group max)."""
+    u = torch.rand(groups, G32, generator=gen, dtype=torch.float64)
+    u[:, 0] = 0.0
+    rel = 10.0 ** (-decades * u)
+    sign = torch.where(torch.rand(groups, G32, generator=gen) < 0.5, -1.0, 1.0).double()
+    fac = 10.0 ** (torch.rand(groups, 1, generator=gen, dtype=torch.float64) * 8 - 6)
+    return (rel * sign * fac).reshape(-1), (-decades * u).reshape(-1)
+
+
+def test_mom8_codec_unbiased_and_scaled():
+    """decode(encode(x)) is unbiased for m over 1e-6..1 of the group max and for v over 1e-6..1
+    (in v) of its group max: per magnitude decade the summed error over 400 draws is within 5
+    standard deviations of the rounding noise (the binomial variance p(1-p) step^2, computed here in
+    float64). The group max codes 126/127 (m) and 254/255 (v); scales are amax/127^2 (amax/255^4)
+    rounded up to bf16."""
+    _cpu_only()
+    gen = torch.Generator().manual_seed(12)
+    groups, draws = 48, 400
+    xm, lm = _magnitudes(groups, gen, 6.0)
+    xv, lv = _magnitudes(groups, gen, 3.0)  # v = x^2 spans 6 decades
+    for which, x64, logrel in (("m", xm, lm), ("v", xv, 2 * lv)):
+        x = x64.float()
+        cms, cvs, sms, svs = _encode_with_kernel(x, draws)
+        target = x.double() if which == "m" else (x * x).double()  # the fp32 values the kernel encodes
+        codes, scales = (cms, sms) if which == "m" else (cvs, svs)
+        amax = target.abs().reshape(groups, G32).amax(dim=1)
+        k = KM64 if which == "m" else KV64
+        s = scales[0].double()
+        assert bool((s >= amax * k * (1 - 2**-23)).all() and (s <= amax * k * (1 + 2**-7)).all())
+        top = codes[0].reshape(groups, G32)[:, 0].int().abs()
+        assert set(top.tolist()) <= ({126, 127} if which == "m" else {254, 255})
+        dec = torch.stack([_decode64(c, sc) for c, sc in zip(codes, scales)])  # [draws, n]
+        mean = dec.mean(dim=0)
+        # the rounding noise of one draw: the step between neighbouring codes around |x| / s
+        sg = s.repeat_interleave(G32)
+        y = target.abs() / sg
+        kk = torch.floor(y.sqrt()) if which == "m" else torch.floor(y.sqrt().sqrt())
+        lo, hi = (kk**2, (kk + 1) ** 2) if which == "m" else (kk**4, (kk + 1) ** 4)
+        pfrac = ((y - lo) / (hi - lo)).clamp(0, 1)
+        var = pfrac * (1 - pfrac) * ((hi - lo) * sg) ** 2 / draws
+        err = mean.abs() - target.abs() if which == "m" else mean - target
+        for d in range(6):
+            sel = (logrel <= -d) & (logrel > -d - 1)
+            z = err[sel].sum() / var[sel].sum().sqrt().clamp(min=1e-300)
+            assert abs(z.item()) < 5, (which, d, z.item())
+            if d <= 2:  # where 400 draws resolve it: the mean itself within a few %
+                rel = (err[sel].sum() / target[sel].abs().sum()).item()
+                assert abs(rel) < 0.02, (which, d, rel)
+        if which == "m":  # signs are kept
+            nz = mean != 0
+            assert bool((torch.sign(mean[nz]) == torch.sign(target[nz])).all())
+
+
+def test_mom8_zero_groups_and_nan_group(backend):
+    """All-zero groups stay exactly zero (codes and scales); a NaN in one group makes only that
+    group's scales NaN (codes 0), on every backend."""
+    name = {"cpu-scalar": "cpu"}.get(backend, backend)
+    n = 5 * G32 + 7
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(n, generator=gen) * 0.1
+    g[G32:2 * G32] = 0.0
+    g[4 * G32:] = 0.0  # the tail group and the one before it
+    g[2 * G32 + 5] = float("nan")
+    g = g.to(DEVICE)
+    cm, cv, sm, sv = _mom8_state(n, None, zero=True)
+    p = torch.zeros(n, device=DEVICE)
+    one, zero = torch.tensor(1.0, device=DEVICE), torch.tensor(0.0, device=DEVICE)
+    _ops.adamw_step_(name, [p], [g], [cm], [cv], [], [], [torch.zeros((), device=DEVICE)], one, zero, None, 1e-3, B1,
+                     B2, EPS, 0.0, False, 0, False, 5, [], [], [sm], [sv])
+    for s in (sm, sv):
+        bits = s.view(torch.int16).cpu()
+        assert bits[1] == 0 and bits[4] == 0 and bits[5] == 0
+        assert bits[2] == 0x7FC0 and bits[0] > 0 and bits[3] > 0
+    for c in (cm, cv):
+        c = c.cpu()
+        assert bool((c[G32:3 * G32] == 0).all() and (c[4 * G32:] == 0).all())
+        assert bool((c[:G32] != 0).any())
+    dec = _decode64(cm, sm)
+    assert bool(dec[2 * G32:3 * G32].isnan().all()) and not bool(dec[:2 * G32].isnan().any())
+
+
+def test_mom8_spike_then_decay():
+    """One grad of 10, then 3000 steps of N(0, 0.1^2) grads per element (4096 elements): the 8-bit
+    v follows float64 AdamW's v within 10 % -- the mean over elements and the per-element median
+    ratio (a round-to-nearest 8-bit v would stay stuck near the spike's level)."""
+    _cpu_only()
+    n, steps_n = 4096, 3000
+    gen = torch.Generator().manual_seed(6)
+    p = torch.randn(n, generator=gen).to(BF16)
+    w = p.float().clone()
+    cm, cv, sm, sv = _mom8_state(n, None, zero=True)
+    step = torch.zeros(())
+    one, zero = torch.tensor(1.0), torch.tensor(0.0)
+    v64 = torch.zeros(n, dtype=torch.float64)
+    noise = torch.randn(steps_n, n, generator=gen) * 0.1
+    spike = torch.full((n,), 10.0)
+    for t in range(steps_n + 1):
+        g = spike if t == 0 else noise[t - 1]
+        v64 = B2 * v64 + (1 - B2) * g.double() ** 2
+        torch.ops.mpkern.adamw_step_([p], [g], [cm], [cv], [], [w], [step], one, zero, None, 1e-4, B1, B2, EPS, 0.0,
+                                     False, 1, False, 3, [], [], [sm], [sv])
+    v8 = _decode64(cv, sv)
+    assert v64.mean().item() == pytest.approx(0.0145, rel=0.05)
+    assert v8.mean().item() == pytest.approx(v64.mean().item(), rel=0.10)
+    assert (v8 / v64).median().item() == pytest.approx(1.0, abs=0.10)
+
+
+def test_mom8_master8_small_updates():
+    """bf16 param at 1.0, constant grad 0.1, lr 1e-5, 1000 steps, 8-bit master correction and
+    8-bit moments: the master moves like float64 AdamW (within 5 %)."""
+    _cpu_only()
+    n, steps_n, lr, gval = 2048, 1000, 1e-5, 0.1
+    p = torch.ones(n, dtype=BF16)
+    c = torch.zeros(n, dtype=torch.int8)
+    cm, cv, sm, sv = _mom8_state(n, None, zero=True)
+    step = torch.zeros(())
+    g = torch.full((n,), gval)
+    one, zero = torch.tensor(1.0), torch.tensor(0.0)
+    for _ in range(steps_n):
+        torch.ops.mpkern.adamw_step_([p], [g], [cm], [cv], [], [c], [step], one, zero, None, lr, B1, B2, EPS, 0.0,
+                                     False, 3, False, 99, [], [], [sm], [sv])
+    moved = 1.0 - reference.master8_decode(p, c).double().mean().item()
+    exact = 1.0 - _adamw64_constant_grad(1.0, gval, lr, steps_n)
+    assert moved == pytest.approx(exact, rel=0.05), (moved, exact)
+
+
+def test_mom8_found_inf_is_a_bitwise_noop(backend):
+    name = {"cpu-scalar": "cpu"}.get(backend, backend)
+    for mode, pdt, sr in ((3, BF16, False), (0, BF16, True), (1, F16, False)):
+        state, streams, offsets = _case8(mode, pdt, seed=50, sizes=(1, 31, 33))
+        before = _clone(state)
+        _ops.adamw_step_(name, *_args8(state, mode, sr, streams, offsets, found_inf=float("nan")))
+        for la, lb in zip(state, before):
+            for a, b in zip(la, lb):
+                assert torch.equal(_bits(a), _bits(b))
+
+
+def _bad8_cases():
+    def base():
+        st, _, _ = _case8(1, BF16, seed=2, sizes=(40, 7))
+        return st
+
+    def mod(fn):
+        st = base()
+        fn(st)
+        return st
+
+    def mixed(st):
+        st[2][1] = torch.zeros(7, device=DEVICE)
+        st[3][1] = torch.zeros(7, device=DEVICE)
+
+    return {
+        "v not uint8": (TypeError, lambda: mod(lambda st: st[3].__setitem__(0, st[3][0].to(torch.int8)))),
+        "scale numel": (ValueError, lambda: mod(lambda st: st[7].__setitem__(0, st[7][0][:1].clone()))),
+        "scale dtype": (TypeError, lambda: mod(lambda st: st[8].__setitem__(1, st[8][1].float()))),
+        "scales missing": (ValueError, lambda: mod(lambda st: (st[7].clear(), st[8].clear()))),
+        "amsgrad": (ValueError, lambda: mod(lambda st: st[4].extend([torch.zeros(40, device=DEVICE),
+                                                                     torch.zeros(7, device=DEVICE)]))),
+        "mixed kinds": (TypeError, lambda: mod(mixed)),
+        "scales with fp32 moments": (ValueError, lambda: mod(lambda st: (
+            st[2].__setitem__(0, torch.zeros(40, device=DEVICE)), st[3].__setitem__(0, torch.zeros(40, device=DEVICE)),
+            st[2].__setitem__(1, torch.zeros(7, device=DEVICE)), st[3].__setitem__(1, torch.zeros(7, device=DEVICE))))),
+    }
+
+
+def test_mom8_bad_arguments_refused_alike_everywhere():
+    if _backend.native() is None:
+        pytest.skip("native extension not built")
+    names = [b for b in available_backends() if b != "cpu-scalar"]
+    for case, (exc, make) in _bad8_cases().items():
+        errors = {}
+        for b in names:
+            st = make()
+            before = _clone(st)
+            with pytest.raises(exc) as info:
+                _ops.adamw_step_(b, *_args8(st, 1, False, [], []))
+            errors[b] = str(info.value).splitlines()[0]
+            for la, lb in zip(st, before):
+                for x, y in zip(la, lb):
+                    assert torch.equal(_bits(x), _bits(y)), (case, b)
+        assert len(set(errors.values())) == 1, (case, errors)
+    # the optional scale lists: None is the same as empty
+    st, _, _ = _case(1, BF16)
+    st = [lst[:2] for lst in st]
+    _ops.adamw_step_(names[0], *_args(st, 1, False, [], []), None, None)
+
+
+def test_mom8_reference_helpers_roundtrip():
+    """moment8_encode with the nearest rule (r16 = None) then moment8_decode: every element within
+    half a code step of its value (float64 bound here), shapes kept, the last group partial."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(5, 13, generator=gen) * 1e-3
+    for kind in ("exp_avg", "exp_avg_sq"):
+        vals = x if kind == "exp_avg" else x * x
+        codes, scales = reference.moment8_encode(vals, kind)
+        assert codes.shape == vals.shape and scales.shape == (_ngroups(vals.numel()),)
+        assert codes.dtype == (torch.int8 if kind == "exp_avg" else torch.uint8) and scales.dtype == BF16
+        dec = reference.moment8_decode(codes, scales)
+        assert dec.shape == vals.shape and dec.dtype == F32
+        d64 = _decode64(codes, scales).reshape(vals.shape)
+        assert torch.equal(dec.double(), d64) if kind == "exp_avg" else torch.allclose(dec.double(), d64, rtol=1e-6)
+        c = codes.reshape(-1).double().abs()
+        sg = scales.double().repeat_interleave(G32)[:c.numel()]
+        step = sg * ((2 * c + 1) if kind == "exp_avg" else ((c + 1) ** 4 - c**4))
+        step_dn = sg * ((2 * c - 1).clamp(min=1) if kind == "exp_avg" else (c**4 - (c - 1).clamp(min=0) ** 4))
+        err = dec.reshape(-1).double() - vals.reshape(-1).double()
+        assert bool((err.abs() <= 0.5 * torch.maximum(step, step_dn) * 1.0001).all())

@@ -4,7 +4,9 @@
 // int16 remainder, 16-bit param + int8 correction, or the param itself), both moments (fp32 or
 // bf16; bf16 ones are stored with stochastic rounding), applies
 // grad * grad_factor (inv_scale * clip_coef) in registers, and writes master, moments and the
-// rounded param. Nothing else is read or written; the grad is never written. When found_inf is
+// rounded param. 8-bit moments (int8 exp_avg / uint8 exp_avg_sq codes with a bf16 scale per 32
+// elements, math.h mom8_*) are processed a group at a time: decode, update, new scales from the
+// group's amax, stochastically rounded codes. Nothing else is read or written; the grad is never written. When found_inf is
 // non-zero nothing at all is written (step counters included).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,6 +23,8 @@ namespace cpu {
 
 namespace {
 
+static_assert(kChunk % kMom8Group == 0, "8-bit moment groups must not straddle work items");
+
 struct TensorPtrs {
   void* p;
   const void* g;
@@ -28,7 +32,9 @@ struct TensorPtrs {
   void* v;
   float* vmax;
   void* master;  // float* (mode 1), int16_t* (mode 2) or int8_t* (mode 3)
-  int32_t pdt, gdt, sdt;
+  uint16_t* sm;  // 8-bit moments (sdt == kMom8): bf16 scale bits, one per 32 elements
+  uint16_t* sv;
+  int32_t pdt, gdt, sdt;  // sdt: kF32, kBF16 or kMom8 (int8 m + uint8 v codes)
   uint32_t step;    // after the increment
   uint32_t stream;  // random stream id
   uint64_t offset;  // global index of element 0 in its stream
@@ -49,6 +55,40 @@ inline bool needs_word0(const TensorPtrs& t, const Flags& f) {
 }
 
 // ---- scalar path: the shared math, element by element --------------------------------------------
+// The fp32 master value of element i (the param itself in mode 0).
+inline float load_w(const TensorPtrs& t, const Flags& f, int64_t i) {
+  if (f.mode == kMasterF32) return static_cast<const float*>(t.master)[i];
+  if (f.mode == kMasterRemainder)
+    return join_master(static_cast<const uint16_t*>(t.p)[i], static_cast<const int16_t*>(t.master)[i]);
+  if (f.mode == kMaster8bit)
+    return master8_decode(static_cast<const uint16_t*>(t.p)[i], static_cast<const int8_t*>(t.master)[i], t.pdt);
+  return load_as_f32(t.p, i, t.pdt);
+}
+
+// Store the updated master p of element i (and the param); r0 = random word 0 when needed.
+inline void store_w(const TensorPtrs& t, const Flags& f, int64_t i, float p, uint32_t r0, bool w0) {
+  if (f.mode == kMasterF32) {
+    static_cast<float*>(t.master)[i] = p;
+    store_from_f32(t.p, i, t.pdt, p);
+  } else if (f.mode == kMasterRemainder) {
+    uint16_t hi;
+    int16_t rem;
+    split_master(p, hi, rem);
+    static_cast<uint16_t*>(t.p)[i] = hi;
+    static_cast<int16_t*>(t.master)[i] = rem;
+  } else if (f.mode == kMaster8bit) {
+    uint16_t h;
+    int8_t c;
+    master8_encode(p, t.pdt, (r0 >> rand_shift(kRandMaster8)) & 0xffffu, h, c);
+    static_cast<uint16_t*>(t.p)[i] = h;
+    static_cast<int8_t*>(t.master)[i] = c;
+  } else if (w0) {
+    static_cast<uint16_t*>(t.p)[i] = f32_to_bf16_sr(p, (r0 >> rand_shift(kRandParam)) & 0xffffu);
+  } else {
+    store_from_f32(t.p, i, t.pdt, p);
+  }
+}
+
 void adamw_scalar(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f) {
   const bool w0 = needs_word0(t, f), w1 = t.sdt == kBF16;
   const RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));
@@ -58,16 +98,7 @@ void adamw_scalar(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& 
     const uint32_t r1 = w1 ? rng_word(keys, 1, e) : 0u;
     float g = load_as_f32(t.g, i, t.gdt) * f.factor;
     if (f.maximize) g = -g;
-    float p;
-    if (f.mode == kMasterF32) {
-      p = static_cast<const float*>(t.master)[i];
-    } else if (f.mode == kMasterRemainder) {
-      p = join_master(static_cast<const uint16_t*>(t.p)[i], static_cast<const int16_t*>(t.master)[i]);
-    } else if (f.mode == kMaster8bit) {
-      p = master8_decode(static_cast<const uint16_t*>(t.p)[i], static_cast<const int8_t*>(t.master)[i], t.pdt);
-    } else {
-      p = load_as_f32(t.p, i, t.pdt);
-    }
+    float p = load_w(t, f, i);
     float m = load_as_f32(t.m, i, t.sdt);
     float v = load_as_f32(t.v, i, t.sdt);
     p = adamw_update(p, g, m, v, t.vmax ? t.vmax + i : nullptr, t.c);
@@ -78,26 +109,50 @@ void adamw_scalar(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& 
       static_cast<float*>(t.m)[i] = m;
       static_cast<float*>(t.v)[i] = v;
     }
-    if (f.mode == kMasterF32) {
-      static_cast<float*>(t.master)[i] = p;
-      store_from_f32(t.p, i, t.pdt, p);
-    } else if (f.mode == kMasterRemainder) {
-      uint16_t hi;
-      int16_t rem;
-      split_master(p, hi, rem);
-      static_cast<uint16_t*>(t.p)[i] = hi;
-      static_cast<int16_t*>(t.master)[i] = rem;
-    } else if (f.mode == kMaster8bit) {
-      uint16_t h;
-      int8_t c;
-      master8_encode(p, t.pdt, (r0 >> rand_shift(kRandMaster8)) & 0xffffu, h, c);
-      static_cast<uint16_t*>(t.p)[i] = h;
-      static_cast<int8_t*>(t.master)[i] = c;
-    } else if (w0) {
-      static_cast<uint16_t*>(t.p)[i] = f32_to_bf16_sr(p, (r0 >> rand_shift(kRandParam)) & 0xffffu);
-    } else {
-      store_from_f32(t.p, i, t.pdt, p);
+    store_w(t, f, i, p, r0, w0);
+  }
+}
+
+// 8-bit moments, group by group (begin a multiple of 32; the last group may be partial): decode,
+// update and store master/param per element, then the group's scales and the codes (math.h mom8_*).
+void adamw_scalar_mom8(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f) {
+  const bool w0 = needs_word0(t, f);
+  const RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));
+  int8_t* cm = static_cast<int8_t*>(t.m);
+  uint8_t* cv = static_cast<uint8_t*>(t.v);
+  for (int64_t gb = begin; gb < end; gb += kMom8Group) {
+    const int cnt = static_cast<int>(end - gb < kMom8Group ? end - gb : kMom8Group);
+    const int64_t j = gb / kMom8Group;
+    const float sm = bf16_to_f32(t.sm[j]), sv = bf16_to_f32(t.sv[j]);
+    float m[kMom8Group], v[kMom8Group];
+    uint32_t r1[kMom8Group];
+    uint32_t am = 0u, av = 0u;
+    for (int k = 0; k < cnt; ++k) {
+      const int64_t i = gb + k;
+      const uint64_t e = t.offset + static_cast<uint64_t>(i);
+      const uint32_t r0 = w0 ? rng_word(keys, 0, e) : 0u;
+      r1[k] = rng_word(keys, 1, e);
+      float g = load_as_f32(t.g, i, t.gdt) * f.factor;
+      if (f.maximize) g = -g;
+      float p = load_w(t, f, i);
+      float mm = mom8_decode_m(cm[i], sm);
+      float vv = mom8_decode_v(cv[i], sv);
+      p = adamw_update(p, g, mm, vv, nullptr, t.c);
+      store_w(t, f, i, p, r0, w0);
+      m[k] = mm;
+      v[k] = vv;
+      const uint32_t a = f32_bits(mm) & 0x7fffffffu, b = f32_bits(vv) & 0x7fffffffu;
+      am = a > am ? a : am;
+      av = b > av ? b : av;
     }
+    const uint32_t bm = mom8_scale_bits(am, kMom8KM), bv = mom8_scale_bits(av, kMom8KV);
+    const float im = mom8_inv_scale(bm), iv = mom8_inv_scale(bv);
+    for (int k = 0; k < cnt; ++k) {
+      cm[gb + k] = mom8_encode_m(m[k], im, (r1[k] >> rand_shift(kRandExpAvg)) & 0xffffu);
+      cv[gb + k] = mom8_encode_v(v[k], iv, (r1[k] >> rand_shift(kRandExpAvgSq)) & 0xffffu);
+    }
+    t.sm[j] = static_cast<uint16_t>(bm);
+    t.sv[j] = static_cast<uint16_t>(bv);
   }
 }
 
@@ -169,6 +224,54 @@ MPK_AVX2 __attribute__((always_inline)) inline void encode8(const TensorPtrs& t,
   _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.p) + i), h16);
 }
 
+// The fp32 master of elements [i, i + 8) (the param itself in mode 0).
+template <int PDT>
+MPK_AVX2 __attribute__((always_inline)) inline __m256 load_w8(const TensorPtrs& t, const Flags& f, int64_t i) {
+  __m256 p;
+  if (f.mode == kMasterF32) {
+    p = _mm256_loadu_ps(static_cast<const float*>(t.master) + i);
+  } else if (f.mode == kMasterRemainder) {
+    const auto* hp = reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(t.p) + i);
+    const auto* lp = reinterpret_cast<const __m128i*>(static_cast<const int16_t*>(t.master) + i);
+    const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128(hp));
+    const __m256i lo = _mm256_cvtepi16_epi32(_mm_loadu_si128(lp));
+    p = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(hi, 16), lo));
+  } else if (PDT != kF32 && f.mode == kMaster8bit) {
+    if constexpr (PDT != kF32) decode8<PDT>(t, i, p);
+  } else {
+    p = load8<PDT>(t.p, i);
+  }
+  return p;
+}
+
+// Store the updated masters p of elements [i, i + 8) and the params; r0 = random word 0 (used in
+// mode 3 and for param SR).
+template <int PDT>
+MPK_AVX2 __attribute__((always_inline)) inline void store_w8(const TensorPtrs& t, const Flags& f, int64_t i, __m256 p,
+                                                             bool need0, __m256i key0, __m256i elo) {
+  if (f.mode == kMasterF32) {
+    _mm256_storeu_ps(static_cast<float*>(t.master) + i, p);
+    store8<PDT>(t.p, i, p);
+  } else if (f.mode == kMasterRemainder) {
+    const __m256i u = _mm256_castps_si256(p);
+    const __m256i hi = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x8000)), 16);
+    const __m256i lo = _mm256_and_si256(u, _mm256_set1_epi32(0xffff));
+    const __m256i hp = _mm256_permute4x64_epi64(_mm256_packus_epi32(hi, hi), 0x08);
+    const __m256i lp = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, lo), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.p) + i), _mm256_castsi256_si128(hp));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<int16_t*>(t.master) + i), _mm256_castsi256_si128(lp));
+  } else if (PDT != kF32 && f.mode == kMaster8bit) {
+    // the correction uses the high half of word 0
+    if constexpr (PDT != kF32) encode8<PDT>(t, i, p, _mm256_srli_epi32(mix32x8(_mm256_xor_si256(key0, elo)), 16));
+  } else if (PDT == kBF16 && need0) {
+    const __m256i r0 = mix32x8(_mm256_xor_si256(key0, elo));  // param: low half of word 0
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.p) + i),
+                     pack_u16x8(bf16_sr_bits32(p, _mm256_and_si256(r0, _mm256_set1_epi32(0xffff)))));
+  } else {
+    store8<PDT>(t.p, i, p);
+  }
+}
+
 template <int PDT, int GDT, int SDT>
 MPK_AVX2 void adamw_avx2(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f) {
   const __m256 factor = _mm256_set1_ps(f.maximize ? -f.factor : f.factor);
@@ -188,20 +291,7 @@ MPK_AVX2 void adamw_avx2(const TensorPtrs& t, int64_t begin, int64_t end, const 
     const __m256i elo = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(elo0)), lanes);
     // maximize: -(g * factor) == g * (-factor) exactly (sign flips commute with rounding)
     const __m256 g = _mm256_mul_ps(load8<GDT>(t.g, i), factor);
-    __m256 p;
-    if (f.mode == kMasterF32) {
-      p = _mm256_loadu_ps(static_cast<const float*>(t.master) + i);
-    } else if (f.mode == kMasterRemainder) {
-      const auto* hp = reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(t.p) + i);
-      const auto* lp = reinterpret_cast<const __m128i*>(static_cast<const int16_t*>(t.master) + i);
-      const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128(hp));
-      const __m256i lo = _mm256_cvtepi16_epi32(_mm_loadu_si128(lp));
-      p = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(hi, 16), lo));
-    } else if (PDT != kF32 && f.mode == kMaster8bit) {
-      if constexpr (PDT != kF32) decode8<PDT>(t, i, p);
-    } else {
-      p = load8<PDT>(t.p, i);
-    }
+    __m256 p = load_w8<PDT>(t, f, i);
     __m256 m = load8<SDT>(t.m, i);
     __m256 v = load8<SDT>(t.v, i);
     p = _mm256_mul_ps(p, decay);
@@ -226,35 +316,149 @@ MPK_AVX2 void adamw_avx2(const TensorPtrs& t, int64_t begin, int64_t end, const 
       _mm256_storeu_ps(static_cast<float*>(t.m) + i, m);
       _mm256_storeu_ps(static_cast<float*>(t.v) + i, v);
     }
-    if (f.mode == kMasterF32) {
-      _mm256_storeu_ps(static_cast<float*>(t.master) + i, p);
-      store8<PDT>(t.p, i, p);
-    } else if (f.mode == kMasterRemainder) {
-      const __m256i u = _mm256_castps_si256(p);
-      const __m256i hi = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x8000)), 16);
-      const __m256i lo = _mm256_and_si256(u, _mm256_set1_epi32(0xffff));
-      const __m256i hp = _mm256_permute4x64_epi64(_mm256_packus_epi32(hi, hi), 0x08);
-      const __m256i lp = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, lo), 0x08);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.p) + i), _mm256_castsi256_si128(hp));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<int16_t*>(t.master) + i), _mm256_castsi256_si128(lp));
-    } else if (PDT != kF32 && f.mode == kMaster8bit) {
-      // the correction uses the high half of word 0
-      if constexpr (PDT != kF32) encode8<PDT>(t, i, p, _mm256_srli_epi32(mix32x8(_mm256_xor_si256(key0, elo)), 16));
-    } else if (PDT == kBF16 && need0) {
-      const __m256i r0 = mix32x8(_mm256_xor_si256(key0, elo));  // param: low half of word 0
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.p) + i),
-                       pack_u16x8(bf16_sr_bits32(p, _mm256_and_si256(r0, lo16))));
-    } else {
-      store8<PDT>(t.p, i, p);
-    }
+    store_w8<PDT>(t, f, i, p, need0, key0, elo);
   }
   if (i < end) adamw_scalar(t, i, end, f);
+}
+
+// ---- 8-bit moments, AVX2: one group of 32 = 4 x 8 lanes in registers -----------------------------
+MPK_AVX2 inline __m256 mask1(__m256 cmp, __m256 one) { return _mm256_and_ps(cmp, one); }
+
+// mom8_encode_m on 8 lanes (same operations, same order); returns int32 codes.
+MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_m8(__m256 m, __m256 inv, __m256i r16) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256 y = _mm256_mul_ps(_mm256_andnot_ps(sign, m), inv);
+  __m256 k = _mm256_floor_ps(_mm256_sqrt_ps(y));
+  k = _mm256_sub_ps(k, mask1(_mm256_cmp_ps(_mm256_mul_ps(k, k), y, _CMP_GT_OQ), one));
+  const __m256 kp = _mm256_add_ps(k, one);
+  k = _mm256_add_ps(k, mask1(_mm256_cmp_ps(_mm256_mul_ps(kp, kp), y, _CMP_LE_OQ), one));
+  const __m256 d = _mm256_sub_ps(y, _mm256_mul_ps(k, k));
+  const __m256 w = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(2.0f), k), one);
+  const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(r16), w),
+                                  _mm256_mul_ps(d, _mm256_set1_ps(65536.0f)), _CMP_LT_OQ);
+  __m256 c = _mm256_add_ps(k, mask1(up, one));
+  c = _mm256_blendv_ps(c, _mm256_set1_ps(127.0f), _mm256_cmp_ps(y, _mm256_set1_ps(16129.0f), _CMP_GE_OQ));
+  c = _mm256_and_ps(c, _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ));
+  c = _mm256_or_ps(c, _mm256_and_ps(m, sign));
+  return _mm256_cvttps_epi32(c);
+}
+
+MPK_AVX2 __attribute__((always_inline)) inline __m256 q4x8(__m256 k) {
+  const __m256 k2 = _mm256_mul_ps(k, k);
+  return _mm256_mul_ps(k2, k2);
+}
+
+// mom8_encode_v on 8 lanes; returns int32 codes.
+MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_v8(__m256 v, __m256 inv, __m256i r16) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 y = _mm256_mul_ps(v, inv);
+  __m256 k = _mm256_floor_ps(_mm256_sqrt_ps(_mm256_sqrt_ps(y)));
+  k = _mm256_sub_ps(k, mask1(_mm256_cmp_ps(q4x8(k), y, _CMP_GT_OQ), one));
+  k = _mm256_add_ps(k, mask1(_mm256_cmp_ps(q4x8(_mm256_add_ps(k, one)), y, _CMP_LE_OQ), one));
+  const __m256 q = q4x8(k);
+  const __m256 d = _mm256_sub_ps(y, q);
+  const __m256 w = _mm256_sub_ps(q4x8(_mm256_add_ps(k, one)), q);
+  const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(r16), w),
+                                  _mm256_mul_ps(d, _mm256_set1_ps(65536.0f)), _CMP_LT_OQ);
+  __m256 c = _mm256_max_ps(_mm256_add_ps(k, mask1(up, one)), one);
+  c = _mm256_blendv_ps(c, _mm256_set1_ps(255.0f), _mm256_cmp_ps(y, _mm256_set1_ps(mom8_q4(255.0f)), _CMP_GE_OQ));
+  c = _mm256_and_ps(c, _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ));
+  return _mm256_cvttps_epi32(c);
+}
+
+// Unsigned max over the 8 lanes.
+MPK_AVX2 inline uint32_t hmax_epu32(__m256i x) {
+  x = _mm256_max_epu32(x, _mm256_permute2x128_si256(x, x, 1));
+  x = _mm256_max_epu32(x, _mm256_shuffle_epi32(x, 0x4e));
+  x = _mm256_max_epu32(x, _mm256_shuffle_epi32(x, 0xb1));
+  return static_cast<uint32_t>(_mm256_cvtsi256_si32(x));
+}
+
+// 4 x 8 int32 codes -> 32 bytes in element order (signed or unsigned saturation; the codes fit).
+template <bool SIGNED>
+MPK_AVX2 inline __m256i pack_codes32(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+  const __m256i ab = _mm256_packs_epi32(c0, c1), cd = _mm256_packs_epi32(c2, c3);
+  const __m256i b = SIGNED ? _mm256_packs_epi16(ab, cd) : _mm256_packus_epi16(ab, cd);
+  return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+template <int PDT, int GDT>
+MPK_AVX2 void adamw_avx2_mom8(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f) {
+  const __m256 factor = _mm256_set1_ps(f.maximize ? -f.factor : f.factor);
+  const __m256 decay = _mm256_set1_ps(t.c.decay), omb1 = _mm256_set1_ps(t.c.one_m_b1);
+  const __m256 b2 = _mm256_set1_ps(t.c.beta2), omb2 = _mm256_set1_ps(t.c.one_m_b2);
+  const __m256 ss = _mm256_set1_ps(t.c.step_size), ibc2 = _mm256_set1_ps(t.c.inv_bc2);
+  const __m256 eps = _mm256_set1_ps(t.c.eps);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i lo16 = _mm256_set1_epi32(0xffff);
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const bool need0 = needs_word0(t, f);
+  int8_t* cmp = static_cast<int8_t*>(t.m);
+  uint8_t* cvp = static_cast<uint8_t*>(t.v);
+  RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));
+  int64_t gb = begin;
+  for (; gb + kMom8Group <= end; gb += kMom8Group) {
+    const uint64_t e0 = t.offset + static_cast<uint64_t>(gb);
+    const uint32_t hi0 = static_cast<uint32_t>(e0 >> 32);
+    if (static_cast<uint32_t>((e0 + kMom8Group - 1) >> 32) != hi0) {  // the group crosses 2^32: scalar
+      adamw_scalar_mom8(t, gb, gb + kMom8Group, f);
+      continue;
+    }
+    if (hi0 != keys.hi) keys = rng_keys(f.seed, t.stream, t.step, e0);
+    const __m256i key0 = _mm256_set1_epi32(static_cast<int>(keys.key[0]));
+    const __m256i key1 = _mm256_set1_epi32(static_cast<int>(keys.key[1]));
+    const int64_t j = gb / kMom8Group;
+    const __m256 sm = _mm256_set1_ps(bf16_to_f32(t.sm[j])), sv = _mm256_set1_ps(bf16_to_f32(t.sv[j]));
+    __m256 m[4], v[4];
+    __m256i r1[4];
+    __m256i am = _mm256_setzero_si256(), av = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      const int64_t i = gb + 8 * q;
+      const __m256i elo = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(e0) + 8u * q)),
+                                           lanes);
+      const __m256 g = _mm256_mul_ps(load8<GDT>(t.g, i), factor);
+      __m256 p = load_w8<PDT>(t, f, i);
+      const __m256 fm = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cmp + i))));
+      const __m256 fv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cvp + i))));
+      const __m256 absfm = _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(fm), abs_mask));
+      __m256 mm = _mm256_mul_ps(sm, _mm256_mul_ps(fm, absfm));
+      const __m256 f2 = _mm256_mul_ps(fv, fv);
+      __m256 vv = _mm256_mul_ps(_mm256_mul_ps(sv, f2), f2);
+      p = _mm256_mul_ps(p, decay);
+      mm = _mm256_add_ps(mm, _mm256_mul_ps(omb1, _mm256_sub_ps(g, mm)));
+      vv = _mm256_add_ps(_mm256_mul_ps(vv, b2), _mm256_mul_ps(_mm256_mul_ps(omb2, g), g));
+      const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vv), ibc2), eps);
+      p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(ss, mm), denom));
+      store_w8<PDT>(t, f, i, p, need0, key0, elo);
+      r1[q] = mix32x8(_mm256_xor_si256(key1, elo));
+      m[q] = mm;
+      v[q] = vv;
+      am = _mm256_max_epu32(am, _mm256_and_si256(_mm256_castps_si256(mm), abs_mask));
+      av = _mm256_max_epu32(av, _mm256_and_si256(_mm256_castps_si256(vv), abs_mask));
+    }
+    const uint32_t bm = mom8_scale_bits(hmax_epu32(am), kMom8KM), bv = mom8_scale_bits(hmax_epu32(av), kMom8KV);
+    const __m256 im = _mm256_set1_ps(mom8_inv_scale(bm)), iv = _mm256_set1_ps(mom8_inv_scale(bv));
+    __m256i c[4], d[4];
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      c[q] = enc_m8(m[q], im, _mm256_and_si256(r1[q], lo16));
+      d[q] = enc_v8(v[q], iv, _mm256_srli_epi32(r1[q], 16));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(cmp + gb), pack_codes32<true>(c[0], c[1], c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(cvp + gb), pack_codes32<false>(d[0], d[1], d[2], d[3]));
+    t.sm[j] = static_cast<uint16_t>(bm);
+    t.sv[j] = static_cast<uint16_t>(bv);
+  }
+  if (gb < end) adamw_scalar_mom8(t, gb, end, f);
 }
 
 using AvxFn = void (*)(const TensorPtrs&, int64_t, int64_t, const Flags&);
 
 template <int PDT, int GDT>
 AvxFn pick_s(int32_t sdt) {
+  if (sdt == kMom8) return &adamw_avx2_mom8<PDT, GDT>;
   return sdt == kF32 ? &adamw_avx2<PDT, GDT, kF32> : &adamw_avx2<PDT, GDT, kBF16>;
 }
 template <int PDT>
@@ -281,9 +485,14 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
                      at::TensorList steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
                      const std::optional<at::Tensor>& lr_tensor, double lr, double beta1, double beta2, double eps,
                      double weight_decay, bool maximize, int64_t master_mode, bool stochastic_rounding,
-                     int64_t seed, at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets) {
+                     int64_t seed, at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets,
+                     const std::optional<at::TensorList>& exp_avg_scales_opt,
+                     const std::optional<at::TensorList>& exp_avg_sq_scales_opt) {
+  const at::TensorList exp_avg_scales = list_or_empty(exp_avg_scales_opt);
+  const at::TensorList exp_avg_sq_scales = list_or_empty(exp_avg_sq_scales_opt);
   check_adamw_args_on("mpkern::adamw_step_", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps,
-                      grad_factor, found_inf, lr_tensor, master_mode, stream_ids, elem_offsets, c10::DeviceType::CPU);
+                      grad_factor, found_inf, lr_tensor, master_mode, stream_ids, elem_offsets, exp_avg_scales,
+                      exp_avg_sq_scales, c10::DeviceType::CPU);
   // CPU tensors: plain memory reads (no dispatcher round trips, no device sync)
   if (*found_inf.data_ptr<float>() != 0.0f) return;
   if (lr_tensor.has_value()) lr = *lr_tensor->data_ptr<float>();
@@ -305,7 +514,9 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
     x.master = masters.empty() ? nullptr : masters[t].data_ptr();
     x.pdt = dtype_code(params[t].scalar_type());
     x.gdt = dtype_code(grads[t].scalar_type());
-    x.sdt = dtype_code(exp_avgs[t].scalar_type());
+    x.sdt = moment_code(exp_avgs[t]);
+    x.sm = x.sdt == kMom8 ? static_cast<uint16_t*>(exp_avg_scales[t].data_ptr()) : nullptr;
+    x.sv = x.sdt == kMom8 ? static_cast<uint16_t*>(exp_avg_sq_scales[t].data_ptr()) : nullptr;
     const double step = static_cast<double>(*steps[t].data_ptr<float>()) + 1.0;
     x.step = static_cast<uint32_t>(step);
     x.stream = stream_of(stream_ids, static_cast<size_t>(t));
@@ -325,6 +536,10 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
         // one random key per call: split the range where the global element index crosses a
         // multiple of 2^32 (a chunk crosses at most one)
         const AvxFn fn = pick_avx2(x.pdt, x.gdt, x.sdt);
+        if (x.sdt == kMom8) {  // group-aligned: the kernel handles a crossing of 2^32 itself
+          fn(x, w.begin, w.end, f);
+          continue;
+        }
         const uint64_t first = x.offset + static_cast<uint64_t>(w.begin);
         const uint64_t next = (first | 0xffffffffull) + 1u;
         const int64_t split = next - x.offset < static_cast<uint64_t>(w.end) ? static_cast<int64_t>(next - x.offset)
@@ -334,7 +549,11 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
         continue;
       }
 #endif
-      adamw_scalar(x, w.begin, w.end, f);
+      if (x.sdt == kMom8) {
+        adamw_scalar_mom8(x, w.begin, w.end, f);
+      } else {
+        adamw_scalar(x, w.begin, w.end, f);
+      }
     }
   });
   for (int64_t t = 0; t < n; ++t) *steps[t].data_ptr<float>() += 1.0f;

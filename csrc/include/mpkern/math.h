@@ -134,6 +134,8 @@ MPK_HD uint16_t f32_to_f16_rne(float f) {
 // Element codes used in the multi-tensor tables (same numbering in Python).
 // ----------------------------------------------------------------------------------------------
 enum DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+// Moment "dtype" code of the 8-bit companded moments (int8 exp_avg + uint8 exp_avg_sq + bf16 scales).
+constexpr int32_t kMom8 = 8;
 
 // Load one element of a 16/32-bit float buffer as float.
 MPK_HD float load_as_f32(const void* base, int64_t i, int32_t dt) {
@@ -310,6 +312,105 @@ MPK_HD uint32_t rand16(uint32_t seed, uint32_t stream, uint64_t elem, uint32_t s
   const uint32_t key = rng_key(seed, stream, step, static_cast<uint32_t>(rand_word(purpose)),
                                static_cast<uint32_t>(elem >> 32));
   return (rng_bits(key, static_cast<uint32_t>(elem)) >> rand_shift(purpose)) & 0xffffu;
+}
+
+// ----------------------------------------------------------------------------------------------
+// 8-bit companded moments (exp_avg int8, exp_avg_sq uint8), one bf16 scale per group of 32
+// consecutive elements of a tensor's buffer (group j = elements [32j, 32j + 32), from element 0).
+//   exp_avg    m = sign(c) * s_m * c^2        c in [-127, 127]   (s_m * (f * |f|), f = float(c))
+//   exp_avg_sq v = (s_v * c^2) * c^2          c in [0, 255]
+// Decoding is exact in fp32 for m (8 + 14 significant bits), one rounding for v. After the update
+// of a group, its scales are s = bf16_round_up(amax * K) with amax the largest |x| of the group
+// (as raw bits: an unsigned max that puts NaN above inf above every finite value), K_M = 1/127^2,
+// K_V = 1/255^4 (fp32): the group maximum maps to the top code (or one below it, from rounding
+// the scale up). A non-finite moment in a group gives the scale NaN (0x7fc0) and codes 0: the
+// group decodes as NaN, as fp32 AdamW would hold NaN moments.
+// Encoding rounds stochastically between the neighbouring codes k and k + 1, unbiased in value:
+// y = |x| / s (as |x| * (1 / s), one division per group) lies in [q(k), q(k + 1)) with
+// q(k) = k^2 (m) or k^4 (v, in fp32), and the code is k + 1 with probability (y - q(k)) /
+// (q(k + 1) - q(k)), decided as r16 * w < d * 2^16 with 16 random bits r16 (r16 = 0x8000: round to
+// nearest value, ties down). A positive v always gets a code >= 1 (a v below one code unit is
+// stored one unit up, a small upward bias that keeps m / sqrt(v) bounded). A zero scale (a group
+// of zeros, or an amax so small that amax * K underflows) gives codes 0. Limitation: a scale below
+// 2^-128 (amax_v < ~1.2e-29, amax_m < ~4.7e-35) has 1 / s = inf and every non-zero element of the
+// group takes the top code.
+// ----------------------------------------------------------------------------------------------
+constexpr int kMom8Group = 32;
+constexpr float kMom8KM = 0x1.040c2p-14f;   // fp32(1 / 127^2)
+constexpr float kMom8KV = 0x1.040a14p-32f;  // fp32(1 / 255^4)
+constexpr uint32_t kMom8NaNScale = 0x7fc0u;
+
+// bf16 bits of x >= 0 rounded up (towards +inf) to a bf16 value.
+MPK_HD uint32_t bf16_round_up_bits(float x) {
+  uint32_t b = f32_bits(x);
+  if (b & 0xffffu) b += 0x10000u;
+  return b >> 16;
+}
+
+// The bf16 scale bits of a group from its amax bits (|x| as (bits & 0x7fffffff), maxed unsigned).
+MPK_HD uint32_t mom8_scale_bits(uint32_t amax_bits, float k) {
+  if (amax_bits >= 0x7f800000u) return kMom8NaNScale;
+  return bf16_round_up_bits(f32_from_bits(amax_bits) * k);
+}
+
+// The per-group multiplier of the encoders: 1 / s, or 0 for a zero or NaN scale (codes 0).
+MPK_HD float mom8_inv_scale(uint32_t scale_bits) {
+  if (scale_bits == 0u || scale_bits == kMom8NaNScale) return 0.0f;
+  return 1.0f / bf16_to_f32(static_cast<uint16_t>(scale_bits));
+}
+
+MPK_HD float mom8_decode_m(int8_t c, float s) {
+  const float f = static_cast<float>(c);
+  return s * (f * fabsf(f));
+}
+
+MPK_HD float mom8_decode_v(uint8_t c, float s) {
+  const float f = static_cast<float>(c);
+  const float f2 = f * f;
+  return (s * f2) * f2;
+}
+
+// exp_avg code of m given inv = mom8_inv_scale(s_m) and 16 random bits.
+MPK_HD int8_t mom8_encode_m(float m, float inv, uint32_t r16) {
+  const float y = fabsf(m) * inv;
+  if (!(y > 0.0f)) return 0;  // zero, or a zero / NaN-scale group (inv 0)
+  float c;
+  if (y >= 16129.0f) {
+    c = 127.0f;
+  } else {
+    float k = floorf(sqrtf(y));
+    if (k * k > y) k = k - 1.0f;
+    if ((k + 1.0f) * (k + 1.0f) <= y) k = k + 1.0f;
+    const float d = y - k * k;
+    const float w = 2.0f * k + 1.0f;
+    c = static_cast<float>(r16) * w < d * 65536.0f ? k + 1.0f : k;
+  }
+  return static_cast<int8_t>(static_cast<int>(m < 0.0f ? -c : c));
+}
+
+MPK_HD float mom8_q4(float k) {
+  const float k2 = k * k;
+  return k2 * k2;
+}
+
+// exp_avg_sq code of v >= 0 given inv = mom8_inv_scale(s_v) and 16 random bits.
+MPK_HD uint8_t mom8_encode_v(float v, float inv, uint32_t r16) {
+  const float y = v * inv;
+  if (!(y > 0.0f)) return 0;
+  float c;
+  if (y >= mom8_q4(255.0f)) {
+    c = 255.0f;
+  } else {
+    float k = floorf(sqrtf(sqrtf(y)));
+    if (mom8_q4(k) > y) k = k - 1.0f;
+    if (mom8_q4(k + 1.0f) <= y) k = k + 1.0f;
+    const float q = mom8_q4(k);
+    const float d = y - q;
+    const float w = mom8_q4(k + 1.0f) - q;
+    c = static_cast<float>(r16) * w < d * 65536.0f ? k + 1.0f : k;
+    c = c < 1.0f ? 1.0f : c;  // y > 0: at least one code unit
+  }
+  return static_cast<uint8_t>(static_cast<int>(c));
 }
 
 // ----------------------------------------------------------------------------------------------
