@@ -11,7 +11,9 @@ no sync, no host-to-device copy. Work items are (tensor, chunk) rows of a device
 built once per layout of the tensor lists and cached (``_tables.py``); per (param, grad, state)
 dtype combination one launch over the rows whose buffers are all 16-byte aligned (the compiler
 is told, and uses 16-byte accesses) and one over the few unaligned head/tail elements. Nothing is
-written when found_inf != 0. bf16 moments are stored with stochastic rounding; random bits are
+written when found_inf != 0. bf16 moments are stored with stochastic rounding; 8-bit moments
+(int8 / uint8 codes, a bf16 scale per 32 elements: math.h mom8_*) are processed as [BLOCK // 32, 32]
+blocks, the group amax a tl.max along axis 1 of the integer bits; random bits are
 a hash of (seed, stream id, elem_offset + element, step, purpose), the keys computed once per row.
 """
 
@@ -28,8 +30,15 @@ CHUNK = 16384
 BLOCK = 1024
 _CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # p, g, m, v, vmax, master, begin, end, tensor index, shift (element index of the row's addresses),
-# random stream id, global index of the tensor's element 0 in that stream
-_ROW = 12
+# random stream id, global index of the tensor's element 0 in that stream, exp_avg scales,
+# exp_avg_sq scales (8-bit moments; else 0)
+_ROW = 14
+MOM8 = 8  # moment code of the 8-bit companded moments (math.h kMom8)
+GROUP = 32
+_KM = tl.constexpr(float.fromhex("0x1.040c2p-14"))  # fp32(1 / 127^2), math.h kMom8KM
+_KV = tl.constexpr(float.fromhex("0x1.040a14p-32"))  # fp32(1 / 255^4), math.h kMom8KV
+_Q255 = tl.constexpr(4228250624.0)  # fp32(255^4)
+assert CHUNK % GROUP == 0 and BLOCK % GROUP == 0
 
 
 @triton.jit
@@ -119,6 +128,77 @@ def _master8_encode(w, r16, PDT: tl.constexpr):
 
 
 @triton.jit
+def _mom8_scale_bits(amax, K: tl.constexpr):
+    """mom8_scale_bits of math.h: bf16 bits (uint32) of bf16_round_up(amax * K); NaN (0x7fc0) for a
+    non-finite group. amax: int32 max of (bits & 0x7fffffff)."""
+    b = (amax.to(tl.float32, bitcast=True) * K).to(tl.uint32, bitcast=True)
+    b = tl.where((b & 0xFFFF) != 0, b + 0x10000, b) >> 16
+    return tl.where(amax >= 0x7F800000, 0x7FC0, b).to(tl.uint32)
+
+
+@triton.jit
+def _mom8_inv(b):
+    """mom8_inv_scale: 1 / s (IEEE), 0 for a zero or NaN scale."""
+    zero = (b == 0) | (b == 0x7FC0)
+    s = tl.where(zero, 0x3F800000, b << 16).to(tl.float32, bitcast=True)
+    return tl.where(zero, 0.0, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s))
+
+
+@triton.jit
+def _mom8_encode_m(m, inv, r16):
+    """mom8_encode_m of math.h: int8 exp_avg codes, stochastic rounding between k^2 and (k+1)^2."""
+    y = tl.abs(m) * inv
+    big = y >= 16129.0
+    pos = y > 0.0
+    y = tl.where(big | ~pos, 1.0, y)  # keeps sqrt/floor of the discarded lanes finite
+    k = tl.floor(tl.sqrt_rn(y))
+    k = tl.where(k * k > y, k - 1.0, k)
+    kp = k + 1.0
+    k = tl.where(kp * kp <= y, k + 1.0, k)
+    d = y - k * k
+    w = 2.0 * k + 1.0
+    c = tl.where(r16.to(tl.float32) * w < d * 65536.0, k + 1.0, k)
+    c = tl.where(big, 127.0, c)
+    c = tl.where(pos, c, 0.0)
+    c = tl.where(m < 0.0, -c, c)
+    return c.to(tl.int32).to(tl.int8)
+
+
+@triton.jit
+def _q4(k):
+    k2 = k * k
+    return k2 * k2
+
+
+@triton.jit
+def _mom8_encode_v(v, inv, r16):
+    """mom8_encode_v of math.h: uint8 exp_avg_sq codes between k^4 and (k+1)^4; v > 0 gives >= 1."""
+    y = v * inv
+    big = y >= _Q255
+    pos = y > 0.0
+    y = tl.where(big | ~pos, 1.0, y)
+    k = tl.floor(tl.sqrt_rn(tl.sqrt_rn(y)))
+    k = tl.where(_q4(k) > y, k - 1.0, k)
+    k = tl.where(_q4(k + 1.0) <= y, k + 1.0, k)
+    q = _q4(k)
+    d = y - q
+    w = _q4(k + 1.0) - q
+    c = tl.where(r16.to(tl.float32) * w < d * 65536.0, k + 1.0, k)
+    c = tl.maximum(c, 1.0)
+    c = tl.where(big, 255.0, c)
+    c = tl.where(pos, c, 0.0)
+    return c.to(tl.int32).to(tl.uint8)
+
+
+@triton.jit
+def _uint8_ptr(addr, ALIGNED: tl.constexpr):
+    ptr = addr.to(tl.pointer_type(tl.uint8))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
 def _int8_ptr(addr, ALIGNED: tl.constexpr):
     ptr = addr.to(tl.pointer_type(tl.int8))
     if ALIGNED:
@@ -161,7 +241,7 @@ def _adamw_kernel(
             end = tl.multiple_of(end, 8)
         # random keys of this row (math.h rng_keys): word 0 for param SR / the 8-bit master, word 1 for
         # bf16 moments; gbase = global index of idx 0 in the tensor's stream
-        if MODE == 3 or SR or SDT == 2:
+        if MODE == 3 or SR or SDT == 2 or SDT == 8:
             step = tl.load(steps_ptr + t).to(tl.uint32)
             stream = (tl.load(base + 10) & 0xFFFFFFFF).to(tl.uint32)
             gbase = tl.load(base + 11) + tl.load(base + 9)
@@ -177,8 +257,20 @@ def _adamw_kernel(
         factor = tl.load(factor_ptr)
         if MAXIMIZE:
             factor = -factor
-        for off in range(0, CHUNK, BLOCK):
-            idx = _block_index(begin, off, ALIGNED, BLOCK)
+        if SDT == 8:  # 8-bit moments: codes + one bf16 scale per group of 32 (rows start at a group)
+            cm_ptr = _int8_ptr(tl.load(base + 2), ALIGNED)
+            cv_ptr = _uint8_ptr(tl.load(base + 3), ALIGNED)
+            sm_ptr = _ptr_at(base, 12, 2, False)
+            sv_ptr = _ptr_at(base, 13, 2, False)
+        # rows are at most CHUNK long; the loop stops at the row's end (short rows: fewer blocks)
+        for off in range(0, end - begin, BLOCK):
+            if SDT == 8:
+                # [groups, 32]: row r = group (begin + off) / 32 + r, column = element in the group
+                gi = (begin + off) // 32 + tl.arange(0, BLOCK // 32).to(tl.int64)
+                gmask = gi * 32 < end
+                idx = gi[:, None] * 32 + tl.arange(0, 32)[None, :]
+            else:
+                idx = _block_index(begin, off, ALIGNED, BLOCK)
             mask = idx < end
             g = _load_f32(g_ptr, idx, mask, GDT) * factor
             if MODE == 1:
@@ -197,8 +289,17 @@ def _adamw_kernel(
                 w = _master8_decode(h, c, PDT)
             else:
                 w = _load_f32(p_ptr, idx, mask, PDT)
-            m = _load_f32(m_ptr, idx, mask, SDT)
-            v = _load_f32(v_ptr, idx, mask, SDT)
+            if SDT == 8:
+                s_m = (tl.load(sm_ptr + gi, mask=gmask, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+                s_v = (tl.load(sv_ptr + gi, mask=gmask, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+                fm = tl.load(cm_ptr + idx, mask=mask, other=0).to(tl.float32)
+                fv = tl.load(cv_ptr + idx, mask=mask, other=0).to(tl.float32)
+                m = s_m[:, None] * (fm * tl.abs(fm))
+                fv2 = fv * fv
+                v = (s_v[:, None] * fv2) * fv2
+            else:
+                m = _load_f32(m_ptr, idx, mask, SDT)
+                v = _load_f32(v_ptr, idx, mask, SDT)
             w = w * decay
             m = m + one_m_b1 * (g - m)
             v = v * beta2 + one_m_b2 * g * g
@@ -212,9 +313,19 @@ def _adamw_kernel(
             # (enable_fp_fusion=False at launch): the same rounding as math.h on every backend
             denom = tl.sqrt_rn(vv) * inv_bc2 + eps
             w = w - tl.div_rn(step_size * m, denom)
-            if MODE == 3 or SR or SDT == 2:
+            if MODE == 3 or SR or SDT == 2 or SDT == 8:
                 gidx = gbase + idx
-            if SDT == 2:
+            if SDT == 8:
+                r1 = _rng_word(k1a, k1b, hi0, gidx)  # exp_avg: low half, exp_avg_sq: high half
+                am = tl.max(tl.where(mask, m.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0), axis=1)
+                av = tl.max(tl.where(mask, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0), axis=1)
+                bm = _mom8_scale_bits(am, _KM)
+                bv = _mom8_scale_bits(av, _KV)
+                tl.store(cm_ptr + idx, _mom8_encode_m(m, _mom8_inv(bm)[:, None], r1 & 0xFFFF), mask=mask)
+                tl.store(cv_ptr + idx, _mom8_encode_v(v, _mom8_inv(bv)[:, None], r1 >> 16), mask=mask)
+                tl.store(sm_ptr + gi, bm.to(tl.uint16), mask=gmask)
+                tl.store(sv_ptr + gi, bv.to(tl.uint16), mask=gmask)
+            elif SDT == 2:
                 r1 = _rng_word(k1a, k1b, hi0, gidx)  # exp_avg: low half, exp_avg_sq: high half
                 tl.store(m_ptr + idx, _bf16_sr(m, r1 & 0xFFFF), mask=mask)
                 tl.store(v_ptr + idx, _bf16_sr(v, r1 >> 16), mask=mask)
@@ -244,8 +355,11 @@ def _addr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _build_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, stream_ids, elem_offsets, device):
-    """(device table, launches) for one layout; launches: (pdt, gdt, sdt, aligned, first row, rows)."""
+def _build_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, stream_ids, elem_offsets, device,
+                exp_avg_scales=(), exp_avg_sq_scales=()):
+    """(device table, launches) for one layout; launches: (pdt, gdt, sdt, aligned, first row, rows).
+    8-bit moments (sdt MOM8): rows start at element 0 (no head shift) and at multiples of 32, so a
+    group of 32 never straddles two rows; the aligned rows end at the last multiple of 32."""
     groups: dict[tuple[int, int, int, bool], list[list[int]]] = {}
     for i, p in enumerate(params):
         n = p.numel()
@@ -256,12 +370,21 @@ def _build_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, 
         addrs = [_addr(b) for b in bufs]
         sizes = [4 if b is None else b.element_size() for b in bufs]
         head = common_head(list(zip(addrs, sizes)), VEC)
-        key = (_CODES[p.dtype], _CODES[grads[i].dtype], _CODES[exp_avgs[i].dtype])
-        for b, e, al in work_ranges(n, head, CHUNK, VEC):
+        mom8 = exp_avgs[i].dtype == torch.int8
+        key = (_CODES[p.dtype], _CODES[grads[i].dtype], MOM8 if mom8 else _CODES[exp_avgs[i].dtype])
+        scales = [_addr(exp_avg_scales[i]), _addr(exp_avg_sq_scales[i])] if mom8 else [0, 0]
+        if mom8:
+            body = n // GROUP * GROUP if head == 0 else 0
+            ranges = [(b, min(body, b + CHUNK), True) for b in range(0, body, CHUNK)]
+            ranges += [(b, min(n, b + CHUNK), False) for b in range(body, n, CHUNK)]
+        else:
+            ranges = work_ranges(n, head, CHUNK, VEC)
+        for b, e, al in ranges:
             shift = head if al else 0
             stream = stream_ids[i] if stream_ids else i
             offset = elem_offsets[i] if elem_offsets else 0
             row = [a + shift * es if a else 0 for a, es in zip(addrs, sizes)] + [b, e, i, shift, stream, offset]
+            row += scales
             groups.setdefault(key + (al,), []).append(row)
     rows: list[list[int]] = []
     launches = []
@@ -273,7 +396,7 @@ def _build_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, 
 
 def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
                 lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, master_mode, stochastic_rounding,
-                seed, stream_ids=(), elem_offsets=()) -> None:
+                seed, stream_ids=(), elem_offsets=(), exp_avg_scales=None, exp_avg_sq_scales=None) -> None:
     """Triton version of ``mpkern::adamw_step_`` (same contract)."""
     n = len(params)
     if n == 0:
@@ -282,19 +405,22 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, 
     with device_guard(device):
         _adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
                     lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, master_mode, stochastic_rounding, seed,
-                    tuple(int(x) for x in stream_ids), tuple(int(x) for x in elem_offsets))
+                    tuple(int(x) for x in stream_ids), tuple(int(x) for x in elem_offsets),
+                    list(exp_avg_scales or ()), list(exp_avg_sq_scales or ()))
 
 
 def _adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
                 lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, master_mode, stochastic_rounding,
-                seed, stream_ids, elem_offsets) -> None:
+                seed, stream_ids, elem_offsets, exp_avg_scales, exp_avg_sq_scales) -> None:
     n = len(params)
     device = params[0].device
     key = ("adamw", device, layout(params), layout(grads), layout(exp_avgs), layout(exp_avg_sqs),
-           layout(max_exp_avg_sqs), layout(masters), stream_ids, elem_offsets)
+           layout(max_exp_avg_sqs), layout(masters), stream_ids, elem_offsets, layout(exp_avg_scales),
+           layout(exp_avg_sq_scales))
     table, launches = TABLES.get(key, device, lambda: _build_plan(params, grads, exp_avgs, exp_avg_sqs,
                                                                   max_exp_avg_sqs, masters, stream_ids,
-                                                                  elem_offsets, device))
+                                                                  elem_offsets, device, exp_avg_scales,
+                                                                  exp_avg_sq_scales))
     ok = (found_inf.reshape(()) == 0).to(torch.float32)
     step_new = torch.stack([s.reshape(()) for s in steps]).double() + 1.0
     # lr: the tensor (read on the device) or the Python float, a kernel argument in double
