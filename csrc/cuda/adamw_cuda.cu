@@ -8,6 +8,8 @@
 // exists. A second one-thread-per-tensor launch bumps the step counters. Both read found_inf on
 // the device and do nothing when it is set: no host sync. The metadata table is cached on the
 // device (multi_tensor.cuh), so a step can be captured in a CUDA graph.
+// 8-bit moments (math.h mom8_*): a warp updates one group of 32 consecutive elements (lane =
+// element), takes the group's amax with warp shuffles and writes codes and the two bf16 scales.
 #include <torch/library.h>
 
 #include "../adamw_common.h"
@@ -20,16 +22,18 @@ namespace {
 
 constexpr int kAdamBlock = 256;
 constexpr int kVE = 8;  // elements per thread-iteration of the vector body
+static_assert(kChunk % kMom8Group == 0 && kAdamBlock % 32 == 0, "8-bit moment groups must not straddle chunks");
 
 struct AdamMeta {
   int64_t p, g, m, v, vmax, master, step;  // addresses (vmax / master may be 0)
+  int64_t sm, sv;       // 8-bit moments: addresses of the bf16 scales (one per 32 elements); else 0
   int64_t numel;
   int64_t chunk_begin;  // first chunk, counted within this tensor's launch
   int64_t offset;       // global index of element 0 in its random stream (elem_offsets)
   int32_t head;         // elements before the first element at which every buffer is 16-byte aligned; -1: none
   uint32_t stream;      // random stream id (stream_ids; default: position in the caller's list)
 };
-static_assert(sizeof(AdamMeta) == 88, "AdamMeta layout");
+static_assert(sizeof(AdamMeta) == 104, "AdamMeta layout");
 
 struct AdamScalars {
   double lr;  // used when lr_ptr is null; kept in double like the CPU and Triton backends and torch.optim
@@ -48,39 +52,25 @@ __device__ __forceinline__ bool needs_word0(bool sr) {
   return MODE == kMaster8bit || (MODE == kMasterNone && PDT == kBF16 && sr);
 }
 
-// One element, scalar loads and stores.
-template <int PDT, int GDT, int SDT, int MODE>
-__device__ __forceinline__ void adam_scalar(const AdamMeta& t, int64_t i, const AdamWConsts& cs, float factor,
-                                            bool sr, const RngKeys& keys) {
-  void* P = reinterpret_cast<void*>(t.p);
-  void* M = reinterpret_cast<void*>(t.m);
-  void* V = reinterpret_cast<void*>(t.v);
-  float* VMAX = reinterpret_cast<float*>(t.vmax);
-  const uint64_t e = static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i);
-  const bool w0 = needs_word0<PDT, SDT, MODE>(sr);
-  const uint32_t r0 = w0 ? rng_word(keys, 0, e) : 0u;
-  const uint32_t r1 = SDT == kBF16 ? rng_word(keys, 1, e) : 0u;
-  const float g = load_as_f32(reinterpret_cast<const void*>(t.g), i, GDT) * factor;
-  float p;
+// The fp32 master of element i (the param itself in mode 0).
+template <int PDT, int MODE>
+__device__ __forceinline__ float load_w(const AdamMeta& t, int64_t i) {
+  const void* P = reinterpret_cast<const void*>(t.p);
   if constexpr (MODE == kMasterF32) {
-    p = reinterpret_cast<const float*>(t.master)[i];
+    return reinterpret_cast<const float*>(t.master)[i];
   } else if constexpr (MODE == kMasterRemainder) {
-    p = join_master(static_cast<const uint16_t*>(P)[i], reinterpret_cast<const int16_t*>(t.master)[i]);
+    return join_master(static_cast<const uint16_t*>(P)[i], reinterpret_cast<const int16_t*>(t.master)[i]);
   } else if constexpr (MODE == kMaster8bit) {
-    p = master8_decode(static_cast<const uint16_t*>(P)[i], reinterpret_cast<const int8_t*>(t.master)[i], PDT);
+    return master8_decode(static_cast<const uint16_t*>(P)[i], reinterpret_cast<const int8_t*>(t.master)[i], PDT);
   } else {
-    p = load_as_f32(P, i, PDT);
+    return load_as_f32(P, i, PDT);
   }
-  float m = load_as_f32(M, i, SDT);
-  float v = load_as_f32(V, i, SDT);
-  p = adamw_update(p, g, m, v, VMAX ? VMAX + i : nullptr, cs);
-  if constexpr (SDT == kBF16) {
-    static_cast<uint16_t*>(M)[i] = f32_to_bf16_sr(m, (r1 >> rand_shift(kRandExpAvg)) & 0xffffu);
-    static_cast<uint16_t*>(V)[i] = f32_to_bf16_sr(v, (r1 >> rand_shift(kRandExpAvgSq)) & 0xffffu);
-  } else {
-    static_cast<float*>(M)[i] = m;
-    static_cast<float*>(V)[i] = v;
-  }
+}
+
+// Store the updated master p of element i and the param; r0 = random word 0 (when w0).
+template <int PDT, int MODE>
+__device__ __forceinline__ void store_w(const AdamMeta& t, int64_t i, float p, uint32_t r0, bool w0) {
+  void* P = reinterpret_cast<void*>(t.p);
   if constexpr (MODE == kMasterF32) {
     reinterpret_cast<float*>(t.master)[i] = p;
     store_from_f32(P, i, PDT, p);
@@ -100,6 +90,78 @@ __device__ __forceinline__ void adam_scalar(const AdamMeta& t, int64_t i, const 
     static_cast<uint16_t*>(P)[i] = f32_to_bf16_sr(p, (r0 >> rand_shift(kRandParam)) & 0xffffu);
   } else {
     store_from_f32(P, i, PDT, p);
+  }
+}
+
+// One element, scalar loads and stores.
+template <int PDT, int GDT, int SDT, int MODE>
+__device__ __forceinline__ void adam_scalar(const AdamMeta& t, int64_t i, const AdamWConsts& cs, float factor,
+                                            bool sr, const RngKeys& keys) {
+  void* M = reinterpret_cast<void*>(t.m);
+  void* V = reinterpret_cast<void*>(t.v);
+  float* VMAX = reinterpret_cast<float*>(t.vmax);
+  const uint64_t e = static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i);
+  const bool w0 = needs_word0<PDT, SDT, MODE>(sr);
+  const uint32_t r0 = w0 ? rng_word(keys, 0, e) : 0u;
+  const uint32_t r1 = SDT == kBF16 ? rng_word(keys, 1, e) : 0u;
+  const float g = load_as_f32(reinterpret_cast<const void*>(t.g), i, GDT) * factor;
+  float p = load_w<PDT, MODE>(t, i);
+  float m = load_as_f32(M, i, SDT);
+  float v = load_as_f32(V, i, SDT);
+  p = adamw_update(p, g, m, v, VMAX ? VMAX + i : nullptr, cs);
+  if constexpr (SDT == kBF16) {
+    static_cast<uint16_t*>(M)[i] = f32_to_bf16_sr(m, (r1 >> rand_shift(kRandExpAvg)) & 0xffffu);
+    static_cast<uint16_t*>(V)[i] = f32_to_bf16_sr(v, (r1 >> rand_shift(kRandExpAvgSq)) & 0xffffu);
+  } else {
+    static_cast<float*>(M)[i] = m;
+    static_cast<float*>(V)[i] = v;
+  }
+  store_w<PDT, MODE>(t, i, p, r0, w0);
+}
+
+// 8-bit moments: one group of 32 elements [gb, min(gb + 32, end)) per warp, lane = element. The
+// group's amax is a warp-wide unsigned max (5 shuffles); every lane computes the same scales, lane 0
+// stores them. All 32 lanes must call (inactive ones past `end` contribute 0 to the max).
+template <int PDT, int GDT, int MODE>
+__device__ __forceinline__ void adam_mom8_group(const AdamMeta& t, int64_t gb, int64_t end, int lane,
+                                                const AdamWConsts& cs, float factor, bool sr, const RngKeys& keys) {
+  int8_t* CM = reinterpret_cast<int8_t*>(t.m);
+  uint8_t* CV = reinterpret_cast<uint8_t*>(t.v);
+  uint16_t* SM = reinterpret_cast<uint16_t*>(t.sm);
+  uint16_t* SV = reinterpret_cast<uint16_t*>(t.sv);
+  const int64_t i = gb + lane;
+  const int64_t j = gb / kMom8Group;
+  const bool act = i < end;
+  float m = 0.f, v = 0.f;
+  uint32_t r1 = 0u;
+  if (act) {
+    const uint64_t e = static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i);
+    const bool w0 = needs_word0<PDT, kMom8, MODE>(sr);
+    const uint32_t r0 = w0 ? rng_word(keys, 0, e) : 0u;
+    r1 = rng_word(keys, 1, e);
+    const float g = load_as_f32(reinterpret_cast<const void*>(t.g), i, GDT) * factor;
+    float p = load_w<PDT, MODE>(t, i);
+    m = mom8_decode_m(CM[i], bf16_to_f32(SM[j]));
+    v = mom8_decode_v(CV[i], bf16_to_f32(SV[j]));
+    p = adamw_update(p, g, m, v, nullptr, cs);
+    store_w<PDT, MODE>(t, i, p, r0, w0);
+  }
+  uint32_t am = act ? (f32_bits(m) & 0x7fffffffu) : 0u;
+  uint32_t av = act ? (f32_bits(v) & 0x7fffffffu) : 0u;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    am = max(am, __shfl_xor_sync(0xffffffffu, am, o));
+    av = max(av, __shfl_xor_sync(0xffffffffu, av, o));
+  }
+  const uint32_t bm = mom8_scale_bits(am, kMom8KM), bv = mom8_scale_bits(av, kMom8KV);
+  if (act) {
+    CM[i] = mom8_encode_m(m, mom8_inv_scale(bm), (r1 >> rand_shift(kRandExpAvg)) & 0xffffu);
+    CV[i] = mom8_encode_v(v, mom8_inv_scale(bv), (r1 >> rand_shift(kRandExpAvgSq)) & 0xffffu);
+  }
+  __syncwarp();  // every lane has read the old scales (they are in registers) before lane 0 writes
+  if (lane == 0) {
+    SM[j] = static_cast<uint16_t>(bm);
+    SV[j] = static_cast<uint16_t>(bv);
   }
 }
 
@@ -218,8 +280,15 @@ __global__ void __launch_bounds__(kAdamBlock) adamw_kernel(const AdamMeta* __res
     const int64_t end = min(t.numel, begin + kChunk);
     // random keys for this chunk's elements (math.h, rng_keys): a few multiplies per thread and chunk
     RngKeys keys{};
-    if (SDT == kBF16 || needs_word0<PDT, SDT, MODE>(s.sr))
+    if (SDT == kBF16 || SDT == kMom8 || needs_word0<PDT, SDT, MODE>(s.sr))
       keys = rng_keys(s.seed, t.stream, step, static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(begin));
+    if constexpr (SDT == kMom8) {
+      // groups of 32 from the tensor's element 0 (chunks are multiples of 32), one per warp
+      const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+      for (int64_t gb = begin + warp * kMom8Group; gb < end; gb += warps * kMom8Group)
+        adam_mom8_group<PDT, GDT, MODE>(t, gb, end, lane, cs, factor, s.sr, keys);
+      continue;
+    }
     // vector body [vb, ve): starts at the tensor's common aligned element (chunks are multiples of kVE)
     const int64_t vb = t.head < 0 ? end : min(end, begin + t.head);
     const int64_t ve = vb + (end - vb) / kVE * kVE;
@@ -241,6 +310,7 @@ using AdamKernel = void (*)(const AdamMeta*, int, int64_t, AdamScalars);
 
 template <int PDT, int GDT, int MODE>
 AdamKernel pick_s(int32_t sdt) {
+  if (sdt == kMom8) return &adamw_kernel<PDT, GDT, kMom8, MODE>;
   return sdt == kF32 ? &adamw_kernel<PDT, GDT, kF32, MODE> : &adamw_kernel<PDT, GDT, kBF16, MODE>;
 }
 template <int PDT, int MODE>
@@ -288,9 +358,14 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
                       at::TensorList steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
                       const std::optional<at::Tensor>& lr_tensor, double lr, double beta1, double beta2, double eps,
                       double weight_decay, bool maximize, int64_t master_mode, bool stochastic_rounding,
-                      int64_t seed, at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets) {
+                      int64_t seed, at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets,
+                      const std::optional<at::TensorList>& exp_avg_scales_opt,
+                      const std::optional<at::TensorList>& exp_avg_sq_scales_opt) {
+  const at::TensorList exp_avg_scales = list_or_empty(exp_avg_scales_opt);
+  const at::TensorList exp_avg_sq_scales = list_or_empty(exp_avg_sq_scales_opt);
   check_adamw_args_on("mpkern::adamw_step_", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps,
-                      grad_factor, found_inf, lr_tensor, master_mode, stream_ids, elem_offsets, c10::DeviceType::CUDA);
+                      grad_factor, found_inf, lr_tensor, master_mode, stream_ids, elem_offsets, exp_avg_scales,
+                      exp_avg_sq_scales, c10::DeviceType::CUDA);
   if (params.empty()) return;
   const c10::Device dev = params[0].device();
   const c10::cuda::CUDAGuard guard(dev);
@@ -307,7 +382,7 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
   std::vector<int> launch_of(n);
   for (size_t i = 0; i < n; ++i) {
     const int32_t pdt = dtype_code(params[i].scalar_type()), gdt = dtype_code(grads[i].scalar_type()),
-                  sdt = dtype_code(exp_avgs[i].scalar_type());
+                  sdt = moment_code(exp_avgs[i]);
     size_t l = 0;
     while (l < launches.size() && !(launches[l].pdt == pdt && launches[l].gdt == gdt && launches[l].sdt == sdt)) ++l;
     if (l == launches.size()) launches.push_back({pdt, gdt, sdt});
@@ -327,6 +402,8 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
     a.vmax = max_exp_avg_sqs.empty() ? 0 : addr(max_exp_avg_sqs[i]);
     a.master = masters.empty() ? 0 : addr(masters[i]);
     a.step = addr(steps[i]);
+    a.sm = exp_avg_scales.empty() ? 0 : addr(exp_avg_scales[i]);
+    a.sv = exp_avg_sq_scales.empty() ? 0 : addr(exp_avg_sq_scales[i]);
     a.numel = params[i].numel();
     a.chunk_begin = L.chunks;
     const int64_t ptrs[6] = {a.p, a.g, a.m, a.v, a.vmax, a.master};
