@@ -38,6 +38,8 @@ MODES = {
                                         None),
     "mpkern 8-bit master + bf16 moments": (torch.bfloat16, dict(master_weights="8bit", state_dtype="bfloat16"),
                                            None),
+    "mpkern remainder + 8-bit moments": (torch.bfloat16, dict(master_weights="remainder", state_dtype="8bit"), None),
+    "mpkern 8-bit master + 8-bit moments": (torch.bfloat16, dict(master_weights="8bit", state_dtype="8bit"), None),
     "mpkern no master + SR params + bf16 moments": (
         torch.bfloat16, dict(master_weights=False, stochastic_rounding=True, state_dtype="bfloat16"), None),
 }

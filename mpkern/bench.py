@@ -689,12 +689,12 @@ def _host_breakdown(opt: Any, reps: int, dev: torch.device) -> dict[str, Any]:
         work, _ = opt._collect()
         group, _dev, kind, pairs = work[0]
         lists, _ = opt._prepare(group, kind, pairs, True)
-        *tensors, sids, offs = lists
+        *tensors, sids, offs, scales = lists
         one, zero = torch.ones((), device=dev), torch.zeros((), device=dev)
         return {"collect": _best(opt._collect, reps, dev),
                 "prepare": _best(lambda: opt._prepare(group, kind, pairs, True), reps, dev),
                 "kernel call": _best(lambda: fused_adamw_mp(dev.type, *tensors, one, zero, None, 1e-3, group,
-                                                            kind.mode, sids, offs), reps, dev)}
+                                                            kind.mode, sids, offs, *(scales or ())), reps, dev)}
     except Exception as e:  # noqa: BLE001 -- private API of mpkern.optim, changed by its authors
         return {"error": f"{type(e).__name__}: {e}"}
 

@@ -49,7 +49,7 @@ def limit(peer_bytes: float, our_bytes: float) -> float:
 CATEGORIES = ("weights", "grads", "masters", "moments")
 # the optimizer's storage descriptions say which state keys hold masters
 _MASTER_KEYS = tuple(k.key for k in _storage.STORED_MASTERS)
-_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_MOMENT_KEYS = _storage.MOMENT_STATE_KEYS + ("max_exp_avg_sq",)
 
 
 @dataclass
@@ -134,6 +134,10 @@ RECIPES = {
     "mpkern remainder + bf16 moments": "bf16 params/grads, FusedAdamWMP: int16 remainder, bf16 moments",
     "mpkern 8-bit master + bf16 moments": "bf16 params/grads, FusedAdamWMP: int8 master correction (stochastic), "
                                           "bf16 moments (stochastic)",
+    "mpkern remainder + 8-bit moments": "bf16 params/grads, FusedAdamWMP: int16 remainder (exact master), "
+                                        "8-bit companded moments + a bf16 scale per 32",
+    "mpkern 8-bit master + 8-bit moments": "bf16 params/grads, FusedAdamWMP: int8 master correction, 8-bit "
+                                           "companded moments + a bf16 scale per 32 (stochastic)",
 }
 
 
@@ -171,7 +175,7 @@ def build_recipe(name: str, seed: int = 0) -> tuple[list[Tensor], torch.optim.Op
         opt = torch.optim.AdamW(masters, lr=1e-3)
     else:
         mw = "remainder" if "remainder" in name else "8bit" if "8-bit master" in name else True
-        sdt = torch.bfloat16 if "bf16 moments" in name else torch.float32
+        sdt = torch.bfloat16 if "bf16 moments" in name else "8bit" if "8-bit moments" in name else torch.float32
         opt = FusedAdamWMP(params, lr=1e-3, master_weights=mw, state_dtype=sdt)
     opt.step()
     return params, opt, masters

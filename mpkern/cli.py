@@ -128,8 +128,11 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
     device = _resolve_device(args.device, parser)
     log = (lambda s: print(s, file=sys.stderr, flush=True))
-    res = bench.run(args.which, device=device, quick=args.quick, params=args.params, tensors=args.tensors,
-                    reps=args.reps, log=log)
+    try:
+        res = bench.run(args.which, device=device, quick=args.quick, params=args.params, tensors=args.tensors,
+                        reps=args.reps, log=log, **bench.adamw_run_kwargs(args))
+    except ValueError as e:  # a bad --modes list
+        parser.error(str(e))
     m = res["meta"]
     print(f"\n{m['device']}, torch {m['torch']}, {m['threads']} threads, {m['timestamp']}"
           + (f", in-place bandwidth {m['bandwidth']['inplace_GBps']:.1f} GB/s" if "bandwidth" in m else "")
@@ -228,8 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--optimizer-state", choices=OPTIMIZER_STATES, default=None,
                     help="FusedAdamWMP state of the mpkern runs: fp32 masters+moments (default, 16 B/param with "
                          "param and grad), int16 remainder masters (14; mpkern-bf16 only, mpkern-fp16 keeps fp32 "
-                         "masters), bf16 moments (12), remainder + bf16 moments (10), or 8-bit master "
-                         "corrections + bf16 moments (9) -- bf16 moments and 8-bit masters are rounded "
+                         "masters), bf16 moments (12), remainder + bf16 moments (10), 8-bit master "
+                         "corrections + bf16 moments (9), remainder + 8-bit moments (8.125) or 8-bit masters + "
+                         "8-bit moments (7.125) -- bf16 / 8-bit moments and 8-bit masters are rounded "
                          "stochastically (docs/storage.md)"),
     pc.add_argument("--linear", choices=("auto", "mpkern", "torch"), default=None,
                     help="Linear layers of the 16-bit-param runs: mpkern.nn.Linear or torch.nn.Linear "
@@ -257,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--params", type=_positive_int, help="parameters of the optimizer-side benchmarks")
     pb.add_argument("--tensors", type=_positive_int, help="number of tensors they are split into")
     pb.add_argument("--reps", type=_positive_int, help="timed repetitions (median reported)")
+    from . import bench
+
+    bench.add_adamw_arguments(pb)  # --modes, --torchao-params, --no-torchao, --no-host-time
     pb.set_defaults(func=_cmd_bench)
 
     pp = sub.add_parser(

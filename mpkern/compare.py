@@ -58,7 +58,7 @@ from . import _progress, bytemodel
 Tensor = torch.Tensor
 
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-naive", "mpkern-bf16", "mpkern-fp16")
-OPTIMIZER_STATES = ("fp32", "remainder", "bf16-moments", "remainder-bf16", "8bit")
+OPTIMIZER_STATES = ("fp32", "remainder", "bf16-moments", "remainder-bf16", "8bit", "remainder-8bit", "8bit-8bit")
 LINEARS = ("auto", "mpkern", "torch")
 SCHEMA = "mpkern.compare/1"
 
@@ -576,7 +576,9 @@ def _build(name: str, cfg: Config, base: nn.Module, device: torch.device,
     mp_state = {"fp32": {}, "remainder": {"master_weights": "remainder"},
                 "bf16-moments": {"state_dtype": torch.bfloat16},
                 "remainder-bf16": {"master_weights": "remainder", "state_dtype": torch.bfloat16},
-                "8bit": {"master_weights": "8bit", "state_dtype": torch.bfloat16}}[cfg.optimizer_state]
+                "8bit": {"master_weights": "8bit", "state_dtype": torch.bfloat16},
+                "remainder-8bit": {"master_weights": "remainder", "state_dtype": "8bit"},
+                "8bit-8bit": {"master_weights": "8bit", "state_dtype": "8bit"}}[cfg.optimizer_state]
     scaler = None
     autocast: Any = nullcontext
     layers = "the model's own layers" if cfg.hf_model else "torch.nn.Linear"

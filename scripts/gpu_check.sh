@@ -113,7 +113,8 @@ done
 # ---- benchmarks and compare ---------------------------------------------------------------------
 if $PY -m mpkern bench --help > /dev/null 2>&1; then
   # the benchmarks autotune the GEMM (the fixed test config would understate it against cuBLAS)
-  stage bench "$T_BENCH" "$OUT/bench.log" env -u MPKERN_MATMUL_CONFIG $PY -m mpkern bench all --device cuda \
+  # torchao rows are left out there (a cold compile per shape would eat the stage)
+  stage bench "$T_BENCH" "$OUT/bench.log" env -u MPKERN_MATMUL_CONFIG $PY -m mpkern bench all --device cuda --no-torchao \
     --json "$OUT/bench.json"
 else
   echo "[gpu_check] 'mpkern bench' does not exist here: running benchmarks/bench_*.py" | tee "$OUT/bench.log"

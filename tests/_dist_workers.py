@@ -244,6 +244,21 @@ def single_save(ckpt: str, out: str) -> None:
 
 # ---- compact state (issue 15): 8-bit master correction + bf16 moments through DCP -----------------
 COMPACT = {"master_weights": "8bit", "state_dtype": torch.bfloat16, "seed": 5}
+#: the other compact layouts the DCP tests reshard: 8-bit moments with each master kind
+COMPACT_MODES = {"8bit-bf16": COMPACT, "8bit-8bit": {"master_weights": "8bit", "state_dtype": "8bit", "seed": 5},
+                 "remainder-8bit": {"master_weights": "remainder", "state_dtype": "8bit", "seed": 5}}
+
+
+def _moments(opt: mpkern.FusedAdamWMP, params) -> list[dict]:
+    """The fp32 moments of each param, whole tensors (state_dict() dequantizes 8-bit DTensor moments)."""
+    sd = opt.state_dict()
+    index = dict(zip((id(p) for g in opt.param_groups for p in g["params"]),
+                     (i for g in sd["param_groups"] for i in g["params"])))
+    out = []
+    for p in params:
+        st = sd["state"][index[id(p)]]
+        out.append({k: full(st[k]).float().cpu() for k in ("exp_avg", "exp_avg_sq")})
+    return out
 
 
 def _compact_steps(m: torch.nn.Module, opt: mpkern.FusedAdamWMP, steps, dev: torch.device) -> None:
@@ -258,20 +273,29 @@ def _compact_result(m: torch.nn.Module, opt: mpkern.FusedAdamWMP) -> dict:
             "masters": [full(x).cpu() for x in opt.master_params()]}
 
 
-def compact_save(rank: int, world: int, store: str, out: str, backend: str = "gloo") -> None:
-    """FSDP2 with master_weights='8bit' + bf16 moments: 3 steps, a DCP save, the 2-step continuation."""
+def compact_save(rank: int, world: int, store: str, out: str, mode: str = "8bit-bf16", backend: str = "gloo") -> None:
+    """FSDP2 with a compact layout (``COMPACT_MODES[mode]``): 3 steps, a DCP save, the 2-step continuation."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    kw = COMPACT_MODES[mode]
     dev = init(rank, world, store, backend)
     fs = shard(model(torch.bfloat16, dev), dev)
-    opt = mpkern.FusedAdamWMP(fs.parameters(), lr=1e-2, max_grad_norm=0.5, **COMPACT)
+    opt = mpkern.FusedAdamWMP(fs.parameters(), lr=1e-2, max_grad_norm=0.5, **kw)
     _compact_steps(fs, opt, range(1, 4), dev)
+    key = {"8bit": "master_correction", "remainder": "master_remainder"}[kw["master_weights"]]
     for p in fs.parameters():  # the state is compact and sharded like the param
-        c = opt.state[p]["master_correction"]
-        assert type(c).__name__ == "DTensor" and c.dtype == torch.int8 and c.placements == p.placements
+        c = opt.state[p][key]
+        assert type(c).__name__ == "DTensor" and c.dtype in (torch.int8, torch.int16) and c.placements == p.placements
+        if kw["state_dtype"] == "8bit":  # codes sharded like the param, scales of the local buffer
+            code = opt.state[p]["exp_avg_code"]
+            assert type(code).__name__ == "DTensor" and code.dtype == torch.int8
+            assert opt.state[p]["exp_avg_scale"].numel() == -(-code._local_tensor.numel() // 32)
+    saved_moments = _moments(opt, list(fs.parameters()))
     msd, osd = get_state_dict(fs, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, "ckpt"))
+    if rank == 0:
+        torch.save(saved_moments, os.path.join(out, "saved_moments.pt"))
     _compact_steps(fs, opt, (20, 21), dev)
     res = _compact_result(fs, opt)
     if rank == 0:
@@ -279,20 +303,23 @@ def compact_save(rank: int, world: int, store: str, out: str, backend: str = "gl
     finish()
 
 
-def compact_load(rank: int, world: int, store: str, ckpt: str, out: str, backend: str = "gloo") -> None:
+def compact_load(rank: int, world: int, store: str, ckpt: str, out: str, mode: str = "8bit-bf16",
+                 backend: str = "gloo") -> None:
     """Load the compact checkpoint on another number of ranks (uneven shards) and continue."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     dev = init(rank, world, store, backend)
     fs = shard(model(torch.bfloat16, dev), dev)
-    opt = mpkern.FusedAdamWMP(fs.parameters(), lr=1e-2, max_grad_norm=0.5, **COMPACT)
+    opt = mpkern.FusedAdamWMP(fs.parameters(), lr=1e-2, max_grad_norm=0.5, **COMPACT_MODES[mode])
     msd, osd = get_state_dict(fs, opt)
     sd = {"model": msd, "optim": osd}
     dcp.load(sd, checkpoint_id=ckpt)
     set_state_dict(fs, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    loaded_moments = _moments(opt, list(fs.parameters()))
     _compact_steps(fs, opt, (20, 21), dev)
     res = _compact_result(fs, opt)
+    res["loaded_moments"] = loaded_moments
     if rank == 0:
         torch.save(res, out)
     finish()

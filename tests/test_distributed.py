@@ -83,10 +83,11 @@ def test_dcp_compact_state_reshards_2_to_1_and_3(tmp_path, world):
     # up to the rounding of the grad reduction order: a rounding it flips can move a param by one
     # bf16 ulp per continuation step (2 here), and a flipped bf16 moment rounding changes that
     # step's update (|update| <= ~3 lr early on) by one part in 2^8
-    _spawn(W.compact_save, 2, tmp_path, str(tmp_path))
+    _spawn(W.compact_save, 2, tmp_path, str(tmp_path), "8bit-bf16")
     store = str(tmp_path / f"store-compact-load{world}")
     out = tmp_path / f"compact{world}.pt"
-    mp.spawn(W.compact_load, args=(world, store, str(tmp_path / "ckpt"), str(out), "gloo"), nprocs=world, join=True)
+    mp.spawn(W.compact_load, args=(world, store, str(tmp_path / "ckpt"), str(out), "8bit-bf16", "gloo"), nprocs=world,
+             join=True)
     got, want = torch.load(out), torch.load(tmp_path / "continuation.pt")
     assert len(got["params"]) == len(want["params"]) > 0
     for a, b in zip(got["params"], want["params"]):
@@ -96,6 +97,32 @@ def test_dcp_compact_state_reshards_2_to_1_and_3(tmp_path, world):
     for a, b in zip(got["masters"], want["masters"]):
         ulp = b.abs().clamp(min=2**-126) * 2.0**-7
         assert ((a - b).abs() <= 2 * ulp + 2 * 3e-2 * 2.0**-8).all()
+
+
+@pytest.mark.parametrize("mode, world", [("8bit-8bit", 3), ("remainder-8bit", 1)])
+def test_dcp_8bit_moments_reshard_within_the_requantization_bound(tmp_path, mode, world):
+    # 8-bit moments of DTensor params are saved dequantized (their scales belong to the local
+    # buffer) and quantized again for the new shards on load: each value within half a code step
+    # of its new group's largest magnitude -- bounded here by the largest of the whole tensor
+    # (0.8 %: (127^2 - 126^2) / 127^2 / 2 for exp_avg, (255^4 - 254^4) / 255^4 / 2 for exp_avg_sq,
+    # + the bf16 round-up of the scale). Masters (exact remainder / 8-bit corrections) reshard exactly.
+    _spawn(W.compact_save, 2, tmp_path, str(tmp_path), mode)
+    store = str(tmp_path / f"store-m8-load{world}")
+    out = tmp_path / f"m8-{world}.pt"
+    mp.spawn(W.compact_load, args=(world, store, str(tmp_path / "ckpt"), str(out), mode, "gloo"), nprocs=world,
+             join=True)
+    got, want = torch.load(out), torch.load(tmp_path / "continuation.pt")
+    saved = torch.load(tmp_path / "saved_moments.pt")
+    assert len(saved) == len(got["loaded_moments"]) > 0
+    for s, lo in zip(saved, got["loaded_moments"]):
+        for key, top, e in (("exp_avg", 127, 2), ("exp_avg_sq", 255, 4)):
+            bound = 0.5 * (top**e - (top - 1) ** e) / top**e * (1 + 2**-7) * s[key].abs().max()
+            assert ((lo[key] - s[key]).abs() <= bound).all(), key
+    # the continuation (2 steps) stays close to the uninterrupted run: requantized moments change
+    # each update by a few % of lr at most
+    for a, b in zip(got["masters"], want["masters"]):
+        ulp = b.abs().clamp(min=2**-126) * 2.0**-7
+        assert ((a - b).abs() <= 2 * ulp + 2 * 0.2 * 1e-2).all()
 
 
 def test_ddp_bucket_views_and_no_sync_equal_full_batch(tmp_path):

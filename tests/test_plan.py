@@ -14,8 +14,9 @@ from mpkern import bytemodel, plan
 
 def _model(dtype):
     # a different shape from the probe model plan measures on: bytes/param must not depend on it
+    # (every numel a multiple of 32: the 8-bit moments' last scale of a tensor covers a short group)
     torch.manual_seed(3)
-    return torch.nn.Sequential(torch.nn.Linear(40, 72), torch.nn.Tanh(), torch.nn.Linear(72, 9)).to(dtype)
+    return torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32)).to(dtype)
 
 
 def _counted(params, opt, masters=()):
@@ -68,6 +69,8 @@ def _build(name):
             kw["master_weights"] = "8bit"
         if "bf16 moments" in name:
             kw["state_dtype"] = torch.bfloat16
+        if "8-bit moments" in name:
+            kw["state_dtype"] = "8bit"
         opt = mpkern.FusedAdamWMP(ps, **kw)
     _step(m, opt)
     return ps, opt, []
@@ -99,6 +102,8 @@ def test_known_footprints(rows):
     assert by["mpkern master_weights='remainder'"]["total_B"] == 14
     assert by["mpkern remainder + bf16 moments"]["total_B"] == 10
     assert by["mpkern 8-bit master + bf16 moments"]["total_B"] == 9  # 2 + 2 + 1 + 4
+    assert by["mpkern 8-bit master + 8-bit moments"]["total_B"] == 7.125  # 2 + 2 + 1 + 2 + 2 * 2 / 32
+    assert by["mpkern remainder + 8-bit moments"]["total_B"] == 8.125  # 2 + 2 + 2 + 2.125
 
 
 def test_sharding_divides_per_rank(rows):
@@ -190,7 +195,7 @@ def test_storage_descriptions_match_the_allocated_state():
         if not name.startswith("mpkern"):
             continue
         mw = "remainder" if "remainder" in name else "8bit" if "8-bit master" in name else True
-        sdt = "bfloat16" if "bf16 moments" in name else "float32"
+        sdt = "bfloat16" if "bf16 moments" in name else "8bit" if "8-bit moments" in name else "float32"
         params, opt, masters = bytemodel.build_recipe(name)
         got = bytemodel.count_state(params, opt, masters=masters).per_param()
         assert got["masters"] + got["moments"] == storage.state_bytes_per_param(mw, sdt, torch.bfloat16), name

@@ -68,9 +68,7 @@ class _Pending(NamedTuple):
     inf_norm: bool
 
 
-def _flat_view(t: Tensor) -> Tensor:
-    """A 1-D view of a dense tensor (contiguous up to a permutation of dims) over its memory."""
-    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+_flat_view = storage.flat_view
 
 
 class FusedAdamWMP(torch.optim.Optimizer):
@@ -95,9 +93,13 @@ class FusedAdamWMP(torch.optim.Optimizer):
             by that pass skips the step like a GradScaler overflow. Global: every group has the
             same value (``opt.max_grad_norm = x`` sets it everywhere).
         master_weights: ``True`` (fp32 master in state), ``"remainder"`` (bf16 params only: an int16
-            remainder so that param + remainder is the exact fp32 master) or ``False`` (update the
-            16-bit params directly).
-        state_dtype: dtype of ``exp_avg``/``exp_avg_sq``: ``torch.float32`` or ``torch.bfloat16``.
+            remainder so that param + remainder is the exact fp32 master), ``"8bit"`` (bf16/fp16
+            params: a one-byte stochastically rounded correction of the param's rounding error) or
+            ``False`` (update the 16-bit params directly).
+        state_dtype: how ``exp_avg``/``exp_avg_sq`` are kept: ``torch.float32``, ``torch.bfloat16``
+            (stored with stochastic rounding) or ``"8bit"`` (one byte per element per moment plus a bf16
+            scale per 32 elements, companded, stochastically rounded: 2.125 B/param for both; not with
+            amsgrad). See docs/storage.md for how each mode differs from fp32 AdamW.
         stochastic_rounding: with ``master_weights=False`` and bf16 params, round the updated
             params stochastically (unbiased) instead of to nearest.
         seed: seed of the stochastic-rounding bit stream.
@@ -166,7 +168,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
         fused: bool | None = None,
         max_grad_norm: float | None = None,
         master_weights: bool | str = True,
-        state_dtype: torch.dtype = torch.float32,
+        state_dtype: torch.dtype | str = torch.float32,
         stochastic_rounding: bool = False,
         seed: int = 0,
         process_group: Any = None,
@@ -192,6 +194,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
             warnings.warn(f"FusedAdamWMP ignores {', '.join(ignored)}: it always runs one fused multi-tensor "
                           "kernel", UserWarning, stacklevel=2)
         state_dtype = _check_own_args(master_weights, state_dtype, max_grad_norm, stochastic_rounding)
+        _check_amsgrad(amsgrad, state_dtype, "")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         capturable=capturable, max_grad_norm=max_grad_norm, master_weights=master_weights,
                         state_dtype=state_dtype, stochastic_rounding=stochastic_rounding, seed=int(seed))
@@ -228,6 +231,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
         try:
             group["state_dtype"] = _check_own_args(group["master_weights"], group["state_dtype"],
                                                    group["max_grad_norm"], group["stochastic_rounding"])
+            _check_amsgrad(group["amsgrad"], group["state_dtype"], f" (group {gi})")
             if group["max_grad_norm"] != self.param_groups[0]["max_grad_norm"]:
                 raise ValueError(f"FusedAdamWMP: max_grad_norm is a global norm threshold; group {gi} has "
                                  f"{group['max_grad_norm']!r}, group 0 has {self.param_groups[0]['max_grad_norm']!r}")
@@ -402,18 +406,13 @@ class FusedAdamWMP(torch.optim.Optimizer):
                              ("decoupled_weight_decay", True)):
                 ng.setdefault(key, val)
             groups.append(ng)
-        kinds: dict[int, Any] = {}  # state_dict's index of each param -> its group's moment kind
-        for group in self.param_groups:
-            for p in group["params"]:
-                kinds.setdefault(id(p), (len(kinds), moment_kind(group["state_dtype"])))
-        kind_at = dict(kinds.values())
         state = {}
         for i, st in sd["state"].items():
-            mk = kind_at.get(i, moment_kind("float32"))
             out = {"step": torch.as_tensor(st["step"], dtype=torch.float32).detach().clone()}
             for key in ("exp_avg", "exp_avg_sq"):
-                if key in st:
-                    out[key] = mk.to_fp32(st, key).detach().clone()
+                val = storage.moments_fp32(st, key)
+                if val is not None:
+                    out[key] = val.detach()
             if "max_exp_avg_sq" in st:
                 out["max_exp_avg_sq"] = st["max_exp_avg_sq"].detach().to(torch.float32).clone()
             state[i] = out
@@ -648,9 +647,9 @@ class FusedAdamWMP(torch.optim.Optimizer):
             f_dev, found_dev = per_dev[dev]
             for p, tmp in copies:  # not one dense block: (re)take the copy now -- a repeat of the
                 tmp.copy_(p)       # param in a later pass must see the earlier pass's update
-            *tensors, sids, offsets = lists
+            *tensors, sids, offsets, scales = lists
             fused_adamw_mp(_backend.select(dev), *tensors, f_dev, found_dev, lr_tensor, lr_value, group, kind.mode,
-                           sids, offsets)
+                           sids, offsets, *(scales or ()))
             for p, tmp in copies:  # params that are not one dense block went through a copy
                 p.copy_(tmp)
             if check_writes:
@@ -674,6 +673,10 @@ class FusedAdamWMP(torch.optim.Optimizer):
         copies: list[tuple[Tensor, Tensor]] = []
         amsgrad = group["amsgrad"]
         mkey = kind.key
+        moments = moment_kind(group["state_dtype"])
+        scaled = moments is storage.INT8_MOMENTS
+        mscales: list[Tensor] = []
+        vscales: list[Tensor] = []
         versions = self._versions
         for p, g, sid in pairs:
             sids.append(sid)
@@ -689,7 +692,11 @@ class FusedAdamWMP(torch.optim.Optimizer):
                 self._conform(kind, p, st)  # a converted checkpoint or a new param dtype
             if amsgrad and "max_exp_avg_sq" not in st:
                 st["max_exp_avg_sq"] = _like(p, torch.float32).zero_()
-            ts = [st["exp_avg"], st["exp_avg_sq"]]
+            m, v, m_scale, v_scale = moments.kernel_tensors(st)
+            if scaled:
+                mscales.append(m_scale)
+                vscales.append(v_scale)
+            ts = [m, v]
             if amsgrad:
                 ts.append(st["max_exp_avg_sq"])
             if mkey is not None:
@@ -723,7 +730,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
             if mkey is not None:
                 masters.append(ts[-1])
             steps.append(st["step"])
-        return (params, grads, ms, vs, vmaxs, masters, steps, sids, offsets), copies
+        return (params, grads, ms, vs, vmaxs, masters, steps, sids, offsets,
+                (mscales, vscales) if scaled else None), copies
 
     @staticmethod
     def _consume_main_grads(work) -> None:
@@ -740,6 +748,27 @@ class FusedAdamWMP(torch.optim.Optimizer):
             p.main_grad = None
 
     # ---- checkpoints --------------------------------------------------------------------------
+    @torch.no_grad()
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer.state_dict()``: every storage kind in its compact form (checkpoint bytes
+        = state bytes, and a resume continues bit-identically), except 8-bit moments of DTensor params
+        (FSDP2, tensor parallel): their scales belong to the local shard's buffer and cannot be
+        resharded, so they are saved dequantized as fp32 DTensors ``exp_avg`` / ``exp_avg_sq`` (what
+        ``torch.distributed.checkpoint`` reshards) and quantized again when loaded (to the nearest
+        code of the new shard's groups: each value within half a code step, at most 0.8 % of its
+        group's largest magnitude, of the saved one)."""
+        sd = super().state_dict()
+        for group, saved in zip(self.param_groups, sd["param_groups"]):
+            for p, i in zip(group["params"], saved["params"]):
+                st = sd["state"].get(i)
+                if st is None or not distributed.is_dtensor(p) or not storage.INT8_MOMENTS.has_state(st):
+                    continue
+                out = {k: v for k, v in st.items() if k not in storage.INT8_MOMENTS.keys}
+                for key in ("exp_avg", "exp_avg_sq"):
+                    out[key] = storage.INT8_MOMENTS.to_fp32(st, key)
+                sd["state"][i] = out  # a new dict: the optimizer's own state is untouched
+        return sd
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load our own or a plain ``torch.optim.AdamW`` state dict, the way ``Optimizer`` does.
 
@@ -768,6 +797,9 @@ class FusedAdamWMP(torch.optim.Optimizer):
         converted = []
         new_groups = []
         for gi, (g, ng) in enumerate(zip(groups, saved_groups)):
+            if "state_dtype" not in ng and storage.moment_kind(g["state_dtype"]) is storage.INT8_MOMENTS and any(
+                    "exp_avg" in state_dict["state"].get(k, {}) for k in ng["params"]):
+                converted.append(f"group {gi}: torch.optim.AdamW moments -> state_dtype='8bit' (to the nearest code)")
             ng["params"] = g["params"]
             if "param_names" in g and "param_names" not in ng:
                 ng["param_names"] = g["param_names"]
@@ -806,7 +838,7 @@ def _check_own_args(master_weights: Any, state_dtype: Any, max_grad_norm: Any, s
         raise ValueError(f"master_weights must be True, False, 'remainder' or '8bit', got {master_weights!r}")
     name = storage.MOMENT_DTYPE_NAMES.get(state_dtype) if isinstance(state_dtype, torch.dtype) else state_dtype
     if not isinstance(name, str) or name not in storage.MOMENT_KINDS:
-        raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16 (or 'float32' / 'bfloat16'), "
+        raise ValueError(f"state_dtype must be torch.float32, torch.bfloat16 (or 'float32' / 'bfloat16') or '8bit', "
                          f"got {state_dtype!r}")
     if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
                                       or not (max_grad_norm > 0 and math.isfinite(max_grad_norm))):
@@ -815,6 +847,12 @@ def _check_own_args(master_weights: Any, state_dtype: Any, max_grad_norm: Any, s
         raise ValueError("stochastic_rounding applies to 16-bit params without master weights: "
                          "use it with master_weights=False")
     return name
+
+
+def _check_amsgrad(amsgrad: Any, state_dtype: str, where: str) -> None:
+    if amsgrad and storage.moment_kind(state_dtype) is storage.INT8_MOMENTS:
+        raise ValueError(f"FusedAdamWMP: amsgrad=True is not supported with state_dtype='8bit'{where} (max_exp_avg_sq "
+                         "would need its own 8-bit codec); use state_dtype=torch.bfloat16 or amsgrad=False")
 
 
 def _check_param_dtype(group: dict[str, Any], dtype: torch.dtype, where: str) -> None:

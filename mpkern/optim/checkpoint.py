@@ -17,7 +17,9 @@ def state_from_checkpoint(p: Tensor, src: Any, group: dict[str, Any], kind: stor
     from a saved one.
 
     Every tensor is copied into ``p``'s device and layout; ``step`` becomes a 0-dim fp32 tensor;
-    moments take the group's moment kind; a master of ``kind`` is taken as saved. A master of
+    moments take the group's moment kind (8-bit moments saved as such are taken as saved; other
+    moments are quantized to the nearest code, and 8-bit ones dequantized for a dense kind, through
+    fp32); a master of ``kind`` is taken as saved. A master of
     another kind is converted through the fp32 master it describes with the param as it is now,
     and the saved one is kept beside it until the next step converts it again from the param as
     it is then (the model may be loaded after the optimizer: either order gives the same master).
@@ -34,8 +36,8 @@ def state_from_checkpoint(p: Tensor, src: Any, group: dict[str, Any], kind: stor
     else:
         st["step"] = torch.zeros((), dtype=torch.float32, device=dev)
     st.update(storage.moment_kind(group["state_dtype"]).from_saved(p, src))
-    src.pop("exp_avg", None)
-    src.pop("exp_avg_sq", None)
+    for key in storage.MOMENT_STATE_KEYS:
+        src.pop(key, None)
     vm = src.pop("max_exp_avg_sq", None)
     if vm is not None:
         st["max_exp_avg_sq"] = storage.laid(p, vm, torch.float32)

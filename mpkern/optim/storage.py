@@ -2,7 +2,9 @@
 
 A *master kind* says how the fp32 master of a param is kept (``master_weights=``): ``"fp32"`` (an fp32
 copy), ``"remainder"`` (bf16 params: the low 16 bits in an int16 tensor), ``"8bit"`` (bf16/fp16
-params: a stochastically rounded one-byte correction), ``"none"`` (the param is the value). A *moment kind* says how ``exp_avg`` / ``exp_avg_sq`` are kept (``state_dtype=``).
+params: a stochastically rounded one-byte correction), ``"none"`` (the param is the value). A
+*moment kind* says how ``exp_avg`` / ``exp_avg_sq`` are kept (``state_dtype=``): ``"float32"``,
+``"bfloat16"`` (stochastically rounded) or ``"8bit"`` (companded codes + a bf16 scale per 32).
 Each description knows its state keys, its bytes per element, the kernel variant it selects, how
 its state is created, how it turns into an fp32 master (or fp32 moments) and back -- which is all
 that checkpoint conversion, master export, re-seeding after external writes and the byte model
@@ -12,7 +14,6 @@ the optimizer's methods.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -222,35 +223,217 @@ def stored_kinds(st: State, but: MasterKind | None = None) -> list[MasterKind]:
 
 
 # ---- moment kinds ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
+def flat_view(t: Tensor) -> Tensor:
+    """A 1-D view of a dense tensor (contiguous up to a permutation of dims) over its memory, in
+    memory order (the order the kernels walk a buffer in)."""
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+#: elements per scale of the 8-bit moments: consecutive elements of a tensor's buffer
+MOMENT8_GROUP = reference.MOM8_GROUP
+moment8_groups = reference.moment8_groups
+
+
 class MomentKind:
     """``state_dtype=``: how ``exp_avg`` and ``exp_avg_sq`` are kept (``max_exp_avg_sq`` is fp32)."""
 
-    name: str
-    dtype: torch.dtype
+    name: str = ""
+    keys: tuple[str, ...] = ()  # the state keys it owns
+    code_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)  # (exp_avg, exp_avg_sq)
 
     def bytes_per_element(self) -> float:
-        """Resident bytes of both moments per element."""
+        """Resident bytes of both moments per element (with scales: for a numel that is a multiple of
+        the group; a short last group costs its whole scale)."""
+        raise NotImplementedError
+
+    def has_state(self, st: State) -> bool:
+        return self.keys[0] in st
+
+    def create(self, p: Tensor) -> State:
+        raise NotImplementedError
+
+    def from_fp32(self, p: Tensor, m: Tensor, v: Tensor) -> State:
+        """State for ``p`` holding fp32 moments ``m``, ``v`` (any layout, ``p``'s shape, full or DTensor)."""
+        raise NotImplementedError
+
+    def copy_saved(self, p: Tensor, src: State) -> State | None:
+        """The saved entries of this kind in ``src`` taken as they are (None: they need converting)."""
+        raise NotImplementedError
+
+    def kernel_tensors(self, st: State) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """(exp_avg, exp_avg_sq, exp_avg scales, exp_avg_sq scales) as the kernel takes them."""
+        raise NotImplementedError
+
+    def to_fp32(self, st: State, key: str) -> Tensor:
+        """Moment ``key`` ("exp_avg" / "exp_avg_sq") of ``st`` as a new fp32 tensor laid out like its state."""
+        raise NotImplementedError
+
+    def drop(self, st: State) -> None:
+        for key in self.keys:
+            st.pop(key, None)
+
+    def from_saved(self, p: Tensor, src: State) -> State:
+        """Moments for ``p`` from a checkpoint's entries: this kind's taken as saved, another kind's (or
+        ``torch.optim.AdamW``'s, in the param's dtype or fp32) converted through fp32, none: zeros."""
+        own = self.copy_saved(p, src)
+        if own is not None:
+            return own
+        saved = saved_kind(src)
+        if saved is None:
+            return self.create(p)
+        return self.from_fp32(p, saved.to_fp32(src, "exp_avg"), saved.to_fp32(src, "exp_avg_sq"))
+
+
+class DenseMoments(MomentKind):
+    """fp32 or bf16 moments, one value per element (bf16 ones stored with stochastic rounding by the kernel)."""
+
+    keys = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.name, self.dtype = name, dtype
+        self.code_dtypes = (dtype, dtype)
+
+    def __repr__(self) -> str:
+        return f"DenseMoments({self.name!r})"
+
+    def bytes_per_element(self) -> float:
         return 2.0 * self.dtype.itemsize
 
     def create(self, p: Tensor) -> State:
         return {"exp_avg": like(p, self.dtype).zero_(), "exp_avg_sq": like(p, self.dtype).zero_()}
 
-    def from_saved(self, p: Tensor, src: State) -> State:
-        """Moments from a checkpoint's entries (any dtype; AdamW's are the param's dtype or fp32)."""
+    def from_fp32(self, p: Tensor, m: Tensor, v: Tensor) -> State:
+        return {"exp_avg": laid(p, m, self.dtype), "exp_avg_sq": laid(p, v, self.dtype)}
+
+    def copy_saved(self, p: Tensor, src: State) -> State | None:
+        if "exp_avg" not in src and "exp_avg_sq" not in src:
+            return None
         out = {}
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in self.keys:  # any dtype: AdamW's are the param's dtype or fp32
             val = src.get(key)
             out[key] = laid(p, val, self.dtype) if val is not None else like(p, self.dtype).zero_()
         return out
+
+    def kernel_tensors(self, st: State) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        return st["exp_avg"], st["exp_avg_sq"], None, None
 
     def to_fp32(self, st: State, key: str) -> Tensor:
         return st[key].float()
 
 
-MOMENT_KINDS: dict[str, MomentKind] = {"float32": MomentKind("float32", torch.float32),
-                                       "bfloat16": MomentKind("bfloat16", torch.bfloat16)}
-MOMENT_DTYPE_NAMES: dict[torch.dtype, str] = {k.dtype: name for name, k in MOMENT_KINDS.items()}
+class Int8Moments(MomentKind):
+    """``state_dtype="8bit"``: each moment as one byte per element plus a bf16 scale per group of
+    :data:`MOMENT8_GROUP` consecutive elements of the param's buffer (2.125 B/param for both).
+
+    Companded so that small values keep relative precision: ``exp_avg = sign(c) * s * c^2``
+    (int8 ``c`` in [-127, 127]), ``exp_avg_sq = s * c^4`` (uint8 ``c``; a positive value never
+    decodes to 0, which keeps ``m / sqrt(v)`` bounded). The kernel decodes, updates and re-encodes
+    in registers with value-unbiased stochastic rounding between neighbouring codes (seeded);
+    conversions here round to the nearest code. The codec is ``mpkern.reference.moment8_*`` (the
+    kernels' math in ``csrc/include/mpkern/math.h``).
+    """
+
+    name = "8bit"
+    keys = ("exp_avg_code", "exp_avg_sq_code", "exp_avg_scale", "exp_avg_sq_scale")
+    code_dtypes = (torch.int8, torch.uint8)
+    _CODE = {"exp_avg": ("exp_avg_code", "exp_avg_scale"), "exp_avg_sq": ("exp_avg_sq_code", "exp_avg_sq_scale")}
+
+    def __repr__(self) -> str:
+        return "Int8Moments()"
+
+    def bytes_per_element(self) -> float:
+        return 2.0 + 2.0 * torch.bfloat16.itemsize / MOMENT8_GROUP
+
+    def _scales(self, p: Tensor) -> Tensor:
+        return torch.zeros(moment8_groups(_local(p).numel()), dtype=torch.bfloat16, device=p.device)
+
+    def create(self, p: Tensor) -> State:
+        return {"exp_avg_code": like(p, torch.int8).zero_(), "exp_avg_sq_code": like(p, torch.uint8).zero_(),
+                "exp_avg_scale": self._scales(p), "exp_avg_sq_scale": self._scales(p)}
+
+    def from_fp32(self, p: Tensor, m: Tensor, v: Tensor) -> State:
+        st = self.create(p)
+        for key, val in (("exp_avg", m), ("exp_avg_sq", v)):
+            ck, sk = self._CODE[key]
+            x = _local(laid(p, val, torch.float32))  # laid out like p: its memory order is the kernel's
+            codes, scales = moment8_encode(flat_view(x), key)
+            flat_view(_local(st[ck])).copy_(codes)
+            st[sk] = scales
+        return st
+
+    def copy_saved(self, p: Tensor, src: State) -> State | None:
+        if self.keys[0] not in src:
+            return None
+        check_moment8(p, src, "the checkpoint's")
+        codes = src["exp_avg_code"]
+        want = like(p, torch.int8)
+        if (distributed.is_dtensor(p) or distributed.is_dtensor(codes) or codes.stride() != want.stride()
+                or _local(p).numel() != p.numel()):
+            return None  # grouped in another memory order, or to be sharded: through fp32
+        dev = p.device
+        return {"exp_avg_code": want.copy_(codes), "exp_avg_sq_code": like(p, torch.uint8).copy_(src["exp_avg_sq_code"]),
+                "exp_avg_scale": src["exp_avg_scale"].to(dev, torch.bfloat16).reshape(-1).clone(),
+                "exp_avg_sq_scale": src["exp_avg_sq_scale"].to(dev, torch.bfloat16).reshape(-1).clone()}
+
+    def kernel_tensors(self, st: State) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        return st["exp_avg_code"], st["exp_avg_sq_code"], st["exp_avg_scale"], st["exp_avg_sq_scale"]
+
+    def to_fp32(self, st: State, key: str) -> Tensor:
+        ck, sk = self._CODE[key]
+        codes = st[ck]
+        out = torch.empty_like(codes, dtype=torch.float32, memory_format=torch.preserve_format)
+        flat_view(_local(out)).copy_(moment8_decode(flat_view(_local(codes)), _local(st[sk]).reshape(-1), key))
+        return out
+
+    def relay(self, p: Tensor, st: State) -> bool:
+        """Follow a param that moved to another device or memory layout (the groups are runs of its
+        buffer: another layout regroups, through fp32). True if anything changed."""
+        if not self.has_state(st) or distributed.is_dtensor(p):
+            return False
+        want = like(p, torch.int8)
+        codes = st["exp_avg_code"]
+        if want.stride() != codes.stride():
+            st.update(self.from_fp32(p, self.to_fp32(st, "exp_avg"), self.to_fp32(st, "exp_avg_sq")))
+            return True
+        if codes.device != p.device:
+            for key in self.keys:
+                st[key] = st[key].to(p.device)
+            return True
+        return False
+
+
+def check_moment8(p: Tensor, st: State, whose: str) -> None:
+    """ValueError unless ``st``'s 8-bit moments fit ``p`` (codes of its numel, one scale per group)."""
+    n = p.numel()
+    groups = moment8_groups(n if not distributed.is_dtensor(st.get("exp_avg_code")) else _local(p).numel())
+    for key, want, dtype in (("exp_avg_code", n, torch.int8), ("exp_avg_sq_code", n, torch.uint8),
+                             ("exp_avg_scale", groups, torch.bfloat16), ("exp_avg_sq_scale", groups, torch.bfloat16)):
+        t = st.get(key)
+        if not isinstance(t, Tensor) or t.numel() != want or t.dtype != dtype:
+            got = "missing" if not isinstance(t, Tensor) else f"{t.numel()} elements of {t.dtype}"
+            raise ValueError(f"FusedAdamWMP.load_state_dict: {whose} {key} is {got}; a param of shape "
+                             f"{tuple(p.shape)} needs {want} elements of {dtype} (8-bit moments: one code per "
+                             f"element, one bf16 scale per {MOMENT8_GROUP})")
+
+
+def moment8_encode(values: Tensor, key: str) -> tuple[Tensor, Tensor]:
+    """(codes, scales) of the 1-D fp32 ``values`` (a buffer in memory order), to the nearest code."""
+    return reference.moment8_encode(values, key)
+
+
+def moment8_decode(codes: Tensor, scales: Tensor, key: str) -> Tensor:
+    """The fp32 values of 1-D ``codes`` (memory order) and their group scales (the codes' dtype says
+    which moment: int8 ``exp_avg``, uint8 ``exp_avg_sq``)."""
+    return reference.moment8_decode(codes, scales)
+
+
+MOMENT_KINDS: dict[str, MomentKind] = {"float32": DenseMoments("float32", torch.float32),
+                                       "bfloat16": DenseMoments("bfloat16", torch.bfloat16),
+                                       "8bit": Int8Moments()}
+MOMENT_DTYPE_NAMES: dict[torch.dtype, str] = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+#: every state key a moment kind owns (the byte model counts them as moments)
+MOMENT_STATE_KEYS: tuple[str, ...] = tuple(dict.fromkeys(k for mk in MOMENT_KINDS.values() for k in mk.keys))
+INT8_MOMENTS = MOMENT_KINDS["8bit"]
 
 
 def moment_kind(state_dtype: Any) -> MomentKind:
@@ -260,16 +443,41 @@ def moment_kind(state_dtype: Any) -> MomentKind:
     return MOMENT_KINDS[state_dtype]
 
 
+def saved_kind(st: State) -> MomentKind | None:
+    """The moment kind whose entries ``st`` holds (fp32 for dense moments of any dtype), or None."""
+    if INT8_MOMENTS.keys[0] in st:
+        return INT8_MOMENTS
+    if "exp_avg" in st or "exp_avg_sq" in st:
+        return MOMENT_KINDS["float32"]
+    return None
+
+
+def moments_fp32(st: State, key: str) -> Tensor | None:
+    """Moment ``key`` of ``st`` as a new fp32 tensor, whatever kind holds it (None: not there)."""
+    kind = saved_kind(st)
+    if kind is None or (kind is not INT8_MOMENTS and key not in st):
+        return None
+    return kind.to_fp32(st, key).clone() if kind is not INT8_MOMENTS else kind.to_fp32(st, key)
+
+
 def state_bytes_per_param(master_weights: Any, state_dtype: Any, param_dtype: torch.dtype, *,
                           amsgrad: bool = False) -> float:
     """Resident optimizer-state bytes per param element (masters + moments), from the descriptions."""
+    mk = moment_kind(state_dtype)
+    if amsgrad and mk is INT8_MOMENTS:
+        raise ValueError("amsgrad is not supported with state_dtype='8bit'")
     return (master_kind(master_weights, param_dtype).bytes_per_element(param_dtype)
-            + moment_kind(state_dtype).bytes_per_element() + (4.0 if amsgrad else 0.0))
+            + mk.bytes_per_element() + (4.0 if amsgrad else 0.0))
 
 
 __all__ = [
     "FP32",
     "INT8",
+    "INT8_MOMENTS",
+    "MOMENT8_GROUP",
+    "MOMENT_STATE_KEYS",
+    "DenseMoments",
+    "Int8Moments",
     "MASTER_KINDS",
     "MOMENT_KINDS",
     "NONE",
@@ -282,6 +490,10 @@ __all__ = [
     "master_kind",
     "master_to_remainder",
     "moment_kind",
+    "moment8_groups",
+    "moments_fp32",
+    "flat_view",
+    "saved_kind",
     "remainder_to_master",
     "state_bytes_per_param",
     "stored_kinds",

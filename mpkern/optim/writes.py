@@ -46,12 +46,12 @@ def conform(kind: storage.MasterKind, p: Tensor, st: dict[str, Any], *, recorded
     ``recorded`` is the stamp recorded at the optimizer's last write (:data:`LOADED` after a
     checkpoint load); ``shared()`` says whether ``p`` shares its storage with other params.
     """
-    ref = st.get("exp_avg")
+    ref = st.get("exp_avg", st.get("exp_avg_code"))
     if isinstance(ref, Tensor) and tuple(ref.shape) != tuple(p.shape):
         raise ValueError(f"FusedAdamWMP: a param now has shape {tuple(p.shape)}, its optimizer state "
                          f"{tuple(ref.shape)} (it was replaced by a tensor of another shape after the first "
                          "step); rebuild the optimizer or load a matching state dict")
-    moved = False
+    moved = storage.INT8_MOMENTS.relay(p, st)  # 8-bit moments regroup in the new memory order
     if not distributed.is_dtensor(p):
         for key, t in list(st.items()):
             if key == "step" or not isinstance(t, Tensor) or t.shape != p.shape:
