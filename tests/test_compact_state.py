@@ -67,10 +67,12 @@ def test_bf16_moments_decay_after_a_spike():
     assert abs(float(got) / float(v64.mean()) - 1) < 0.10, (float(got), float(v64.mean()))
 
 
-def test_8bit_overflow_skip_is_bitwise(backend):
+@pytest.mark.parametrize("state_dtype", ["float32", "8bit"])
+def test_8bit_overflow_skip_is_bitwise(backend, state_dtype):
+    # every state tensor (8-bit moments: codes and scales too) stays bitwise unchanged
     torch.manual_seed(1)
     lin = torch.nn.Linear(40, 24).to(DEVICE).to(torch.float16)
-    opt = FusedAdamWMP(lin.parameters(), lr=1e-3, master_weights="8bit")
+    opt = FusedAdamWMP(lin.parameters(), lr=1e-3, master_weights="8bit", state_dtype=state_dtype)
     scaler = torch.amp.GradScaler(DEVICE.type, init_scale=2.0**8)
     scaler.scale(torch.ones((), device=DEVICE))
     for p in lin.parameters():

@@ -3,8 +3,9 @@ per 32 elements), alone and with ``master_weights="8bit"`` / ``"remainder"``.
 
 The kernels' bit-identity across backends and the codec statistics are in
 test_kernels_compact.py; here the public API against float64 references written in the test:
-the two small-update cases of the issue, the bitwise overflow skip, checkpoints (compact,
+the two small-update cases of the issue, checkpoints (compact,
 resume bit-identical, conversions from AdamW and our other modes, bad shapes), layout changes,
+(the bitwise overflow skip is test_compact_state's, run for both moment kinds)
 ``adamw_state_dict``, bytes, errors. The decoding formula is restated here in float64 (it is the
 documented format, not the code under test).
 """
@@ -18,6 +19,7 @@ import warnings
 import pytest
 import torch
 from conftest import DEVICE
+from test_compact_state import _adamw64_path, _run  # float64 AdamW path; a small bf16 Linear trained
 
 from mpkern import FusedAdamWMP
 from mpkern.optim import storage
@@ -74,15 +76,6 @@ def test_spike_then_decay_v_within_10_percent():
     assert abs(float((got / v64).median()) - 1) < 0.10
 
 
-def _adamw64_path(w0: float, g: float, lr: float, steps: int) -> float:
-    w, m, v = w0, 0.0, 0.0
-    for t in range(1, steps + 1):
-        m = B1 * m + (1 - B1) * g
-        v = B2 * v + (1 - B2) * g * g
-        w -= lr * (m / (1 - B1**t)) / (math.sqrt(v / (1 - B2**t)) + EPS)
-    return w
-
-
 @pytest.mark.parametrize("master", ["8bit", "remainder"])
 def test_small_updates_move_the_master_with_8bit_moments(master):
     # bf16 param at 1.0, lr 1e-5, constant grad: each update is 1/780 of the param's ulp
@@ -133,46 +126,7 @@ def test_steps_follow_float64_adamw_within_the_quantization(backend, flags):
     assert float(err.mean()) <= 0.02 * float(moved.mean())
 
 
-def test_overflow_skip_is_bitwise_codes_and_scales(backend):
-    torch.manual_seed(1)
-    lin = torch.nn.Linear(40, 24).to(DEVICE).to(torch.float16)
-    opt = FusedAdamWMP(lin.parameters(), lr=1e-3, master_weights="8bit", **MOM8)
-    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=2.0**8)
-    scaler.scale(torch.ones((), device=DEVICE))
-    for p in lin.parameters():
-        p.grad = torch.randn_like(p)
-    scaler.step(opt)
-    scaler.update()
-    snap = {id(p): (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in lin.parameters()}
-    assert set(snap[id(lin.weight)][1]) >= set(storage.INT8_MOMENTS.keys)
-    for p in lin.parameters():
-        p.grad = torch.randn_like(p)
-    lin.bias.grad[3] = float("nan")
-    scaler.step(opt)
-    scaler.update()
-    for p in lin.parameters():
-        p0, st = snap[id(p)]
-        assert torch.equal(p, p0)
-        for k, v in st.items():
-            assert torch.equal(opt.state[p][k], v), k
-
-
 # ---- checkpoints ----------------------------------------------------------------------------------
-def _run(opt_kwargs, model_seed, steps, sd=None, model_sd=None, gen_seed=100):
-    torch.manual_seed(model_seed)
-    lin = torch.nn.Linear(33, 31).to(DEVICE).to(torch.bfloat16)
-    opt = FusedAdamWMP(lin.parameters(), lr=1e-3, **opt_kwargs)
-    if model_sd is not None:
-        lin.load_state_dict(model_sd)
-        opt.load_state_dict(sd)
-    gen = torch.Generator().manual_seed(gen_seed)
-    for _ in range(steps):
-        for p in lin.parameters():
-            p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16).to(DEVICE)
-        opt.step()
-    return lin, opt
-
-
 @pytest.mark.parametrize("master", ["8bit", "remainder", True])
 def test_checkpoint_is_compact_and_resumes_bit_identically(backend, master):
     kw = dict(master_weights=master, seed=11, **MOM8)
@@ -193,7 +147,7 @@ def test_checkpoint_is_compact_and_resumes_bit_identically(backend, master):
         opt.step()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # our own mode: nothing to warn about
-        lin2, opt2 = _run(kw, 5, 2, sd=sd, model_sd=model_sd, gen_seed=101)
+        lin2, opt2 = _run(kw, 5, 2, sd=sd, model_sd=model_sd)
     for a, b in zip(lin.parameters(), lin2.parameters()):
         assert torch.equal(a, b)
         for k, t in opt.state[a].items():
@@ -265,10 +219,10 @@ def test_bf16_moments_checkpoint_into_8bit_within_half_a_step():
 
 
 def test_checkpoint_with_wrong_scale_shape_is_refused_and_nothing_changes():
-    lin, opt = _run(dict(master_weights="8bit", **MOM8), 7, 2)
+    _, opt = _run({"master_weights": "8bit", **MOM8}, 7, 2)
     sd = copy.deepcopy(opt.state_dict())
     sd["state"][0]["exp_avg_scale"] = sd["state"][0]["exp_avg_scale"][:-1]
-    lin2, opt2 = _run(dict(master_weights="8bit", **MOM8), 8, 1)
+    lin2, opt2 = _run({"master_weights": "8bit", **MOM8}, 8, 1)
     before = {id(p): {k: v.clone() for k, v in opt2.state[p].items()} for p in lin2.parameters()}
     params_before = [p.detach().clone() for p in lin2.parameters()]
     with pytest.raises(ValueError, match="exp_avg_scale"):

@@ -14,7 +14,7 @@ the optimizer's methods.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -336,7 +336,8 @@ class Int8Moments(MomentKind):
     name = "8bit"
     keys = ("exp_avg_code", "exp_avg_sq_code", "exp_avg_scale", "exp_avg_sq_scale")
     code_dtypes = (torch.int8, torch.uint8)
-    _CODE = {"exp_avg": ("exp_avg_code", "exp_avg_scale"), "exp_avg_sq": ("exp_avg_sq_code", "exp_avg_sq_scale")}
+    _CODE: ClassVar[dict[str, tuple[str, str]]] = {"exp_avg": ("exp_avg_code", "exp_avg_scale"),
+                                                   "exp_avg_sq": ("exp_avg_sq_code", "exp_avg_sq_scale")}
 
     def __repr__(self) -> str:
         return "Int8Moments()"
@@ -474,27 +475,27 @@ __all__ = [
     "FP32",
     "INT8",
     "INT8_MOMENTS",
-    "MOMENT8_GROUP",
-    "MOMENT_STATE_KEYS",
-    "DenseMoments",
-    "Int8Moments",
     "MASTER_KINDS",
+    "MOMENT8_GROUP",
     "MOMENT_KINDS",
+    "MOMENT_STATE_KEYS",
     "NONE",
     "REMAINDER",
     "STORED_MASTERS",
+    "DenseMoments",
+    "Int8Moments",
     "MasterKind",
     "MomentKind",
+    "flat_view",
     "laid",
     "like",
     "master_kind",
     "master_to_remainder",
-    "moment_kind",
     "moment8_groups",
+    "moment_kind",
     "moments_fp32",
-    "flat_view",
-    "saved_kind",
     "remainder_to_master",
+    "saved_kind",
     "state_bytes_per_param",
     "stored_kinds",
 ]
