@@ -329,7 +329,11 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_m8(__m256 m, __m256 i
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
   const __m256 y = _mm256_mul_ps(_mm256_andnot_ps(sign, m), inv);
-  __m256 k = _mm256_floor_ps(_mm256_sqrt_ps(y));
+  // k: the estimate floor(y * rsqrt(y)) (rsqrt: relative error < 2^-11, so within 1 of
+  // floor(sqrt(y)) for y < 127^2; 0 for y < 1), then the exact one-step fix-ups of the scalar
+  // code give the same k (the one with k^2 <= y < (k + 1)^2) without a slow sqrt
+  __m256 k = _mm256_and_ps(_mm256_floor_ps(_mm256_mul_ps(y, _mm256_rsqrt_ps(y))),
+                           _mm256_cmp_ps(y, one, _CMP_GE_OQ));
   k = _mm256_sub_ps(k, mask1(_mm256_cmp_ps(_mm256_mul_ps(k, k), y, _CMP_GT_OQ), one));
   const __m256 kp = _mm256_add_ps(k, one);
   k = _mm256_add_ps(k, mask1(_mm256_cmp_ps(_mm256_mul_ps(kp, kp), y, _CMP_LE_OQ), one));
@@ -353,7 +357,8 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256 q4x8(__m256 k) {
 MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_v8(__m256 v, __m256 inv, __m256i r16) {
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 y = _mm256_mul_ps(v, inv);
-  __m256 k = _mm256_floor_ps(_mm256_sqrt_ps(_mm256_sqrt_ps(y)));
+  // estimate y^(1/4) = rsqrt(rsqrt(y)) (within 0.15 of it for y < 255^4), exact fix-ups below
+  __m256 k = _mm256_and_ps(_mm256_floor_ps(_mm256_rsqrt_ps(_mm256_rsqrt_ps(y))), _mm256_cmp_ps(y, one, _CMP_GE_OQ));
   k = _mm256_sub_ps(k, mask1(_mm256_cmp_ps(q4x8(k), y, _CMP_GT_OQ), one));
   k = _mm256_add_ps(k, mask1(_mm256_cmp_ps(q4x8(_mm256_add_ps(k, one)), y, _CMP_LE_OQ), one));
   const __m256 q = q4x8(k);
@@ -367,12 +372,22 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_v8(__m256 v, __m256 i
   return _mm256_cvttps_epi32(c);
 }
 
-// Unsigned max over the 8 lanes.
-MPK_AVX2 inline uint32_t hmax_epu32(__m256i x) {
+// mom8_scale_bits and mom8_inv_scale in vector registers: the unsigned max over the 8 lanes of
+// `amax` (into every lane), the scale's bf16 bits (returned, every lane) and 1 / s (inv).
+MPK_AVX2 __attribute__((always_inline)) inline __m256i scale_bits8(__m256i x, __m256 k, __m256& inv) {
   x = _mm256_max_epu32(x, _mm256_permute2x128_si256(x, x, 1));
   x = _mm256_max_epu32(x, _mm256_shuffle_epi32(x, 0x4e));
   x = _mm256_max_epu32(x, _mm256_shuffle_epi32(x, 0xb1));
-  return static_cast<uint32_t>(_mm256_cvtsi256_si32(x));
+  const __m256i zero = _mm256_setzero_si256();
+  __m256i b = _mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(x), k));
+  const __m256i low_zero = _mm256_cmpeq_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0xffff)), zero);
+  b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_andnot_si256(low_zero, _mm256_set1_epi32(0x10000))), 16);
+  const __m256i nonfinite = _mm256_cmpgt_epi32(x, _mm256_set1_epi32(0x7f7fffff));  // x < 2^31: signed is fine
+  b = _mm256_blendv_epi8(b, _mm256_set1_epi32(static_cast<int>(kMom8NaNScale)), nonfinite);
+  const __m256i none = _mm256_or_si256(nonfinite, _mm256_cmpeq_epi32(b, zero));  // codes 0
+  const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+  inv = _mm256_andnot_ps(_mm256_castsi256_ps(none), _mm256_div_ps(_mm256_set1_ps(1.0f), s));
+  return b;
 }
 
 // 4 x 8 int32 codes -> 32 bytes in element order (signed or unsigned saturation; the codes fit).
@@ -438,8 +453,11 @@ MPK_AVX2 void adamw_avx2_mom8(const TensorPtrs& t, int64_t begin, int64_t end, c
       am = _mm256_max_epu32(am, _mm256_and_si256(_mm256_castps_si256(mm), abs_mask));
       av = _mm256_max_epu32(av, _mm256_and_si256(_mm256_castps_si256(vv), abs_mask));
     }
-    const uint32_t bm = mom8_scale_bits(hmax_epu32(am), kMom8KM), bv = mom8_scale_bits(hmax_epu32(av), kMom8KV);
-    const __m256 im = _mm256_set1_ps(mom8_inv_scale(bm)), iv = _mm256_set1_ps(mom8_inv_scale(bv));
+    __m256 im, iv;
+    const __m256i bmv = scale_bits8(am, _mm256_set1_ps(kMom8KM), im);
+    const __m256i bvv = scale_bits8(av, _mm256_set1_ps(kMom8KV), iv);
+    const uint32_t bm = static_cast<uint32_t>(_mm256_cvtsi256_si32(bmv));
+    const uint32_t bv = static_cast<uint32_t>(_mm256_cvtsi256_si32(bvv));
     __m256i c[4], d[4];
 #pragma GCC unroll 4
     for (int q = 0; q < 4; ++q) {
