@@ -317,3 +317,19 @@ def test_compiled_step_fullgraph_equals_eager(backend):
         assert torch.equal(a, b)
         for k, t in o1.state[a].items():
             assert torch.equal(t, o2.state[b][k]), k
+
+
+def test_checkpoint_of_another_shape_same_numel_goes_through_fp32():
+    # a param saved as (31, 33) and loaded as (33, 31) (a reshaped model): values by flat index
+    torch.manual_seed(14)
+    a = torch.nn.Parameter(torch.randn(31, 33).to(torch.bfloat16))
+    opt = FusedAdamWMP([a], lr=1e-3, **MOM8)
+    a.grad = torch.randn_like(a)
+    opt.step()
+    sd = opt.state_dict()
+    want = {k: _decode64(opt.state[a], k).reshape(33, 31) for k in ("exp_avg", "exp_avg_sq")}
+    b = torch.nn.Parameter(a.detach().reshape(33, 31).clone())
+    opt2 = FusedAdamWMP([b], lr=1e-3, **MOM8)
+    opt2.load_state_dict(sd)
+    for k, w in want.items():
+        assert ((_decode64(opt2.state[b], k) - w).abs() <= _half_step(w, k)).all()

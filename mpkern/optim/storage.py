@@ -368,8 +368,8 @@ class Int8Moments(MomentKind):
         check_moment8(p, src, "the checkpoint's")
         codes = src["exp_avg_code"]
         want = like(p, torch.int8)
-        if (distributed.is_dtensor(p) or distributed.is_dtensor(codes) or codes.stride() != want.stride()
-                or _local(p).numel() != p.numel()):
+        if (distributed.is_dtensor(p) or distributed.is_dtensor(codes) or codes.shape != p.shape
+                or codes.stride() != want.stride()):
             return None  # grouped in another memory order, or to be sharded: through fp32
         dev = p.device
         return {"exp_avg_code": want.copy_(codes), "exp_avg_sq_code": like(p, torch.uint8).copy_(src["exp_avg_sq_code"]),
