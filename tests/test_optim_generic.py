@@ -877,6 +877,7 @@ STATE_CONFIGS = {
     "max_grad_norm": {"max_grad_norm": 0.3},
     "bf16 state": {"state_dtype": torch.bfloat16},
     "remainder": {"master_weights": "remainder"},
+    "8bit moments": {"state_dtype": "8bit", "weight_decay": 0.1},
     "foreach=False": {"foreach": False},
     "fused=True": {"fused": True},
 }
@@ -1462,6 +1463,7 @@ COPY_CONFIGS = {
     "fp16 master": (torch.float16, {"lr": 1e-2, "betas": (0.8, 0.95), "eps": 1e-6, "seed": 7}),
     "bf16 stochastic": (torch.bfloat16, {"lr": 1e-2, "master_weights": False, "stochastic_rounding": True,
                                          "seed": 11}),
+    "bf16 8bit": (torch.bfloat16, {"lr": 1e-2, "master_weights": "8bit", "state_dtype": "8bit", "seed": 3}),
 }
 
 
