@@ -40,6 +40,18 @@ std::vector<WorkItem> make_work(c10::ArrayRef<at::Tensor> ts, int64_t chunk) {
 
 namespace {
 
+// Grain (in work items) of the parallel loops: at least kMinPerThread elements per thread, so a
+// small call (many tiny tensors) runs on fewer threads, or on the calling thread alone, instead of
+// paying a thread fan-out that costs more than the work.
+constexpr int64_t kMinPerThread = int64_t{1} << 16;
+int64_t grain_of(const std::vector<WorkItem>& items) {
+  int64_t total = 0;
+  for (const WorkItem& w : items) total += w.end - w.begin;
+  if (total <= 0) return 1;
+  const int64_t n = static_cast<int64_t>(items.size());
+  return std::max<int64_t>(1, std::min<int64_t>(n, (kMinPerThread * n + total - 1) / total));
+}
+
 // ---- statistics: scalar path (the shared math, element by element) ---------------------------
 // Sums of squares are accumulated in fp32 over short blocks (kSub elements, like one GPU thread's
 // share of a chunk) and the blocks are added in fp64, keeping the rounding error near PyTorch's.
@@ -180,7 +192,7 @@ std::tuple<at::Tensor, at::Tensor> grad_stats_cpu(at::TensorList grads, const at
     ptrs[t] = grads[t].data_ptr();
     dts[t] = dtype_code(grads[t].scalar_type());
   }
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, static_cast<int64_t>(items.size()), grain_of(items), [&](int64_t lo, int64_t hi) {
     for (int64_t k = lo; k < hi; ++k) {
       const WorkItem& w = items[k];
       stats_item(ptrs[w.tensor], dts[w.tensor], w.begin, w.end, inv, &part_sum[k], &part_max[k]);
@@ -219,7 +231,7 @@ void scale_cpu_(at::TensorList tensors, const at::Tensor& scale) {
   // Walk each thread's share of the work items backwards: the statistics pass that ran just
   // before walked them forwards with the same static split, so the data it touched last is
   // still in the last-level cache when this pass starts.
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, static_cast<int64_t>(items.size()), grain_of(items), [&](int64_t lo, int64_t hi) {
     for (int64_t k = hi - 1; k >= lo; --k) {
       const WorkItem& w = items[k];
       scale_item(ptrs[w.tensor], dts[w.tensor], w.begin, w.end, s);
