@@ -7,6 +7,7 @@
 #include "adamw_common.h"
 #include "common.h"
 #include "cpu/simd.h"
+#include "fastpath.h"
 
 #if defined(MPKERN_WITH_CUDA) && MPKERN_WITH_CUDA
 namespace mpkern {
@@ -96,6 +97,7 @@ PYBIND11_MODULE(_C, mod) {
       pybind11::arg("elem_offsets") = std::vector<int64_t>{}, pybind11::arg("exp_avg_scales") = pybind11::none(),
       pybind11::arg("exp_avg_sq_scales") = pybind11::none(),
       "Raise like mpkern::adamw_step_ does on bad arguments");
+  mpkern::register_fastpath(mod);  // FusedAdamWMP.step's cached fast path (csrc/fastpath.cpp)
 #if defined(MPKERN_WITH_CUDA) && MPKERN_WITH_CUDA
   mod.def("cuda_table_cache_stats", &mpkern::cuda::table_cache_stats,
           "(tables built, lookups served from the cache, tables cached now) of the CUDA kernels");
