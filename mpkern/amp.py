@@ -211,6 +211,42 @@ def _flat(g: Tensor) -> bool:
     return True
 
 
+def _finish_stats(sumsq: Tensor, amax: Tensor, inv_out: Tensor, inf_norm: bool, max_norm_f: float | None,
+                  out_device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """From the per-tensor statistics: (nonfinite flags, per-tensor norms, total norm, found_inf,
+    clip coefficient, factor ``inv * coef``) -- a few tiny device ops, no sync."""
+    nonfinite = (~torch.isfinite(amax)).to(torch.float32)
+    if inf_norm:
+        tensor_norm = amax * inv_out
+        total_norm = tensor_norm.amax() if tensor_norm.numel() else torch.zeros((), device=out_device)
+    else:
+        tensor_norm = sumsq.sqrt()
+        total_norm = sumsq.sum().sqrt()
+    found_inf = nonfinite.amax() if nonfinite.numel() else torch.zeros((), device=out_device)
+    one = torch.ones((), dtype=torch.float32, device=out_device)
+    if max_norm_f is None:
+        clip_coef = one
+    else:
+        clip_coef = torch.clamp(max_norm_f / (total_norm + 1e-6), max=1.0)
+        clip_coef = torch.where(found_inf > 0, one, clip_coef)
+    factor = inv_out * clip_coef
+    return nonfinite, tensor_norm, total_norm, found_inf, clip_coef, factor
+
+
+def _unscale_cached(optimizer: torch.optim.Optimizer, inv: Tensor | float, max_norm: float | None, device: torch.device,
+                    stats: Any) -> None:
+    """:func:`unscale_` of ``FusedAdamWMP.step``'s fast path: the same result as
+    ``unscale_(optimizer, inv, max_norm=max_norm)`` (deferred, L2 norm) for grads that the step's
+    cache has already checked and gathered -- plain dense tensors on one ``device``, no process
+    group, no DTensor -- with the statistics pass ``stats(inv_scale)`` run on them in the cache's
+    order (the order the full path gives :func:`unscale_`)."""
+    max_norm_f = _check_max_norm(max_norm)
+    sumsq, amax = stats(_ops.scalar_on(inv, device))
+    inv_out = _ops.scalar_on(inv, device)
+    _n, _t, total_norm, found_inf, clip_coef, factor = _finish_stats(sumsq, amax, inv_out, False, max_norm_f, device)
+    optimizer._mpkern_set_pending_unscale(factor, found_inf, total_norm, inv=inv_out, coef=clip_coef, inf_norm=False)
+
+
 def unscale_(
     params_or_optimizer: Iterable[Tensor] | torch.optim.Optimizer,
     inv_scale: float | Tensor = 1.0,
@@ -345,21 +381,8 @@ def unscale_(
     if reduce_plan is not None:  # one all-reduce: global statistics on every rank
         sumsq, amax = distributed.reduce_stats(sumsq, amax, inf_norm, reduce_plan, per_tensor)
 
-    nonfinite = (~torch.isfinite(amax)).to(torch.float32)
-    if inf_norm:
-        tensor_norm = amax * inv_out
-        total_norm = tensor_norm.amax() if tensor_norm.numel() else torch.zeros((), device=out_device)
-    else:
-        tensor_norm = sumsq.sqrt()
-        total_norm = sumsq.sum().sqrt()
-    found_inf = nonfinite.amax() if nonfinite.numel() else torch.zeros((), device=out_device)
-    one = torch.ones((), dtype=torch.float32, device=out_device)
-    if max_norm_f is None:
-        clip_coef = one
-    else:
-        clip_coef = torch.clamp(max_norm_f / (total_norm + 1e-6), max=1.0)
-        clip_coef = torch.where(found_inf > 0, one, clip_coef)
-    factor = inv_out * clip_coef
+    nonfinite, tensor_norm, total_norm, found_inf, clip_coef, factor = _finish_stats(
+        sumsq, amax, inv_out, inf_norm, max_norm_f, out_device)
 
     if defer:
         optimizer._mpkern_set_pending_unscale(factor, found_inf, total_norm, inv=inv_out, coef=clip_coef,

@@ -151,6 +151,9 @@ class FusedAdamWMP(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     _mpkern_fuses_unscale = True
     _mpkern_check_writes = True  # the external-write check (benchmarks switch it off to time it)
+    # the eager fast path: the prepared kernel lists cached and re-validated in C++ each step
+    # (see _fast_refresh); False always takes the full path (tests compare the two)
+    _mpkern_step_cache = True
 
     def __init__(
         self,
@@ -205,6 +208,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
         self._mpkern_process_group = process_group
         self._storage_count: dict[int, int] | None = None  # see _shares_storage (rebuilt every step)
         self._offsets: dict[int, int] = {}  # id(DTensor param) -> flat offset of its local shard
+        self._fast: _StepCache | None = None  # see _build_step_cache
+        self._fast_misses = 0  # cache invalidations in a row (builds back off after a few)
         super().__init__(params, defaults)
 
     # ---- settings ----------------------------------------------------------------------------
@@ -225,6 +230,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
         return int(self.defaults["seed"])
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._fast = None
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         gi = len(self.param_groups) - 1
@@ -258,6 +264,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
         return master_kind(group["master_weights"], p.dtype)
 
     def _init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
+        self._fast = None
         state = self.state[p]
         if "step" in state:
             return state
@@ -283,6 +290,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
         for key in ("_pending", "last_grad_norm", "last_found_inf", "_mpkern_process_group", "_storage_count"):
             self.__dict__.setdefault(key, None)
         self._offsets = {}
+        self._fast = None  # a load or a copy: the next step takes the full path
+        self.__dict__.setdefault("_fast_misses", 0)
         token = self.__dict__.pop("_mpkern_process_group_token", None)
         if token is not None:
             if token not in _GROUPS:
@@ -523,6 +532,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
     def _conform(self, kind: storage.MasterKind, p: Tensor, st: dict[str, Any]) -> None:
         """Make the state of ``p`` fit the param as it is now (see :func:`.writes.conform`); record
         its stamp."""
+        self._fast = None
         writes.conform(kind, p, st, recorded=self._versions.get(id(p), -1), shared=lambda: self._shares_storage(p))
         self._versions[id(p)] = _stamp(p)
 
@@ -591,6 +601,13 @@ class FusedAdamWMP(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        fast = self._fast_refresh()
+        if fast is not None:
+            try:
+                self._fast_step(fast)
+            finally:
+                fast.cache.release()  # the cache never keeps grads alive between steps
+            return loss
         work, uses_main = self._collect()
         self._check_capture(work)
         grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step (amp-scaling protocol)
@@ -662,7 +679,136 @@ class FusedAdamWMP(torch.optim.Optimizer):
                     for p, *_ in pairs:
                         versions[id(p)] = _stamp(p)
         self._consume_main_grads(work)
+        self._build_step_cache(prepared, uses_main, check_writes)
         return loss
+
+    # ---- the eager fast path: cached kernel lists --------------------------------------------------
+    def _build_step_cache(self, prepared: list, uses_main: bool, check_writes: bool) -> None:
+        """After a full step: cache its kernel argument lists when every bucket qualifies -- one
+        device with a native (C++/CUDA) backend, plain dense contiguous params and grads, no
+        repeated param, no ``main_grad``, no process group, eager with the write check on. Every
+        other case keeps taking the full path. A cache that keeps being invalidated (grads that
+        come and go, params written every step) is rebuilt only every 64th full step."""
+        self._fast = None
+        if not (check_writes and self._mpkern_step_cache) or uses_main or self._mpkern_process_group is not None:
+            return
+        if self._fast_misses >= 4:
+            self._fast_misses += 1
+            if self._fast_misses % 64:
+                return
+        ext = _backend.native()
+        if ext is None or not hasattr(ext, "StepCache") or not ext.step_cache_supported():
+            return
+        dev = prepared[0][1]
+        backend = _backend.select(dev)
+        if backend not in ("cpu", "cuda") or backend != dev.type:
+            return
+        index: dict[int, tuple[int, int]] = {}
+        plain = (Parameter, Tensor)
+        for bi, (_group, bdev, _kind, pairs, _lists, copies, _lr) in enumerate(prepared):
+            if copies or bdev != dev:
+                return
+            for pos, (p, g, _sid) in enumerate(pairs):
+                if (id(p) in index or type(p) not in plain or type(g) is not Tensor or not p.is_contiguous()
+                        or not g.is_contiguous()):
+                    return
+                index[id(p)] = (bi, pos)
+        versions, state = self._versions, self.state
+        params, pdicts, sdicts, bucket_of, pos_of = [], [], [], [], []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if type(p) not in plain:
+                    return
+                where = index.get(id(p))
+                if where is None:
+                    bucket_of.append(-1)
+                    pos_of.append(0)
+                    sdicts.append(None)
+                else:
+                    st = state.get(p)
+                    if st is None or versions.get(id(p), -1) != _stamp(p):
+                        return
+                    bucket_of.append(where[0])
+                    pos_of.append(where[1])
+                    sdicts.append(st)
+                params.append(p)
+                pdicts.append(p.__dict__)
+        cache = ext.StepCache([g["params"] for g in self.param_groups], params, pdicts, sdicts, state, bucket_of,
+                              pos_of, dev.type == "cuda")
+        buckets = []
+        for group, _dev, kind, pairs, lists, _copies, _lr in prepared:
+            ps, _grads, ms, vs, vmaxs, masters, steps, sids, offsets, scales = lists
+            cache.add_bucket(ps, ms, vs, vmaxs, masters, steps, scales[0] if scales else None,
+                             scales[1] if scales else None, sids, offsets, kind.mode)
+            buckets.append((group, [p for p, *_ in pairs]))
+        self._fast = _StepCache(cache, self.param_groups, [(g, g["params"], _cache_flags(g)) for g in self.param_groups],
+                                state, versions, dev, backend, buckets)
+
+    def _fast_refresh(self) -> _StepCache | None:
+        """The step cache, re-validated (grads gathered), or None: take the full path. O(groups)
+        Python checks here, then one C++ loop over the params (csrc/fastpath.cpp: param
+        identities and stamps, grad presence/dtype/shape/contiguity, no main_grad, state dicts
+        unchanged)."""
+        fc = self._fast
+        if fc is None:
+            return None
+        if (not (self._mpkern_step_cache and self._mpkern_check_writes) or torch.compiler.is_compiling()
+                or _ops.capturing()):
+            return None
+        groups = self.param_groups
+        ok = (groups is fc.groups_list and len(groups) == len(fc.groups) and self.state is fc.state
+              and self._versions is fc.versions and self._mpkern_process_group is None)
+        if ok:
+            for group, (g0, plist, flags) in zip(groups, fc.groups):
+                if group is not g0 or group["params"] is not plist or _cache_flags(group) != flags:
+                    ok = False
+                    break
+        if not ok or _backend.select(fc.device) != fc.backend or not fc.cache.refresh():
+            self._fast = None
+            self._fast_misses += 1
+            return None
+        self._fast_misses = 0
+        return fc
+
+    def _fast_step(self, fc: _StepCache) -> None:
+        """``step()`` over the cached lists: the same scalars and kernels as the full path (the
+        statistics pass and the fused update called directly from C++ with the cached lists)."""
+        dev = fc.device
+        grad_scale = getattr(self, "grad_scale", None)
+        found_ext = getattr(self, "found_inf", None)
+        self._storage_count = None
+        lrs = [_ops.lr_args(group["lr"], dev) for group, _ps in fc.buckets]
+        pending, self._pending = self._pending, None
+        if pending is None:
+            inv = (grad_scale.double().reciprocal().float().reshape(()) if grad_scale is not None
+                   else _ops.scalar_on(1.0, dev))
+            if self.max_grad_norm is not None:
+                amp._unscale_cached(self, inv, self.max_grad_norm, dev, fc.cache.grad_stats)
+                pending, self._pending = self._pending, None
+        elif self.max_grad_norm is not None:
+            pending = self._own_clip(pending)
+        if pending is not None:
+            factor, found = pending.inv * pending.coef, pending.found
+            self.last_grad_norm = pending.reported
+        else:
+            factor = inv
+            found = torch.zeros((), dtype=torch.float32, device=factor.device)
+        if found_ext is not None:
+            found = torch.maximum(found, _to_device(found_ext, found.device, torch.float32).reshape(()))
+        self.last_found_inf = found
+        f_dev = _to_device(factor, dev, torch.float32).reshape(())
+        found_dev = _to_device(found, dev, torch.float32).reshape(())
+        versions = self._versions
+        for bi, ((group, ps), (lr_tensor, lr_value)) in enumerate(zip(fc.buckets, lrs)):
+            beta1, beta2 = group["betas"]
+            fc.cache.adamw(bi, f_dev, found_dev, lr_tensor, lr_value, float(beta1), float(beta2), float(group["eps"]),
+                           float(group["weight_decay"]), bool(group["maximize"]), bool(group["stochastic_rounding"]),
+                           int(group["seed"]))
+            p0 = ps[0]
+            if versions.get(id(p0)) != _stamp(p0):  # as in the full path (a kernel that bumps versions)
+                for p in ps:
+                    versions[id(p)] = _stamp(p)
+                self._fast = None
 
     def _prepare(self, group: dict[str, Any], kind: storage.MasterKind, pairs: list[tuple[Tensor, Tensor, int]],
                  check_writes: bool):
@@ -829,6 +975,25 @@ class FusedAdamWMP(torch.optim.Optimizer):
                           "converted (" + "; ".join(converted) + ")", UserWarning, stacklevel=2)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+class _StepCache(NamedTuple):
+    """What ``FusedAdamWMP._fast_refresh`` checks besides the C++ cache (``cache``,
+    ``mpkern._C.StepCache``): the objects the cached lists were built from."""
+
+    cache: Any
+    groups_list: list
+    groups: list  # (group dict, its params list, _cache_flags(group))
+    state: Any
+    versions: dict
+    device: torch.device
+    backend: str
+    buckets: list  # (group, its params) per cached bucket, in kernel order
+
+
+def _cache_flags(group: dict[str, Any]) -> tuple:
+    """The group settings that decide its buckets and state tensors (a change takes the full path)."""
+    return (group["amsgrad"], group["master_weights"], group["state_dtype"], group["stochastic_rounding"])
 
 
 def _check_own_args(master_weights: Any, state_dtype: Any, max_grad_norm: Any, stochastic_rounding: Any) -> str:
