@@ -689,8 +689,10 @@ class FusedAdamWMP(torch.optim.Optimizer):
         repeated param, no ``main_grad``, no process group, eager with the write check on. Every
         other case keeps taking the full path. A cache that keeps being invalidated (grads that
         come and go, params written every step) is rebuilt only every 64th full step."""
+        if not check_writes:  # compiling, capturing or the write check off: the cache stays as it is
+            return            # (a later eager step re-validates it in full)
         self._fast = None
-        if not (check_writes and self._mpkern_step_cache) or uses_main or self._mpkern_process_group is not None:
+        if not self._mpkern_step_cache or uses_main or self._mpkern_process_group is not None:
             return
         if self._fast_misses >= 4:
             self._fast_misses += 1
@@ -749,11 +751,10 @@ class FusedAdamWMP(torch.optim.Optimizer):
         Python checks here, then one C++ loop over the params (csrc/fastpath.cpp: param
         identities and stamps, grad presence/dtype/shape/contiguity, no main_grad, state dicts
         unchanged)."""
-        fc = self._fast
-        if fc is None:
+        if torch.compiler.is_compiling() or _ops.capturing():
             return None
-        if (not (self._mpkern_step_cache and self._mpkern_check_writes) or torch.compiler.is_compiling()
-                or _ops.capturing()):
+        fc = self._fast
+        if fc is None or not (self._mpkern_step_cache and self._mpkern_check_writes):
             return None
         groups = self.param_groups
         ok = (groups is fc.groups_list and len(groups) == len(fc.groups) and self.state is fc.state
