@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE
 
 import mpkern
 from mpkern import _backend
@@ -21,7 +22,7 @@ SHAPES = [(7, 5), (64,), (3, 4, 33), (1,), (40, 3)]
 
 def _params(seed: int, dtype=torch.bfloat16) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype).to(DEVICE)) for s in SHAPES]
 
 
 def _pair(mw="remainder", sd="bfloat16", clip=1.0, **kw):
@@ -55,7 +56,7 @@ def _grads(ps_a, ps_b, seed, dtype=None, skip=()):
         if i in skip:
             a.grad = b.grad = None
             continue
-        x = (torch.randn(a.shape, generator=g) * 3).to(dtype or a.dtype)
+        x = (torch.randn(a.shape, generator=g) * 3).to(dtype or a.dtype).to(DEVICE)
         if x.dtype != a.dtype:
             a.grad_dtype = b.grad_dtype = None  # allow an fp32 grad on a 16-bit param
         a.grad, b.grad = x.clone(), x.clone()
@@ -102,7 +103,7 @@ def test_cached_steps_bitwise(mw, sd, clip):
 
 
 def test_tensor_lr_and_hyperparameter_changes():
-    fast, ref, a, b = _pair(lr=torch.tensor(1e-2))
+    fast, ref, a, b = _pair(lr=torch.tensor(1e-2, device=DEVICE))
     c = _Counter(fast)
     _steps(fast, ref, a, b, 2)
     for opt in (fast, ref):
@@ -138,7 +139,7 @@ def test_grad_changes_invalidate():
     c = _Counter(fast)
     _steps(fast, ref, a, b, 2)
     _steps(fast, ref, a, b, 1, seed0=30, dtype=torch.float32)  # a new grad dtype
-    g = torch.randn(3, 40).t()  # a non-contiguous grad for the (40, 3) param
+    g = torch.randn(3, 40).to(DEVICE).t()  # a non-contiguous grad for the (40, 3) param
     _grads(a, b, 31)
     a[4].grad, b[4].grad = g.to(torch.bfloat16), g.to(torch.bfloat16)
     assert not a[4].grad.is_contiguous()
@@ -161,7 +162,7 @@ def test_main_grad_invalidates():
     _steps(fast, ref, a, b, 2)
     hits = c.hits
     _grads(a, b, 50)
-    g = torch.randn(a[0].shape)
+    g = torch.randn(a[0].shape, device=DEVICE)
     a[0].main_grad, b[0].main_grad = g.clone(), g.clone()
     fast.step()
     ref.step()
@@ -209,8 +210,8 @@ def test_pending_unscale_and_grad_scale():
             opt.step()
         _same(fast, ref, a, b)
         for opt in (fast, ref):  # the GradScaler protocol's attributes
-            opt.grad_scale = torch.tensor(4.0)
-            opt.found_inf = torch.tensor(1.0 if s == 1 else 0.0)
+            opt.grad_scale = torch.tensor(4.0, device=DEVICE)
+            opt.found_inf = torch.tensor(1.0 if s == 1 else 0.0, device=DEVICE)
             opt.step()
             del opt.grad_scale, opt.found_inf
         _same(fast, ref, a, b)
@@ -229,13 +230,13 @@ def test_inf_grad_skips_like_full_path():
 
 
 def test_repeated_param_is_never_cached():
-    p = torch.nn.Parameter(torch.randn(8).to(torch.bfloat16))
-    q = torch.nn.Parameter(torch.randn(8).to(torch.bfloat16))
+    p = torch.nn.Parameter(torch.randn(8, device=DEVICE).to(torch.bfloat16))
+    q = torch.nn.Parameter(torch.randn(8, device=DEVICE).to(torch.bfloat16))
     with pytest.warns(UserWarning):
         opt = mpkern.FusedAdamWMP([p, q, p], lr=1e-2)
     for _ in range(2):
-        p.grad = torch.randn(8).to(torch.bfloat16)
-        q.grad = torch.randn(8).to(torch.bfloat16)
+        p.grad = torch.randn(8, device=DEVICE).to(torch.bfloat16)
+        q.grad = torch.randn(8, device=DEVICE).to(torch.bfloat16)
         opt.step()
     assert opt._fast is None
 
@@ -256,3 +257,11 @@ def test_compiled_step_after_cached_steps():
     hits = c.hits
     _steps(fast, ref, a, b, 3, seed0=310)
     assert c.hits == hits + 2
+
+
+def test_write_check_off_takes_full_path():
+    fast, ref, a, b = _pair()
+    fast._mpkern_check_writes = ref._mpkern_check_writes = False
+    c = _Counter(fast)
+    _steps(fast, ref, a, b, 3)
+    assert c.hits == 0
