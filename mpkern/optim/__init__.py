@@ -146,6 +146,15 @@ class FusedAdamWMP(torch.optim.Optimizer):
     ``step()``: it is set to None after every step (taken or skipped; zeroed in place inside a CUDA
     graph capture), so ``model.zero_grad()``, ``opt.zero_grad()`` or no zero_grad at all cannot
     make it accumulate across steps.
+
+    Host time: after an eager step whose params are plain dense contiguous tensors on one device
+    with the native CPU or CUDA backend (no ``main_grad``, no DTensor, no repeated param, no
+    ``process_group``), the kernel argument lists are cached; each later eager step re-checks in
+    one C++ loop that nothing the full step looks at has changed (group lists, each param's stamp
+    and layout, each grad's presence, dtype, shape and contiguity, no ``main_grad``, the state
+    dicts) and calls the kernels with the cached lists -- bitwise the same step. Anything else
+    (a write, a new grad dtype, a load, an added group, compiling, a CUDA graph capture) takes the
+    full path, which rebuilds the cache. ``FusedAdamWMP._mpkern_step_cache = False`` turns it off.
     """
 
     _step_supports_amp_scaling = True
