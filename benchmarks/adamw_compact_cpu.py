@@ -2,16 +2,19 @@
 
 32M bf16 params in 200 tensors, bf16 grads, one fused ``mpkern::adamw_step_`` per step; prints the
 fastest and the median step time, the bytes the step moves per param (read + write) and the GB/s
-of the fastest, for the AVX2 path and (``--scalar``) the scalar path. The fastest of several runs
+of the fastest, for the default SIMD path (AVX-512 where the CPU has it, else AVX2), and with
+``--avx2`` the AVX2 path (``MPKERN_CPU_AVX512=0``), with ``--scalar`` the scalar path. The fastest of several runs
 is the figure to read on a shared machine (other work only ever slows a run down).
 
-    python benchmarks/adamw_compact_cpu.py [--numel 33554432] [--tensors 200] [--reps 7] [--scalar] [--threads N]
+    python benchmarks/adamw_compact_cpu.py [--numel 33554432] [--tensors 200] [--reps 7] [--avx2] [--scalar]
+                                           [--threads N] [--only SUBSTRING]
     python benchmarks/adamw_compact_cpu.py --device cuda     # the CUDA kernels (scripts/gpu_check.sh runs it)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -40,7 +43,7 @@ CASES = [
 ]
 
 
-def run(numel: int, tensors: int, reps: int, device: str = "cpu") -> None:
+def run(numel: int, tensors: int, reps: int, device: str = "cpu", only: str = "") -> None:
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     sizes = [numel // tensors] * tensors
@@ -50,6 +53,8 @@ def run(numel: int, tensors: int, reps: int, device: str = "cpu") -> None:
     grads = [(torch.randn(n, generator=gen) * 1e-2).to(BF16).to(dev) for n in sizes]
     one, zero = torch.tensor(1.0, device=dev), torch.tensor(0.0, device=dev)
     for name, mode, sdt, sr, nbytes in CASES:
+        if only and only not in name:
+            continue
         scales = ([], [])
         if sdt == MOM8:
             ms = [torch.zeros(n, dtype=torch.int8, device=dev) for n in sizes]
@@ -84,6 +89,8 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=200)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--scalar", action="store_true", help="also time the scalar (non-SIMD) path")
+    ap.add_argument("--avx2", action="store_true", help="also time the AVX2 path where AVX-512 is the default")
+    ap.add_argument("--only", default="", help="only the cases whose name contains this")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     a = ap.parse_args()
@@ -96,12 +103,23 @@ def main() -> None:
     ext = _backend.native()
     print(f"threads {torch.get_num_threads()}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
           f"mpkern simd level {ext.cpu_simd_level()}")
-    print("AVX2 path:")
-    run(a.numel, a.tensors, a.reps)
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    has512 = all(f" {x} " in flags for x in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
+    print("AVX-512 path:" if has512 and os.environ.get("MPKERN_CPU_AVX512", "1") != "0" else "AVX2 path:")
+    run(a.numel, a.tensors, a.reps, only=a.only)
+    if a.avx2 and has512:
+        old = os.environ.get("MPKERN_CPU_AVX512")
+        os.environ["MPKERN_CPU_AVX512"] = "0"  # read by the kernel on every call
+        print("AVX2 path:")
+        run(a.numel, a.tensors, a.reps, only=a.only)
+        if old is None:
+            del os.environ["MPKERN_CPU_AVX512"]
+        else:
+            os.environ["MPKERN_CPU_AVX512"] = old
     if a.scalar:
         ext.set_cpu_simd(False)
         print("scalar path:")
-        run(a.numel, a.tensors, a.reps)
+        run(a.numel, a.tensors, a.reps, only=a.only)
         ext.set_cpu_simd(True)
 
 

@@ -16,7 +16,9 @@ rounded bf16 moments, the 8-bit master correction (master_mode 3).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
 import pytest
 import torch
@@ -33,7 +35,31 @@ def _kernel_backends():
     """The kernel paths to compare bit for bit (names of _run)."""
     bs = available_backends()
     out = [b for b in ("cpu", "cpu-scalar", "triton", "cuda") if b in bs]
+    if "cpu" in out:  # "cpu" is the AVX-512 path where the CPU has it; this one forces AVX2
+        out.insert(out.index("cpu") + 1, "cpu-avx2")
     return out
+
+
+@contextlib.contextmanager
+def _cpu_path(backend):
+    """Select the C++ CPU kernel path: "cpu-scalar" (no SIMD), "cpu-avx2" (MPKERN_CPU_AVX512=0,
+    read by the kernel on every call) or the default (AVX-512 where the CPU has it)."""
+    ext = _backend.native()
+    old = os.environ.get("MPKERN_CPU_AVX512")
+    if backend == "cpu-scalar":
+        ext.set_cpu_simd(False)
+    elif backend == "cpu-avx2":
+        os.environ["MPKERN_CPU_AVX512"] = "0"
+    try:
+        yield "cpu" if backend.startswith("cpu") else backend
+    finally:
+        if backend == "cpu-scalar":
+            ext.set_cpu_simd(True)
+        elif backend == "cpu-avx2":
+            if old is None:
+                del os.environ["MPKERN_CPU_AVX512"]
+            else:
+                os.environ["MPKERN_CPU_AVX512"] = old
 
 
 def _rand(n, dtype, gen, scale=1.0):
@@ -81,16 +107,10 @@ def _clone(state):
 
 
 def _run(backend, state, *args, **kw):
-    """One step on a kernel path; "cpu-scalar" is the C++ CPU kernel without SIMD."""
-    ext = _backend.native()
-    if backend == "cpu-scalar":
-        ext.set_cpu_simd(False)
-        try:
-            _ops.adamw_step_("cpu", *_args(state, *args, **kw))
-        finally:
-            ext.set_cpu_simd(True)
-    else:
-        _ops.adamw_step_(backend, *_args(state, *args, **kw))
+    """One step on a kernel path; "cpu-scalar" / "cpu-avx2" are the C++ CPU kernel without SIMD /
+    with AVX2 only."""
+    with _cpu_path(backend) as name:
+        _ops.adamw_step_(name, *_args(state, *args, **kw))
     return state
 
 
@@ -284,6 +304,65 @@ def test_master8_found_inf_is_a_bitwise_noop(backend):
                 assert torch.equal(_bits(a), _bits(b))
 
 
+CPU_PATHS = ("cpu", "cpu-avx2", "cpu-scalar")
+
+
+@pytest.mark.parametrize("mode,pdt,sdt,sr", [(1, BF16, F32, False), (1, F32, F32, False), (1, F16, BF16, False),
+                                             (0, BF16, BF16, True), (0, F32, F32, False), (2, BF16, F32, False),
+                                             (3, BF16, F32, False), (3, F16, BF16, False)],
+                         ids=lambda x: str(x).replace("torch.", ""))
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_cpu_simd_paths_bit_identical(mode, pdt, sdt, sr, amsgrad):
+    """The CPU kernel's AVX-512 (where the CPU has it), AVX2 and scalar paths: equal bits on sizes
+    around the 8- and 16-lane widths, fp32 and bf16 moments, amsgrad, maximize, huge/tiny/non-finite
+    values."""
+    if "cpu" not in available_backends():
+        pytest.skip("no C++ CPU kernels")
+    gen = torch.Generator().manual_seed(100 + mode)
+    sizes = (7, 8, 15, 16, 17, 40, 255, 4099)
+    special = torch.tensor([0.0, -0.0, 1e-40, 3e38, -3e38, float("inf"), float("nan"), 1e-30], dtype=F32)
+    state0 = [[] for _ in range(7)]
+    for k, n in enumerate(sizes):
+        p = torch.randn(n, generator=gen) * 3
+        if n > 40:
+            p[5:13] = special
+        g = torch.randn(n, generator=gen) * 0.1
+        if n == 4099:  # no NaN grad: with maximize, the scalar -(g * f) and the SIMD g * (-f) differ in its sign
+            g[100:108] = special.nan_to_num(nan=-float("inf"), posinf=float("inf"), neginf=-float("inf"))
+        p = p.to(pdt)
+        state0[0].append(p)
+        state0[1].append(g.to((F32, BF16, F16)[k % 3]))
+        state0[2].append((torch.randn(n, generator=gen) * 0.01).to(sdt))
+        state0[3].append((torch.randn(n, generator=gen) * 0.01).pow(2).to(sdt))
+        if amsgrad:
+            state0[4].append((torch.randn(n, generator=gen) * 0.01).pow(2))
+        if mode == 1:
+            state0[5].append(p.float() + torch.randn(n, generator=gen) * 1e-4)
+        elif mode == 2:
+            state0[5].append(torch.randint(-2**15, 2**15, (n,), generator=gen, dtype=torch.int16))
+        elif mode == 3:
+            state0[5].append(torch.randint(-128, 128, (n,), generator=gen, dtype=torch.int8))
+        state0[6].append(torch.full((), float(k + 1)))
+    if mode in (2, 3) and pdt == F32:
+        pytest.skip("compact masters need 16-bit params")
+    if mode == 2 and pdt != BF16:
+        pytest.skip("remainder masters need bf16 params")
+    streams = [3 * k + 1 for k in range(len(sizes))]
+    offsets = [0, 2**32 - 9, 5, 2**33 + 1, 0, 77, 2**32 - 100, 1]
+    out = {}
+    for b in CPU_PATHS:
+        st = [[t.clone() for t in lst] for lst in state0]
+        with _cpu_path(b) as name:
+            args = list(_args(st, mode, sr, streams, offsets))
+            args[15] = mode == 1  # maximize
+            _ops.adamw_step_(name, *args)
+        out[b] = st
+    for b in CPU_PATHS[1:]:
+        for li, (la, lb) in enumerate(zip(out["cpu"], out[b])):
+            for i, (x, y) in enumerate(zip(la, lb)):
+                assert torch.equal(_bits(x), _bits(y)), f"{b} vs cpu: list {li}[{i}] (size {sizes[i]}) differs"
+
+
 def test_master8_edge_values_all_paths():
     """Subnormal, huge, overflowing and non-finite masters on every kernel path: equal bits, and
     the decoded master is finite where the param is."""
@@ -426,15 +505,8 @@ def _args8(state, mode, sr, streams, offsets, found_inf=0.0, maximize=False, lr=
 
 
 def _run8(backend, state, *args, **kw):
-    ext = _backend.native()
-    if backend == "cpu-scalar":
-        ext.set_cpu_simd(False)
-        try:
-            _ops.adamw_step_("cpu", *_args8(state, *args, **kw))
-        finally:
-            ext.set_cpu_simd(True)
-    else:
-        _ops.adamw_step_(backend, *_args8(state, *args, **kw))
+    with _cpu_path(backend) as name:
+        _ops.adamw_step_(name, *_args8(state, *args, **kw))
     return state
 
 

@@ -3,7 +3,8 @@
 // The AVX2 functions carry `__attribute__((target(...)))`, so the extension is compiled for the
 // baseline x86-64 ISA and only those functions use AVX2; `use_avx2()` checks the running CPU
 // before they are called. `MPKERN_CPU_SIMD=0` (or mpkern._C.set_cpu_simd(False)) forces the
-// scalar path, which the tests use to cover both.
+// scalar path, which the tests use to cover both. AVX-512 functions (MPK_AVX512) are compiled the
+// same way and called only when cpu_has_avx512() (the AdamW kernel; MPKERN_CPU_AVX512=0 skips them).
 #pragma once
 
 #include <stdint.h>
@@ -16,6 +17,9 @@
 #define MPK_X86 1
 #include <immintrin.h>
 #define MPK_AVX2 __attribute__((target("avx2,fma,f16c")))
+// AVX-512 (F, BW, VL, DQ) functions: compiled per function like MPK_AVX2, called only after
+// cpu_has_avx512() said yes, so the extension still loads on CPUs without AVX-512.
+#define MPK_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 #else
 #define MPK_X86 0
 #endif
@@ -131,6 +135,77 @@ MPK_AVX2 inline __m256i mix32x8(__m256i x) {
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bu)));
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  return x;
+}
+
+// ---- AVX-512: 16 lanes, same arithmetic as the AVX2 helpers above ----------------------------
+// True when the CPU has AVX-512 F/BW/VL/DQ (checked once).
+inline bool cpu_has_avx512() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }();
+  return has;
+}
+
+// Load 16 elements of a float/half/bfloat16 buffer as 16 floats.
+template <int DT>
+MPK_AVX512 inline __m512 load16(const void* base, int64_t i) {
+  if constexpr (DT == 0) {
+    return _mm512_loadu_ps(static_cast<const float*>(base) + i);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
+    if constexpr (DT == 1) {
+      return _mm512_cvtph_ps(h);
+    } else {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+  }
+}
+
+// 16 x u32 lanes (each <= 0xffff) -> 16 x u16 at dst.
+MPK_AVX512 inline void store_u16x16(void* dst, __m512i r) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+}
+
+// f32_to_bf16_rne on 16 lanes (bf16 bits in the low halves of 32-bit lanes).
+MPK_AVX512 inline __m512i bf16_rne_bits(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i hi = _mm512_srli_epi32(u, 16);
+  const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  return _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), hi, _mm512_set1_epi32(0x0040));
+}
+
+// f32_to_bf16_sr on 16 lanes, r = 16 random bits per lane.
+MPK_AVX512 inline __m512i bf16_sr_bits(__m512 x, __m512i r) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i sr = _mm512_srli_epi32(_mm512_add_epi32(u, r), 16);
+  return _mm512_mask_or_epi32(sr, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_srli_epi32(u, 16),
+                              _mm512_set1_epi32(0x0040));
+}
+
+// Store 16 floats into a float/half/bfloat16 buffer with round-to-nearest-even.
+template <int DT>
+MPK_AVX512 inline void store16(void* base, int64_t i, __m512 v) {
+  if constexpr (DT == 0) {
+    _mm512_storeu_ps(static_cast<float*>(base) + i, v);
+  } else if constexpr (DT == 1) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(base) + i),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else {
+    store_u16x16(static_cast<uint16_t*>(base) + i, bf16_rne_bits(v));
+  }
+}
+
+// mix32 of math.h on 16 lanes.
+MPK_AVX512 inline __m512i mix32x16(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846ca68bu)));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
   return x;
 }
 
