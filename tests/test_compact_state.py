@@ -237,3 +237,48 @@ def test_8bit_matches_fp32_master_within_one_correction_unit(backend, flags):
     unit = outs[0].abs().clamp(min=2**-126) * 2.0**-15  # >= ulp/256 of the param after the step
     assert ((outs[0] - outs[1]).abs() <= 1.01 * unit + 1e-7).all()
     assert not torch.equal(outs[1], w0.float())  # it moved
+
+
+@pytest.mark.parametrize("mode", [("remainder", "bfloat16"), ("8bit", "8bit")])
+def test_eager_step_after_compiled_steps_keeps_the_compact_masters(backend, mode):
+    # compiled steps move the params' version counters with their own (functionalized) writes; the
+    # next eager step must not take that for an external write (it would reset the remainders /
+    # 8-bit corrections): the sequence eager, compiled x2, eager equals four eager steps bitwise
+    torch._dynamo.reset()
+    master, sdt = mode
+    torch.manual_seed(21)
+    w = [torch.randn(40, 7).to(torch.bfloat16).to(DEVICE), torch.randn(33).to(torch.bfloat16).to(DEVICE)]
+    p1 = [torch.nn.Parameter(t.clone()) for t in w]
+    p2 = [torch.nn.Parameter(t.clone()) for t in w]
+    kw = dict(lr=1e-3, master_weights=master, state_dtype=sdt, seed=8)
+    o1, o2 = FusedAdamWMP(p1, **kw), FusedAdamWMP(p2, **kw)
+    compiled = torch.compile(o2.step, fullgraph=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(22)
+    for k in range(4):
+        for a, b in zip(p1, p2):
+            g = torch.randn(a.shape, generator=gen).to(torch.bfloat16).to(DEVICE)
+            a.grad, b.grad = g, g.clone()
+        o1.step()
+        (compiled if k in (1, 2) else o2.step)()
+    for a, b in zip(p1, p2):
+        assert torch.equal(a, b)
+        for key, t in o1.state[a].items():
+            assert torch.equal(t, o2.state[b][key]), key
+
+
+def test_compiled_step_reports_the_norm_and_consumes_the_pending_unscale():
+    # attribute stores on the optimizer are not replayed by a compiled call; what a step leaves
+    # (last_grad_norm, last_found_inf, the pending unscale_) must still be there after one
+    torch._dynamo.reset()
+    p = torch.nn.Parameter(torch.randn(100).to(torch.bfloat16))
+    opt = FusedAdamWMP([p], lr=1e-3, max_grad_norm=1.0)
+    compiled = torch.compile(opt.step, fullgraph=True, backend="aot_eager")
+    for k in range(3):
+        p.grad = torch.full_like(p, float(k + 1))
+        compiled()
+        assert opt.last_grad_norm is not None and float(opt.last_grad_norm) == pytest.approx(10.0 * (k + 1))
+        assert float(opt.last_found_inf) == 0.0
+    p.grad = torch.full_like(p, 1.0)
+    mpkern.unscale_(opt, 0.5)
+    compiled()
+    assert opt._pending is None  # consumed: the next step must not apply 0.5 again

@@ -50,6 +50,7 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _GROUPS: dict[int, Any] = {}  # process groups of pickled optimizers (see __getstate__)
 _OWN_KEYS = ("max_grad_norm", "master_weights", "state_dtype", "stochastic_rounding", "seed")
 _LAYOUT_KEYS = ("master_weights", "state_dtype")
+_LIVE_KEYS = ("_pending", "last_grad_norm", "last_found_inf")
 
 
 class _Pending(NamedTuple):
@@ -210,9 +211,9 @@ class FusedAdamWMP(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         capturable=capturable, max_grad_norm=max_grad_norm, master_weights=master_weights,
                         state_dtype=state_dtype, stochastic_rounding=stochastic_rounding, seed=int(seed))
-        self._pending: _Pending | None = None
-        self.last_grad_norm: Tensor | None = None
-        self.last_found_inf: Tensor | None = None
+        # what a step leaves for the next one or for the caller, kept in a dict: a compiled step
+        # (torch.compile) replays mutations of a dict, but not attribute stores on the optimizer
+        self._live: dict[str, Any] = dict.fromkeys(_LIVE_KEYS)
         self._versions: dict[int, Any] = {}  # id(param) -> its stamp (version, data pointer) after our last write
         self._mpkern_process_group = process_group
         self._storage_count: dict[int, int] | None = None  # see _shares_storage (rebuilt every step)
@@ -220,6 +221,33 @@ class FusedAdamWMP(torch.optim.Optimizer):
         self._fast: _StepCache | None = None  # see _build_step_cache
         self._fast_misses = 0  # cache invalidations in a row (builds back off after a few)
         super().__init__(params, defaults)
+
+    # ---- what a step leaves (see _live) --------------------------------------------------------
+    @property
+    def _pending(self) -> _Pending | None:
+        return self._live["_pending"]
+
+    @_pending.setter
+    def _pending(self, value: _Pending | None) -> None:
+        self._live["_pending"] = value
+
+    @property
+    def last_grad_norm(self) -> Tensor | None:
+        """The global grad norm of the last ``step()`` (a device tensor; None until a norm was computed)."""
+        return self._live["last_grad_norm"]
+
+    @last_grad_norm.setter
+    def last_grad_norm(self, value: Tensor | None) -> None:
+        self._live["last_grad_norm"] = value
+
+    @property
+    def last_found_inf(self) -> Tensor | None:
+        """1.0 if the last ``step()`` was skipped for a non-finite grad, else 0.0 (a device tensor)."""
+        return self._live["last_found_inf"]
+
+    @last_found_inf.setter
+    def last_found_inf(self, value: Tensor | None) -> None:
+        self._live["last_found_inf"] = value
 
     # ---- settings ----------------------------------------------------------------------------
     @property
@@ -296,7 +324,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        for key in ("_pending", "last_grad_norm", "last_found_inf", "_mpkern_process_group", "_storage_count"):
+        self.__dict__["_live"] = {k: self.__dict__.pop(k, None) for k in _LIVE_KEYS}
+        for key in ("_mpkern_process_group", "_storage_count"):
             self.__dict__.setdefault(key, None)
         self._offsets = {}
         self._fast = None  # a load or a copy: the next step takes the full path
@@ -610,6 +639,12 @@ class FusedAdamWMP(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if torch.compiler.is_compiling():
+            # replayed by every compiled call: compiled steps write the params through functionalized
+            # copies (their version counters move) and record no stamps
+            self._live["traced"] = True
+        elif self._live.get("traced"):  # a compiled step ran since the last eager one
+            self._restamp_after_compiled()
         fast = self._fast_refresh()
         if fast is not None:
             try:
@@ -819,6 +854,17 @@ class FusedAdamWMP(torch.optim.Optimizer):
                 for p in ps:
                     versions[id(p)] = _stamp(p)
                 self._fast = None
+
+    def _restamp_after_compiled(self) -> None:
+        """The first eager step after compiled ones takes the params as this optimizer wrote them
+        (writes between compiled steps are not seen, as documented): their stamps moved with the
+        compiled step's own writes, and taking them for external writes would reset remainders and
+        8-bit corrections. A "just loaded" mark is kept."""
+        self._live["traced"] = False
+        versions = self._versions
+        for p in self.state:
+            if isinstance(p, Tensor) and versions.get(id(p), -1) is not writes.LOADED:
+                versions[id(p)] = _stamp(p)
 
     def _prepare(self, group: dict[str, Any], kind: storage.MasterKind, pairs: list[tuple[Tensor, Tensor, int]],
                  check_writes: bool):
