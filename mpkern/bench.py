@@ -634,8 +634,10 @@ def host_time(device: torch.device | str = "cpu", *, tensors: int = 1000, numel:
     Returns ``{"tensors", "numel", "clip", "mpkern": {mode label: s (or why it failed)}, "torch": s, "breakdown"}``:
     ``FusedAdamWMP.step`` (clipping fused via ``max_grad_norm``) in each mode of :func:`adamw_modes`,
     torch's fused AdamW + foreach ``clip_grad_norm_`` on fp32 copies, and with ``breakdown`` the
-    parts of the first mode's step (collect, prepare, kernel call incl. the dispatcher's list
-    unpacking; read through the optimizer's private helpers, so ``{"error": ...}`` when they change).
+    parts of the first mode's full-path step (collect, prepare, kernel call incl. the dispatcher's
+    list unpacking; read through the optimizer's private helpers, so ``{"error": ...}`` when they
+    change). ``full_path``: (label, s) of the first mode with the step cache off -- what a first
+    step, or one after an external write, costs; the cached steps are the ``mpkern`` entries.
     """
     import mpkern
 
@@ -663,6 +665,10 @@ def host_time(device: torch.device | str = "cpu", *, tensors: int = 1000, numel:
             continue
         if first is None:
             first = opt
+            # the full path (first step, or after a write): the step cache switched off
+            opt._mpkern_step_cache = False
+            out["full_path"] = (mode_label(mw, sd), _best(opt.step, reps, dev))
+            opt._mpkern_step_cache = True
     ref_ps = [torch.nn.Parameter(x.float()) for x in base]
     for q, x in zip(ref_ps, grads):
         q.grad = x.float()
