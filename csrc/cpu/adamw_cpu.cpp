@@ -531,6 +531,22 @@ MPK_AVX512 __attribute__((always_inline)) inline __m512 decode16(const TensorPtr
 // master8_encode on 16 lanes (see encode8); r16 = the random bits in the low halves.
 template <int PDT>
 MPK_AVX512 __attribute__((always_inline)) inline void encode16(const TensorPtrs& t, int64_t i, __m512 w, __m512i r16) {
+  if constexpr (PDT == kBF16) {
+    // bf16: x = (w - param) * 256 / ulp has at most 8 bits below 1 (a multiple of 2^-149 over
+    // ulp >= 2^-133), so x * 2^16 = scalef(d, 158 - b) is an exact integer and
+    // floor(x + r / 2^16) = (x * 2^16 + r) >> 16 exactly; vpmovsdb saturates to [-128, 127],
+    // the clamp of the scalar code
+    const __m512i h = bf16_rne_bits(w);
+    const __m512 p = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+    const __m512i e = _mm512_and_si512(_mm512_srli_epi32(h, 7), _mm512_set1_epi32(0xff));
+    const __mmask16 finite = _mm512_cmpneq_epi32_mask(e, _mm512_set1_epi32(0xff));
+    const __m512i b = _mm512_max_epi32(e, _mm512_set1_epi32(1));
+    const __m512 x16 = _mm512_scalef_ps(_mm512_sub_ps(w, p), _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_set1_epi32(158), b)));
+    const __m512i c = _mm512_srai_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(x16), r16), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<int8_t*>(t.master) + i), _mm512_maskz_cvtsepi32_epi8(finite, c));
+    store_u16x16(static_cast<uint16_t*>(t.p) + i, h);
+    return;
+  }
   __m512i h, b;
   __m256i h16;
   __m512 p;
