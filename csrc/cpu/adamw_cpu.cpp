@@ -279,7 +279,10 @@ MPK_AVX2 __attribute__((always_inline)) inline void store_w8(const TensorPtrs& t
 
 template <int PDT, int GDT, int SDT>
 MPK_AVX2 void adamw_avx2(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f) {
-  const __m256 factor = _mm256_set1_ps(f.maximize ? -f.factor : f.factor);
+  // g = -(grad * factor) when maximizing, as the scalar code: a sign flip after the multiply
+  // (g * (-factor) differs from it in the sign of a NaN)
+  const __m256 factor = _mm256_set1_ps(f.factor);
+  const __m256 gsign = _mm256_castsi256_ps(_mm256_set1_epi32(f.maximize ? static_cast<int>(0x80000000u) : 0));
   const __m256 decay = _mm256_set1_ps(t.c.decay), omb1 = _mm256_set1_ps(t.c.one_m_b1);
   const __m256 b2 = _mm256_set1_ps(t.c.beta2), omb2 = _mm256_set1_ps(t.c.one_m_b2);
   const __m256 ss = _mm256_set1_ps(t.c.step_size), ibc2 = _mm256_set1_ps(t.c.inv_bc2);
@@ -294,8 +297,7 @@ MPK_AVX2 void adamw_avx2(const TensorPtrs& t, int64_t begin, int64_t end, const 
   for (; i + 8 <= end; i += 8) {
     const uint32_t elo0 = static_cast<uint32_t>(t.offset + static_cast<uint64_t>(i));  // low index half
     const __m256i elo = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(elo0)), lanes);
-    // maximize: -(g * factor) == g * (-factor) exactly (sign flips commute with rounding)
-    const __m256 g = _mm256_mul_ps(load8<GDT>(t.g, i), factor);
+    const __m256 g = _mm256_xor_ps(_mm256_mul_ps(load8<GDT>(t.g, i), factor), gsign);
     __m256 p = load_w8<PDT>(t, f, i);
     __m256 m = load8<SDT>(t.m, i);
     __m256 v = load8<SDT>(t.v, i);
@@ -405,7 +407,10 @@ MPK_AVX2 inline __m256i pack_codes32(__m256i c0, __m256i c1, __m256i c2, __m256i
 
 template <int PDT, int GDT>
 MPK_AVX2 void adamw_avx2_mom8(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f) {
-  const __m256 factor = _mm256_set1_ps(f.maximize ? -f.factor : f.factor);
+  // g = -(grad * factor) when maximizing, as the scalar code: a sign flip after the multiply
+  // (g * (-factor) differs from it in the sign of a NaN)
+  const __m256 factor = _mm256_set1_ps(f.factor);
+  const __m256 gsign = _mm256_castsi256_ps(_mm256_set1_epi32(f.maximize ? static_cast<int>(0x80000000u) : 0));
   const __m256 decay = _mm256_set1_ps(t.c.decay), omb1 = _mm256_set1_ps(t.c.one_m_b1);
   const __m256 b2 = _mm256_set1_ps(t.c.beta2), omb2 = _mm256_set1_ps(t.c.one_m_b2);
   const __m256 ss = _mm256_set1_ps(t.c.step_size), ibc2 = _mm256_set1_ps(t.c.inv_bc2);
@@ -438,7 +443,7 @@ MPK_AVX2 void adamw_avx2_mom8(const TensorPtrs& t, int64_t begin, int64_t end, c
       const int64_t i = gb + 8 * q;
       const __m256i elo = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(e0) + 8u * q)),
                                            lanes);
-      const __m256 g = _mm256_mul_ps(load8<GDT>(t.g, i), factor);
+      const __m256 g = _mm256_xor_ps(_mm256_mul_ps(load8<GDT>(t.g, i), factor), gsign);
       __m256 p = load_w8<PDT>(t, f, i);
       const __m256 fm = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cmp + i))));
       const __m256 fv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cvp + i))));
@@ -619,7 +624,8 @@ template <int PDT, int GDT, int SDT>
 MPK_AVX512 void adamw_avx512(const TensorPtrs& t_in, int64_t begin, int64_t end, const Flags& f_in) {
   const TensorPtrs t = t_in;  // local copies: the stores below cannot alias them, no reloads
   const Flags f = f_in;
-  const __m512 factor = _mm512_set1_ps(f.maximize ? -f.factor : f.factor);
+  const __m512 factor = _mm512_set1_ps(f.factor);  // -(g * factor) when maximizing, as in the AVX2 path
+  const __m512 gsign = _mm512_castsi512_ps(_mm512_set1_epi32(f.maximize ? static_cast<int>(0x80000000u) : 0));
   const __m512 decay = _mm512_set1_ps(t.c.decay), omb1 = _mm512_set1_ps(t.c.one_m_b1);
   const __m512 b2 = _mm512_set1_ps(t.c.beta2), omb2 = _mm512_set1_ps(t.c.one_m_b2);
   const __m512 ss = _mm512_set1_ps(t.c.step_size), ibc2 = _mm512_set1_ps(t.c.inv_bc2);
@@ -633,7 +639,7 @@ MPK_AVX512 void adamw_avx512(const TensorPtrs& t_in, int64_t begin, int64_t end,
   for (; i + 16 <= end; i += 16) {
     const uint32_t elo0 = static_cast<uint32_t>(t.offset + static_cast<uint64_t>(i));
     const __m512i elo = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(elo0)), lanes);
-    const __m512 g = _mm512_mul_ps(load16<GDT>(t.g, i), factor);
+    const __m512 g = _mm512_xor_ps(_mm512_mul_ps(load16<GDT>(t.g, i), factor), gsign);
     __m512 p = load_w16<PDT>(t, f, i);
     __m512 m = load16<SDT>(t.m, i);
     __m512 v = load16<SDT>(t.v, i);
@@ -713,12 +719,13 @@ MPK_AVX512 __attribute__((always_inline)) inline __m512i enc_v16(__m512 v, __m51
 
 // The per-tensor constants of the AVX-512 loops.
 struct Consts512 {
-  __m512 factor, decay, omb1, b2, omb2, ss, ibc2, eps;
+  __m512 factor, gsign, decay, omb1, b2, omb2, ss, ibc2, eps;
 };
 
 MPK_AVX512 inline Consts512 consts512(const TensorPtrs& t, const Flags& f) {
   Consts512 k;
-  k.factor = _mm512_set1_ps(f.maximize ? -f.factor : f.factor);
+  k.factor = _mm512_set1_ps(f.factor);  // -(g * factor) when maximizing, as in the AVX2 path
+  k.gsign = _mm512_castsi512_ps(_mm512_set1_epi32(f.maximize ? static_cast<int>(0x80000000u) : 0));
   k.decay = _mm512_set1_ps(t.c.decay);
   k.omb1 = _mm512_set1_ps(t.c.one_m_b1);
   k.b2 = _mm512_set1_ps(t.c.beta2);
@@ -750,7 +757,7 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_groups512(const Tenso
     const int64_t j = (gb >> 5) + (q >> 1);
     const __m512 sm = _mm512_set1_ps(bf16_to_f32(t.sm[j])), sv = _mm512_set1_ps(bf16_to_f32(t.sv[j]));
     const __m512i elo = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(elo0 + 16u * q)), lanes);
-    const __m512 g = _mm512_mul_ps(load16<GDT>(t.g, i), k.factor);
+    const __m512 g = _mm512_xor_ps(_mm512_mul_ps(load16<GDT>(t.g, i), k.factor), k.gsign);
     __m512 p = load_w16<PDT>(t, f, i);
     const __m512 fm = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cmp + i))));
     const __m512 fv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cvp + i))));
