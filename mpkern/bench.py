@@ -440,7 +440,7 @@ def bench_adamw_modes(device: torch.device | str, *, params: int = FULL["params"
     (:func:`adamw_modes`), the same problem as :func:`bench_adamw`.
 
     Each row: time, the bytes the step moves (:func:`step_bytes_per_param`), GB/s and its share of
-    the measured *copy* bandwidth, the resident optimizer-state bytes/param (the storage
+    the measured in-place bandwidth (read + write, like the step; the bound the other AdamW rows use), the resident optimizer-state bytes/param (the storage
     descriptions; the tensors' own count is ``state_bytes_measured``), and the speed ratio over
     the baseline (:func:`amp_fp32_recipe`, timed here unless ``baseline_s`` is given) beside its
     byte-model limit 48 / bytes moved. ``master_weights=False`` runs with ``stochastic_rounding=True``
@@ -456,7 +456,7 @@ def bench_adamw_modes(device: torch.device | str, *, params: int = FULL["params"
     if not modes:
         return []
     bw = bandwidth or measure_bandwidth(dev)
-    copy_bw = bw.get("copy_GBps")
+    inplace_bw = bw.get("inplace_GBps")  # the step updates its state in place, like the baseline's rows
     grads16, init = _adamw_problem(dev, tensor_sizes(params, tensors))
     inv = torch.tensor(ADAMW_INV_SCALE, device=dev)
     base_bpp = bytemodel.STEP_TRAFFIC["amp_fp32"]
@@ -488,7 +488,7 @@ def bench_adamw_modes(device: torch.device | str, *, params: int = FULL["params"
             del opt, ps, fused
             continue
         row = _row("adamw", f"FusedAdamWMP {label} ({mpkern._backend.select(dev)})", t, bpp=bpp, params=params,
-                   bw=copy_bw, bound_name="copy bandwidth", peer_ratio=baseline_s / t,
+                   bw=inplace_bw, peer_ratio=baseline_s / t,
                    limit=bytemodel.limit(base_bpp, bpp), state_bpp=state_model, vs=BASELINE)
         row.update(master_weights=mw, state_dtype=sd, state_bytes_measured=state_nbytes(opt) / params)
         rows.append(row)
