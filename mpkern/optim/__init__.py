@@ -72,6 +72,18 @@ class _Pending(NamedTuple):
 _flat_view = storage.flat_view
 
 
+def _live_attr(key: str, doc: str) -> property:
+    """An attribute kept in the optimizer's ``_live`` dict (see ``FusedAdamWMP.__init__``)."""
+
+    def get(self: Any) -> Any:
+        return self._live[key]
+
+    def put(self: Any, value: Any) -> None:
+        self._live[key] = value
+
+    return property(get, put, doc=doc)
+
+
 class FusedAdamWMP(torch.optim.Optimizer):
     """AdamW with fp32 master weights for 16-bit params, fused into one kernel per group and device.
 
@@ -223,31 +235,11 @@ class FusedAdamWMP(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     # ---- what a step leaves (see _live) --------------------------------------------------------
-    @property
-    def _pending(self) -> _Pending | None:
-        return self._live["_pending"]
-
-    @_pending.setter
-    def _pending(self, value: _Pending | None) -> None:
-        self._live["_pending"] = value
-
-    @property
-    def last_grad_norm(self) -> Tensor | None:
-        """The global grad norm of the last ``step()`` (a device tensor; None until a norm was computed)."""
-        return self._live["last_grad_norm"]
-
-    @last_grad_norm.setter
-    def last_grad_norm(self, value: Tensor | None) -> None:
-        self._live["last_grad_norm"] = value
-
-    @property
-    def last_found_inf(self) -> Tensor | None:
-        """1.0 if the last ``step()`` was skipped for a non-finite grad, else 0.0 (a device tensor)."""
-        return self._live["last_found_inf"]
-
-    @last_found_inf.setter
-    def last_found_inf(self, value: Tensor | None) -> None:
-        self._live["last_found_inf"] = value
+    _pending = _live_attr("_pending", "What mpkern.unscale_ / clip_grad_norm_ left for the next step (a _Pending).")
+    last_grad_norm = _live_attr("last_grad_norm", "The global grad norm of the last step() (a device tensor; "
+                                                  "None until a norm was computed).")
+    last_found_inf = _live_attr("last_found_inf", "1.0 if the last step() was skipped for a non-finite grad, "
+                                                  "else 0.0 (a device tensor).")
 
     # ---- settings ----------------------------------------------------------------------------
     @property
