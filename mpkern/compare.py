@@ -63,6 +63,11 @@ LINEARS = ("auto", "mpkern", "torch")
 SCHEMA = "mpkern.compare/1"
 
 _DTYPE_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _state_name(state_dtype: Any) -> str:
+    """A ``state_dtype`` as FusedAdamWMP keeps it in its groups ("float32", "bfloat16", "8bit")."""
+    return _DTYPE_NAME[state_dtype] if isinstance(state_dtype, torch.dtype) else str(state_dtype)
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -641,7 +646,7 @@ def _build(name: str, cfg: Config, base: nn.Module, device: torch.device,
             describe = {"param_dtype": _DTYPE_NAME[pdt], "compute": _DTYPE_NAME[pdt],
                         "optimizer": "mpkern.FusedAdamWMP(" + ", ".join(
                             [f"master_weights={mp_state.get('master_weights', True)!r}",
-                             f"state_dtype={_DTYPE_NAME[mp_state.get('state_dtype', torch.float32)]}"]) + ")"
+                             f"state_dtype={_state_name(mp_state.get('state_dtype', torch.float32))}"]) + ")"
                         + (" + GradScaler" if scaler else ""),
                         "clip": "max_grad_norm fused into step" if fused_clip
                         else "mpkern.unscale_(opt, scaler=scaler, max_norm)"}

@@ -107,6 +107,16 @@ def test_8bit_state_applies_to_bf16_and_fp16():
         assert "'8bit'" in r["optimizer"]
 
 
+@pytest.mark.parametrize("state, total", [("8bit-8bit", 7.125), ("remainder-8bit", 8.125)])
+def test_8bit_moment_states(state, total):
+    # 8-bit moments: 2.125 B/param with their scales (a tensor's short last group of 32 costs a
+    # whole scale: a little more than 2.125 on the compare model's odd-sized tensors)
+    res = _run("mpkern-bf16", optimizer_state=state)
+    r = res["runs"][0]
+    assert total <= r["state_bytes_per_param"]["total"] <= total + 0.05
+    assert "state_dtype=8bit" in r["optimizer"]
+
+
 def test_remainder_applies_to_bf16_and_fp16_keeps_fp32_masters():
     res = _run("mpkern-bf16,mpkern-fp16", optimizer_state="remainder")
     bf16, fp16 = res["runs"]
