@@ -661,36 +661,19 @@ class FusedAdamWMP(torch.optim.Optimizer):
         self._storage_count = None
         prepared = [(group, dev, kind, pairs, *self._prepare(group, kind, pairs, check_writes),
                      _ops.lr_args(group["lr"], dev)) for group, dev, kind, pairs in work]
-        pending, self._pending = self._pending, None  # after everything that can fail: kept on an error
-        out_dev = work[0][1]
-        own_check = False
-        if pending is None:
-            # GradScaler's scale (amp-scaling protocol): its reciprocal in fp64 like GradScaler,
-            # on the scale's device; else the cached constant 1 (read-only)
-            inv = (grad_scale.double().reciprocal().float().reshape(()) if grad_scale is not None
-                   else _ops.scalar_on(1.0, out_dev))
-            # GradScaler checked .grad only: a main_grad needs our own check (the stats pass)
-            own_check = grad_scale is not None and uses_main
-            if self.max_grad_norm is not None or own_check:
-                self._pending = None
-                seen: set[int] = set()  # a repeated param counts once in the norm, as in torch's clip
-                firsts = [x for w in work for x in w[3] if not (id(x[0]) in seen or seen.add(id(x[0])))]
-                collected = ([x[0] for x in firsts], [x[1] for x in firsts])
-                amp.unscale_(self, inv, max_norm=self.max_grad_norm, _collected=collected)
-                pending, self._pending = self._pending, None
-        elif self.max_grad_norm is not None:
-            pending = self._own_clip(pending)
-        if pending is not None:
-            factor, found = pending.inv * pending.coef, pending.found
-            self.last_grad_norm = pending.reported
-        else:
-            factor = inv
-            found = torch.zeros((), dtype=torch.float32, device=factor.device)
-        if found_ext is not None:
-            found = torch.maximum(found, _to_device(found_ext, found.device, torch.float32).reshape(()))
+        # GradScaler checked .grad only: a main_grad needs our own check (the stats pass)
+        own_check = self._pending is None and grad_scale is not None and uses_main
+
+        def stats(inv: Tensor) -> None:
+            seen: set[int] = set()  # a repeated param counts once in the norm, as in torch's clip
+            firsts = [x for w in work for x in w[3] if not (id(x[0]) in seen or seen.add(id(x[0])))]
+            amp.unscale_(self, inv, max_norm=self.max_grad_norm, _collected=([x[0] for x in firsts],
+                                                                               [x[1] for x in firsts]))
+
+        # after everything that can fail: the pending unscale is kept on an error
+        factor, found = self._step_factor(work[0][1], stats if self.max_grad_norm is not None or own_check else None)
         if own_check:
             self._tell_scaler(found)
-        self.last_found_inf = found
         per_dev: dict[torch.device, tuple[Tensor, Tensor]] = {}
         versions = self._versions
         for group, dev, kind, pairs, lists, copies, (lr_tensor, lr_value) in prepared:
@@ -811,28 +794,13 @@ class FusedAdamWMP(torch.optim.Optimizer):
         """``step()`` over the cached lists: the same scalars and kernels as the full path (the
         statistics pass and the fused update called directly from C++ with the cached lists)."""
         dev = fc.device
-        grad_scale = getattr(self, "grad_scale", None)
-        found_ext = getattr(self, "found_inf", None)
         self._storage_count = None
         lrs = [_ops.lr_args(group["lr"], dev) for group, _ps in fc.buckets]
-        pending, self._pending = self._pending, None
-        if pending is None:
-            inv = (grad_scale.double().reciprocal().float().reshape(()) if grad_scale is not None
-                   else _ops.scalar_on(1.0, dev))
-            if self.max_grad_norm is not None:
-                amp._unscale_cached(self, inv, self.max_grad_norm, dev, fc.cache.grad_stats)
-                pending, self._pending = self._pending, None
-        elif self.max_grad_norm is not None:
-            pending = self._own_clip(pending)
-        if pending is not None:
-            factor, found = pending.inv * pending.coef, pending.found
-            self.last_grad_norm = pending.reported
-        else:
-            factor = inv
-            found = torch.zeros((), dtype=torch.float32, device=factor.device)
-        if found_ext is not None:
-            found = torch.maximum(found, _to_device(found_ext, found.device, torch.float32).reshape(()))
-        self.last_found_inf = found
+
+        def stats(inv: Tensor) -> None:
+            amp._unscale_cached(self, inv, self.max_grad_norm, dev, fc.cache.grad_stats)
+
+        factor, found = self._step_factor(dev, stats if self.max_grad_norm is not None else None)
         f_dev = _to_device(factor, dev, torch.float32).reshape(())
         found_dev = _to_device(found, dev, torch.float32).reshape(())
         versions = self._versions
@@ -846,6 +814,36 @@ class FusedAdamWMP(torch.optim.Optimizer):
                 for p in ps:
                     versions[id(p)] = _stamp(p)
                 self._fast = None
+
+    def _step_factor(self, dev: torch.device, stats: Callable[[Tensor], None] | None) -> tuple[Tensor, Tensor]:
+        """(grad factor, found_inf) of this step, for the full and the cached path alike.
+
+        Takes the pending unscale/clip (or GradScaler's ``grad_scale``: its reciprocal in fp64 like
+        GradScaler; else the cached constant 1 on ``dev``), runs ``stats(inv)`` -- the statistics
+        pass that leaves a pending clip -- when there was none and it is given, applies
+        ``max_grad_norm`` to a pending one, folds in GradScaler's ``found_inf``; records
+        ``last_grad_norm`` / ``last_found_inf``."""
+        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step (amp-scaling protocol)
+        found_ext = getattr(self, "found_inf", None)
+        pending, self._pending = self._pending, None
+        if pending is None:
+            inv = (grad_scale.double().reciprocal().float().reshape(()) if grad_scale is not None
+                   else _ops.scalar_on(1.0, dev))
+            if stats is not None:
+                stats(inv)
+                pending, self._pending = self._pending, None
+        elif self.max_grad_norm is not None:
+            pending = self._own_clip(pending)
+        if pending is not None:
+            factor, found = pending.inv * pending.coef, pending.found
+            self.last_grad_norm = pending.reported
+        else:
+            factor = inv
+            found = torch.zeros((), dtype=torch.float32, device=factor.device)
+        if found_ext is not None:
+            found = torch.maximum(found, _to_device(found_ext, found.device, torch.float32).reshape(()))
+        self.last_found_inf = found
+        return factor, found
 
     def _restamp_after_compiled(self) -> None:
         """The first eager step after compiled ones takes the params as this optimizer wrote them
