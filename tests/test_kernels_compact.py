@@ -66,6 +66,16 @@ def _rand(n, dtype, gen, scale=1.0):
     return (torch.randn(n, generator=gen) * scale).to(dtype).to(DEVICE)
 
 
+def _master_state(mode, p, gen):
+    """A random master state of ``p`` for ``mode`` (fp32 master near p, any remainder / correction)."""
+    n = p.numel()
+    if mode == reference.MASTER_F32:
+        return p.float() + _rand(n, F32, gen, 1e-4)
+    if mode == reference.MASTER_REMAINDER:
+        return torch.randint(-2**15, 2**15, (n,), generator=gen, dtype=torch.int16).to(DEVICE)
+    return torch.randint(-128, 128, (n,), generator=gen, dtype=torch.int8).to(DEVICE)
+
+
 def _case(mode, pdt, seed=0):
     """Fresh state for one multi-tensor call: the SIZES, plus an offset view (element 1 of a
     buffer: misaligned against the other buffers) of 300 elements."""
@@ -82,12 +92,8 @@ def _case(mode, pdt, seed=0):
         grads.append(_rand(n, (F32, BF16, F16)[k % 3], gen, 0.1))
         ms.append(_rand(n, BF16, gen, 0.01))
         vs.append((_rand(n, F32, gen, 0.01) ** 2).to(BF16))
-        if mode == reference.MASTER_F32:
-            masters.append(p.float() + _rand(n, F32, gen, 1e-4))
-        elif mode == reference.MASTER_REMAINDER:
-            masters.append(torch.randint(-2**15, 2**15, (n,), generator=gen, dtype=torch.int16).to(DEVICE))
-        elif mode == reference.MASTER_8BIT:
-            masters.append(torch.randint(-128, 128, (n,), generator=gen, dtype=torch.int8).to(DEVICE))
+        if mode != reference.MASTER_NONE:
+            masters.append(_master_state(mode, p, gen))
         steps.append(torch.full((), float(k + 3), device=DEVICE))
     # one stream offset crossing 2^32 inside the 65537-element tensor, the rest ordinary
     streams = [11 * k + 5 for k in range(len(sizes))]
@@ -485,12 +491,8 @@ def _case8(mode, pdt, seed=0, sizes=SIZES + (300,)):
         grads.append(_rand(n, (F32, BF16, F16)[k % 3], gen, 0.1))
         cm, cv, sm, sv = _mom8_state(n, gen)
         ms.append(cm), vs.append(cv), sms.append(sm), svs.append(sv)
-        if mode == reference.MASTER_F32:
-            masters.append(p.float() + _rand(n, F32, gen, 1e-4))
-        elif mode == reference.MASTER_REMAINDER:
-            masters.append(torch.randint(-2**15, 2**15, (n,), generator=gen, dtype=torch.int16).to(DEVICE))
-        elif mode == reference.MASTER_8BIT:
-            masters.append(torch.randint(-128, 128, (n,), generator=gen, dtype=torch.int8).to(DEVICE))
+        if mode != reference.MASTER_NONE:
+            masters.append(_master_state(mode, p, gen))
         steps.append(torch.full((), float(k + 3), device=DEVICE))
     streams = [11 * k + 5 for k in range(len(sizes))]
     offsets = [0, 7, 2**20, 2**32 - 510, 2**33 + 3, 12345][:len(sizes)]
