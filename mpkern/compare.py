@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _progress, bytemodel
+from .measure import cpu_flags, device_info, pyplot, sync
 
 Tensor = torch.Tensor
 
@@ -386,21 +387,6 @@ class _OthersCpu:
 GPU_MIN_CAPABILITY = {"bfloat16": (8, 0), "float16": (7, 0)}
 
 
-def cpu_flags(text: str | None = None) -> set[str]:
-    """The feature flags of the first CPU listed in ``/proc/cpuinfo`` (or in ``text``); empty if unknown."""
-    if text is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                text = f.read()
-        except OSError:
-            return set()
-    for line in text.splitlines():
-        key, _, val = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(val.split())
-    return set()
-
-
 def _min_ms(fns: dict[str, Callable[[], Any]], device: torch.device, reps: int, cap_s: float = 0.6) -> dict[str, float]:
     """Fastest of ``reps`` timed calls of each function (after one untimed call), interleaved so that
     a burst of load on a shared machine hits every candidate alike. A candidate whose calls add up
@@ -409,14 +395,14 @@ def _min_ms(fns: dict[str, Callable[[], Any]], device: torch.device, reps: int, 
     spent = dict.fromkeys(fns, 0.0)
     for f in fns.values():
         f()
-    _sync(device)
+    sync(device)
     for _ in range(reps):
         for k, f in fns.items():
             if spent[k] > cap_s:
                 continue
             t = time.perf_counter()
             f()
-            _sync(device)
+            sync(device)
             dt = time.perf_counter() - t
             spent[k] += dt
             best[k] = min(best[k], dt)
@@ -696,11 +682,6 @@ def _build(name: str, cfg: Config, base: nn.Module, device: torch.device,
     return _Recipe(model, params, opt, step, autocast, scaler, describe)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _evaluate(r: _Recipe, task: Task, device: torch.device, batch: int = 512) -> float:
     r.model.eval()
     correct = torch.zeros((), dtype=torch.int64, device=device)
@@ -739,7 +720,7 @@ def train_one(name: str, cfg: Config, task: Task, base: nn.Module, *, progress: 
     done = 0
     for i in range(steps):
         if i == warm:
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
         x, y = x_all[i * bsz:(i + 1) * bsz], y_all[i * bsz:(i + 1) * bsz]
         if i == 0:
@@ -766,7 +747,7 @@ def train_one(name: str, cfg: Config, task: Task, base: nn.Module, *, progress: 
                     j -= 1
                 diverged_at = j
                 break
-    _sync(device)
+    sync(device)
     t1 = time.perf_counter()
     bar.close()
     timed_steps = done - warm if t0 is not None else 0
@@ -856,10 +837,10 @@ def probe_step_seconds(cfg: Config, base: nn.Module,
         t0 = time.perf_counter()
         for i in range(_PROBE_WARM + _PROBE_TIMED):
             if i == _PROBE_WARM:
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
             r.step(x_all[i * bsz:(i + 1) * bsz], y_all[i * bsz:(i + 1) * bsz])
-        _sync(device)
+        sync(device)
         out[name] = (time.perf_counter() - t0) / _PROBE_TIMED
         del r
     return out
@@ -949,7 +930,7 @@ def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.de
                   threads=torch.get_num_threads())
     _check(cfg)
     t_all = time.perf_counter()
-    device_info = _device_info(dev)
+    dev_info = device_info(dev)
     vocab = 2 * cfg.classes + 2 + cfg.noise_vocab  # as make_task builds it
     torch.manual_seed(cfg.seed)
     if cfg.hf_model:
@@ -969,7 +950,7 @@ def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.de
     runs = [train_one(name, cfg, task, base, progress=progress, linear_choice=linear_choice)
             for name in cfg.precisions]
     if dev.type == "cpu":
-        device_info["other_processes_cores"] = others.cores()
+        dev_info["other_processes_cores"] = others.cores()
     ref = next((r for r in runs if r["name"] == "fp32" and r["tokens_per_s"]), None)
     for r in runs:
         if ref and r["tokens_per_s"]:
@@ -981,7 +962,7 @@ def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.de
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "versions": {"mpkern": __version__, "torch": torch.__version__, "python": platform.python_version(),
                      "cuda": torch.version.cuda},
-        "device": device_info,
+        "device": dev_info,
         "native_compute": support,
         "linear_choice": linear_choice,
         "budget": budget,
@@ -1095,17 +1076,6 @@ _MEMORY_NOTE = {
 }
 
 
-def _device_info(dev: torch.device) -> dict[str, Any]:
-    if dev.type == "cuda":
-        return {"type": "cuda", "name": torch.cuda.get_device_name(dev),
-                "capability": list(torch.cuda.get_device_capability(dev))}
-    from .bench import cpu_name
-
-    return {"type": "cpu", "name": cpu_name(),
-            "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "aten_capability": torch.backends.cpu.get_cpu_capability()}
-
-
 def _jsonable(v: Any) -> Any:
     if isinstance(v, dict):
         return {k: _jsonable(x) for k, x in v.items()}
@@ -1207,8 +1177,6 @@ def write_outputs(results: dict[str, Any], out: str, *, plot: bool = True) -> di
 
 def plot_results(results: dict[str, Any], path: str) -> bool:
     """Loss curves, validation accuracy, tokens/s and peak memory in one PNG. False without matplotlib."""
-    from .bench import pyplot
-
     plt = pyplot("compare", "compare.png")
     if plt is None:
         return False
