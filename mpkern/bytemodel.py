@@ -49,7 +49,7 @@ def limit(peer_bytes: float, our_bytes: float) -> float:
 CATEGORIES = ("weights", "grads", "masters", "moments")
 # the optimizer's storage descriptions say which state keys hold masters
 _MASTER_KEYS = tuple(k.key for k in _storage.STORED_MASTERS)
-_MOMENT_KEYS = _storage.MOMENT_STATE_KEYS + ("max_exp_avg_sq",)
+
 
 
 @dataclass
@@ -112,11 +112,12 @@ def count_state(params: Iterable[Tensor], optimizer: torch.optim.Optimizer | Non
         add("masters", m)
         add("grads", m.grad)
     if optimizer is not None:
+        moment_keys = _storage.moment_state_keys() + ("max_exp_avg_sq",)
         for st in optimizer.state.values():
             for k, v in st.items():
                 if k in _MASTER_KEYS:
                     add("masters", v)
-                elif k in _MOMENT_KEYS:
+                elif k in moment_keys:
                     add("moments", v)
     return acc
 

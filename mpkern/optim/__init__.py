@@ -278,11 +278,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
                     raise TypeError(f"FusedAdamWMP: param {i} of group {gi} has dtype {p.dtype}; expected float32, "
                                     "float16 or bfloat16")
                 _check_param_dtype(group, p.dtype, f"param {i} of group {gi}")
-                if group["master_weights"] == "8bit" and p.dtype == torch.float32 and all(
-                        q.dtype == torch.float32 for q in group["params"]):
-                    raise ValueError(f"FusedAdamWMP: master_weights='8bit' is not needed for float32 params (param {i} "
-                                     f"of group {gi}): they are their own fp32 master -- use master_weights=True "
-                                     "(or keep the 8-bit masters for the 16-bit params' group)")
+            storage.MASTER_KINDS[group["master_weights"]].check_group([p.dtype for p in group["params"]],
+                                                                      f"group {gi}")
         except (ValueError, TypeError):
             self.param_groups.pop()  # nothing half-added
             raise
@@ -418,8 +415,9 @@ class FusedAdamWMP(torch.optim.Optimizer):
                         continue
                 elif "step" in st and rec != _stamp(p):
                     self._conform(kind, p, st)  # written since our last step
-                if kind is storage.FP32 and kind.has_state(st):
-                    out.append(st[kind.key])  # live
+                live = kind.live_fp32(st)
+                if live is not None:
+                    out.append(live)  # writing into it changes the master
                 elif kind.has_state(st):
                     out.append(kind.to_fp32(p, st))
                 else:
@@ -866,7 +864,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
         amsgrad = group["amsgrad"]
         mkey = kind.key
         moments = moment_kind(group["state_dtype"])
-        scaled = moments is storage.INT8_MOMENTS
+        scaled: bool | None = None  # whether this kind's kernel tensors carry scales (from the first)
         mscales: list[Tensor] = []
         vscales: list[Tensor] = []
         versions = self._versions
@@ -885,6 +883,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
             if amsgrad and "max_exp_avg_sq" not in st:
                 st["max_exp_avg_sq"] = _like(p, torch.float32).zero_()
             m, v, m_scale, v_scale = moments.kernel_tensors(st)
+            if scaled is None:
+                scaled = m_scale is not None
             if scaled:
                 mscales.append(m_scale)
                 vscales.append(v_scale)
@@ -953,12 +953,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, sd["param_groups"]):
             for p, i in zip(group["params"], saved["params"]):
                 st = sd["state"].get(i)
-                if st is None or not distributed.is_dtensor(p) or not storage.INT8_MOMENTS.has_state(st):
-                    continue
-                out = {k: v for k, v in st.items() if k not in storage.INT8_MOMENTS.keys}
-                for key in ("exp_avg", "exp_avg_sq"):
-                    out[key] = storage.INT8_MOMENTS.to_fp32(st, key)
-                sd["state"][i] = out  # a new dict: the optimizer's own state is untouched
+                if st is not None:
+                    sd["state"][i] = storage.export_state(p, st)  # a new dict if it differs
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -989,9 +985,10 @@ class FusedAdamWMP(torch.optim.Optimizer):
         converted = []
         new_groups = []
         for gi, (g, ng) in enumerate(zip(groups, saved_groups)):
-            if "state_dtype" not in ng and storage.moment_kind(g["state_dtype"]) is storage.INT8_MOMENTS and any(
+            note = storage.moment_kind(g["state_dtype"]).adamw_conversion
+            if "state_dtype" not in ng and note and any(
                     "exp_avg" in state_dict["state"].get(k, {}) for k in ng["params"]):
-                converted.append(f"group {gi}: torch.optim.AdamW moments -> state_dtype='8bit' (to the nearest code)")
+                converted.append(f"group {gi}: torch.optim.AdamW moments -> state_dtype={g['state_dtype']!r} ({note})")
             ng["params"] = g["params"]
             if "param_names" in g and "param_names" not in ng:
                 ng["param_names"] = g["param_names"]
@@ -1044,32 +1041,24 @@ def _cache_flags(group: dict[str, Any]) -> tuple:
 
 def _check_own_args(master_weights: Any, state_dtype: Any, max_grad_norm: Any, stochastic_rounding: Any) -> str:
     """Validate mpkern's own arguments; return ``state_dtype`` as the name kept in the groups."""
-    if master_weights not in (True, False, "remainder", "8bit") or isinstance(master_weights, int) and not isinstance(
-            master_weights, bool):
-        raise ValueError(f"master_weights must be True, False, 'remainder' or '8bit', got {master_weights!r}")
-    name = storage.MOMENT_DTYPE_NAMES.get(state_dtype) if isinstance(state_dtype, torch.dtype) else state_dtype
-    if not isinstance(name, str) or name not in storage.MOMENT_KINDS:
-        raise ValueError(f"state_dtype must be torch.float32, torch.bfloat16 (or 'float32' / 'bfloat16') or '8bit', "
-                         f"got {state_dtype!r}")
+    master = storage.check_master_weights(master_weights)
+    name = storage.check_state_dtype(state_dtype)
     if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
                                       or not (max_grad_norm > 0 and math.isfinite(max_grad_norm))):
         raise ValueError(f"max_grad_norm must be a positive finite float or None, got {max_grad_norm!r}")
-    if stochastic_rounding and master_weights is not False:
+    if stochastic_rounding and not master.stochastic_rounding:
         raise ValueError("stochastic_rounding applies to 16-bit params without master weights: "
                          "use it with master_weights=False")
     return name
 
 
 def _check_amsgrad(amsgrad: Any, state_dtype: str, where: str) -> None:
-    if amsgrad and storage.moment_kind(state_dtype) is storage.INT8_MOMENTS:
-        raise ValueError(f"FusedAdamWMP: amsgrad=True is not supported with state_dtype='8bit'{where} (max_exp_avg_sq "
-                         "would need its own 8-bit codec); use state_dtype=torch.bfloat16 or amsgrad=False")
+    storage.check_amsgrad(amsgrad, state_dtype, where)
 
 
 def _check_param_dtype(group: dict[str, Any], dtype: torch.dtype, where: str) -> None:
     """Raise if a param of ``dtype`` cannot be stepped by ``group``'s storage mode."""
-    if group["master_weights"] == "remainder" and dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"FusedAdamWMP: master_weights='remainder' needs bfloat16 params, {where} is {dtype}")
+    storage.MASTER_KINDS[group["master_weights"]].check_param_dtype(dtype, where)
     if group["stochastic_rounding"] and dtype == torch.float16:
         raise ValueError(f"FusedAdamWMP: stochastic_rounding supports bfloat16 params, {where} is float16")
 

@@ -35,8 +35,8 @@ def state_from_checkpoint(p: Tensor, src: Any, group: dict[str, Any], kind: stor
         st["step"] = torch.as_tensor(src.pop("step"), dtype=torch.float32).reshape(()).to(dev).clone()
     else:
         st["step"] = torch.zeros((), dtype=torch.float32, device=dev)
-    st.update(storage.moment_kind(group["state_dtype"]).from_saved(p, src))
-    for key in storage.MOMENT_STATE_KEYS:
+    st.update(storage.moments_from_saved(p, src, group["state_dtype"]))
+    for key in storage.moment_state_keys():
         src.pop(key, None)
     vm = src.pop("max_exp_avg_sq", None)
     if vm is not None:
@@ -44,13 +44,13 @@ def state_from_checkpoint(p: Tensor, src: Any, group: dict[str, Any], kind: stor
     elif group["amsgrad"]:
         st["max_exp_avg_sq"] = storage.like(p, torch.float32).zero_()
     saved = {k: storage.laid(p, src.pop(k.key), k.state_dtype) for k in storage.STORED_MASTERS if k.key in src}
-    if kind is storage.NONE:
+    if kind.key is None:
         if saved and p.dtype != torch.float32:  # no master kept: the param takes the saved master, rounded
             source, tmp = next(iter(saved.items()))
             p.copy_(source.to_fp32(p, {source.key: tmp}))
     elif kind in saved:
         st[kind.key] = saved[kind]
-    elif saved and (p.dtype == torch.bfloat16 or storage.REMAINDER not in saved):
+    elif saved and all(k.describes(p.dtype) for k in saved):
         source, tmp = next(iter(saved.items()))
         st[source.key] = tmp  # kept: converted again at the next step, from the param as it is then
         kind.from_fp32(p, st, source.to_fp32(p, st), write_param=False)

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from .. import distributed
-from ..distributed import local as _local
 from . import storage
 
 Tensor = torch.Tensor
@@ -46,12 +45,12 @@ def conform(kind: storage.MasterKind, p: Tensor, st: dict[str, Any], *, recorded
     ``recorded`` is the stamp recorded at the optimizer's last write (:data:`LOADED` after a
     checkpoint load); ``shared()`` says whether ``p`` shares its storage with other params.
     """
-    ref = st.get("exp_avg", st.get("exp_avg_code"))
+    ref = storage.moment_reference(st)
     if isinstance(ref, Tensor) and tuple(ref.shape) != tuple(p.shape):
         raise ValueError(f"FusedAdamWMP: a param now has shape {tuple(p.shape)}, its optimizer state "
                          f"{tuple(ref.shape)} (it was replaced by a tensor of another shape after the first "
                          "step); rebuild the optimizer or load a matching state dict")
-    moved = storage.INT8_MOMENTS.relay(p, st)  # 8-bit moments regroup in the new memory order
+    moved = storage.relay_moments(p, st)  # e.g. 8-bit moments regroup in the new memory order
     if not distributed.is_dtensor(p):
         for key, t in list(st.items()):
             if key == "step" or not isinstance(t, Tensor) or t.shape != p.shape:
@@ -61,16 +60,9 @@ def conform(kind: storage.MasterKind, p: Tensor, st: dict[str, Any], *, recorded
                 st[key] = want.copy_(t)
                 moved = True
     others = storage.stored_kinds(st, but=kind)
-    if kind is storage.NONE:
+    if kind.key is None:  # no master kept: an fp32 param takes the old master's value
         if p.dtype == torch.float32 and others:
-            old = others[0]
-            pl = _local(p.detach())
-            if old is storage.FP32:
-                m = _local(st[old.key])
-                same = (m.to(torch.bfloat16).float() == pl) | (m.to(torch.float16).float() == pl)
-                pl.copy_(torch.where(same, m, pl))
-            else:
-                pl.copy_(_local(old.to_fp32(p, st)))
+            others[0].restore_param(p, st)
         for k in others:
             k.drop(st)
     elif others:

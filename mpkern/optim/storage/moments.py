@@ -1,0 +1,181 @@
+"""The moment kinds: fp32 / bf16 (one value per element) and 8-bit companded (see :mod:`.base`)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ... import distributed, reference
+from ...distributed import local as _local
+from .base import ALL_BACKENDS, KernelMoments, MomentKind, State, Tensor, flat_view, laid, like
+
+#: elements per scale of the 8-bit moments: consecutive elements of a tensor's buffer
+MOMENT8_GROUP = reference.MOM8_GROUP
+moment8_groups = reference.moment8_groups
+
+
+class DenseMoments(MomentKind):
+    """fp32 or bf16 moments, one value per element (bf16 ones stored with stochastic rounding by the kernel)."""
+
+    keys = ("exp_avg", "exp_avg_sq")
+    kernel_backends = ALL_BACKENDS
+    needs_write_back = False
+
+    def __init__(self, name: str, dtype: torch.dtype, label: str) -> None:
+        self.name, self.dtype, self.label, self.aliases = name, dtype, label, (dtype,)
+
+    def bytes_per_element(self) -> float:
+        return 2.0 * self.dtype.itemsize
+
+    def has_state(self, st: State) -> bool:
+        return "exp_avg" in st or "exp_avg_sq" in st
+
+    def has_moment(self, st: State, key: str) -> bool:
+        return key in st
+
+    def create(self, p: Tensor) -> State:
+        return {"exp_avg": like(p, self.dtype).zero_(), "exp_avg_sq": like(p, self.dtype).zero_()}
+
+    def from_fp32(self, p: Tensor, m: Tensor, v: Tensor) -> State:
+        return {"exp_avg": laid(p, m, self.dtype), "exp_avg_sq": laid(p, v, self.dtype)}
+
+    def copy_saved(self, p: Tensor, src: State) -> State | None:
+        if not self.has_state(src):
+            return None
+        out = {}
+        for key in self.keys:  # any dtype: AdamW's are the param's dtype or fp32
+            val = src.get(key)
+            out[key] = laid(p, val, self.dtype) if val is not None else like(p, self.dtype).zero_()
+        return out
+
+    def kernel_tensors(self, st: State) -> KernelMoments:
+        return KernelMoments(st["exp_avg"], st["exp_avg_sq"])
+
+    def to_fp32(self, st: State, key: str) -> Tensor:
+        return st[key].to(torch.float32, copy=True)
+
+
+class Int8Moments(MomentKind):
+    """``state_dtype="8bit"``: each moment as one byte per element plus a bf16 scale per group of
+    :data:`MOMENT8_GROUP` consecutive elements of the param's buffer (2.125 B/param for both).
+
+    Companded so that small values keep relative precision: ``exp_avg = sign(c) * s * c^2``
+    (int8 ``c`` in [-127, 127]), ``exp_avg_sq = s * c^4`` (uint8 ``c``; a positive value never
+    decodes to 0, which keeps ``m / sqrt(v)`` bounded). The kernel decodes, updates and re-encodes
+    in registers with value-unbiased stochastic rounding between neighbouring codes (seeded);
+    conversions here round to the nearest code. The codec is ``mpkern.reference.moment8_*`` (the
+    kernels' math in ``csrc/include/mpkern/math.h``).
+    """
+
+    name, label = "8bit", "8-bit moments"
+    keys = ("exp_avg_code", "exp_avg_sq_code", "exp_avg_scale", "exp_avg_sq_scale")
+    kernel_backends = ALL_BACKENDS
+    needs_write_back = False
+    amsgrad = False
+    amsgrad_why = (" (max_exp_avg_sq would need its own 8-bit codec); use state_dtype=torch.bfloat16 or "
+                   "amsgrad=False")
+    adamw_conversion = "to the nearest code"
+    _CODE: ClassVar[dict[str, tuple[str, str]]] = {"exp_avg": ("exp_avg_code", "exp_avg_scale"),
+                                                   "exp_avg_sq": ("exp_avg_sq_code", "exp_avg_sq_scale")}
+
+    def __repr__(self) -> str:
+        return "Int8Moments()"
+
+    def bytes_per_element(self) -> float:
+        """Both moments with their scales, for a numel that is a multiple of the group (a short last
+        group costs its whole scale)."""
+        return 2.0 + 2.0 * torch.bfloat16.itemsize / MOMENT8_GROUP
+
+    def _scales(self, p: Tensor) -> Tensor:
+        return torch.zeros(moment8_groups(_local(p).numel()), dtype=torch.bfloat16, device=p.device)
+
+    def create(self, p: Tensor) -> State:
+        return {"exp_avg_code": like(p, torch.int8).zero_(), "exp_avg_sq_code": like(p, torch.uint8).zero_(),
+                "exp_avg_scale": self._scales(p), "exp_avg_sq_scale": self._scales(p)}
+
+    def from_fp32(self, p: Tensor, m: Tensor, v: Tensor) -> State:
+        st = self.create(p)
+        for key, val in (("exp_avg", m), ("exp_avg_sq", v)):
+            ck, sk = self._CODE[key]
+            x = _local(laid(p, val, torch.float32))  # laid out like p: its memory order is the kernel's
+            codes, scales = moment8_encode(flat_view(x), key)
+            flat_view(_local(st[ck])).copy_(codes)
+            st[sk] = scales
+        return st
+
+    def copy_saved(self, p: Tensor, src: State) -> State | None:
+        if self.keys[0] not in src:
+            return None
+        check_moment8(p, src, "the checkpoint's")
+        codes = src["exp_avg_code"]
+        want = like(p, torch.int8)
+        if (distributed.is_dtensor(p) or distributed.is_dtensor(codes) or codes.shape != p.shape
+                or codes.stride() != want.stride()):
+            return None  # grouped in another memory order, or to be sharded: through fp32
+        dev = p.device
+        return {"exp_avg_code": want.copy_(codes), "exp_avg_sq_code": like(p, torch.uint8).copy_(src["exp_avg_sq_code"]),
+                "exp_avg_scale": src["exp_avg_scale"].to(dev, torch.bfloat16).reshape(-1).clone(),
+                "exp_avg_sq_scale": src["exp_avg_sq_scale"].to(dev, torch.bfloat16).reshape(-1).clone()}
+
+    def kernel_tensors(self, st: State) -> KernelMoments:
+        return KernelMoments(st["exp_avg_code"], st["exp_avg_sq_code"], st["exp_avg_scale"], st["exp_avg_sq_scale"])
+
+    def to_fp32(self, st: State, key: str) -> Tensor:
+        ck, sk = self._CODE[key]
+        codes = st[ck]
+        out = torch.empty_like(codes, dtype=torch.float32, memory_format=torch.preserve_format)
+        flat_view(_local(out)).copy_(moment8_decode(flat_view(_local(codes)), _local(st[sk]).reshape(-1), key))
+        return out
+
+    def export(self, p: Tensor, st: State) -> State:
+        """DTensor params (FSDP2, tensor parallel): the scales belong to the local shard's buffer and
+        cannot be resharded, so the moments are saved dequantized as fp32 DTensors ``exp_avg`` /
+        ``exp_avg_sq`` (quantized again when loaded, to the nearest code of the new shard's groups)."""
+        if not distributed.is_dtensor(p) or not self.has_state(st):
+            return st
+        out = {k: v for k, v in st.items() if k not in self.keys}
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[key] = self.to_fp32(st, key)
+        return out
+
+    def relay(self, p: Tensor, st: State) -> bool:
+        """Follow a param that moved to another device or memory layout (the groups are runs of its
+        buffer: another layout regroups, through fp32). True if anything changed."""
+        if not self.has_state(st) or distributed.is_dtensor(p):
+            return False
+        want = like(p, torch.int8)
+        codes = st["exp_avg_code"]
+        if want.stride() != codes.stride():
+            st.update(self.from_fp32(p, self.to_fp32(st, "exp_avg"), self.to_fp32(st, "exp_avg_sq")))
+            return True
+        if codes.device != p.device:
+            for key in self.keys:
+                st[key] = st[key].to(p.device)
+            return True
+        return False
+
+
+def check_moment8(p: Tensor, st: State, whose: str) -> None:
+    """ValueError unless ``st``'s 8-bit moments fit ``p`` (codes of its numel, one scale per group)."""
+    n = p.numel()
+    groups = moment8_groups(n if not distributed.is_dtensor(st.get("exp_avg_code")) else _local(p).numel())
+    for key, want, dtype in (("exp_avg_code", n, torch.int8), ("exp_avg_sq_code", n, torch.uint8),
+                             ("exp_avg_scale", groups, torch.bfloat16), ("exp_avg_sq_scale", groups, torch.bfloat16)):
+        t = st.get(key)
+        if not isinstance(t, Tensor) or t.numel() != want or t.dtype != dtype:
+            got = "missing" if not isinstance(t, Tensor) else f"{t.numel()} elements of {t.dtype}"
+            raise ValueError(f"FusedAdamWMP.load_state_dict: {whose} {key} is {got}; a param of shape "
+                             f"{tuple(p.shape)} needs {want} elements of {dtype} (8-bit moments: one code per "
+                             f"element, one bf16 scale per {MOMENT8_GROUP})")
+
+
+def moment8_encode(values: Tensor, key: str) -> tuple[Tensor, Tensor]:
+    """(codes, scales) of the 1-D fp32 ``values`` (a buffer in memory order), to the nearest code."""
+    return reference.moment8_encode(values, key)
+
+
+def moment8_decode(codes: Tensor, scales: Tensor, key: str) -> Tensor:
+    """The fp32 values of 1-D ``codes`` (memory order) and their group scales (the codes' dtype says
+    which moment: int8 ``exp_avg``, uint8 ``exp_avg_sq``)."""
+    return reference.moment8_decode(codes, scales)
