@@ -1,17 +1,12 @@
-"""Shared benchmark helpers -- re-exported from :mod:`mpkern.bench` (one implementation, importable
-by the installed package, used by ``mpkern bench`` and by the scripts in this folder)."""
+"""Shared benchmark helpers for the scripts in this folder -- one implementation, importable from the
+installed package: the measurement helpers of :mod:`mpkern.measure` (shared with ``mpkern compare``)
+and the command line of :mod:`mpkern.bench` (what ``mpkern bench`` runs)."""
 
 from __future__ import annotations
 
 import os
 
-from mpkern.bench import (  # noqa: F401
-    machine_info,
-    measure_bandwidth,
-    script_main,
-    sync,
-    tensor_sizes,
-    time_fn,
-)
+from mpkern.bench import script_main, tensor_sizes  # noqa: F401
+from mpkern.measure import machine_info, measure_bandwidth, sync, time_fn  # noqa: F401
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")

@@ -124,7 +124,7 @@ def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
 # ---- bench --------------------------------------------------------------------------------------
 def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from . import bench
+    from . import bench, measure
 
     device = _resolve_device(args.device, parser)
     log = (lambda s: print(s, file=sys.stderr, flush=True))
@@ -139,7 +139,7 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
           + f"; optimizer-side sizes: {m['params'] / 1e6:g}M params in {m['tensors']} tensors\n")
     print(bench.format_table(res["rows"]))
     if args.json:
-        bench.write_json(res, args.json)
+        measure.write_json(res, args.json)
         print(f"\nwrote {args.json}")
     if args.plot and bench.plot(res, args.plot):
         print(f"wrote {args.plot}")

@@ -140,7 +140,7 @@ def test_state_nbytes_counts_inner_tensors_of_subclasses_once():
 
 
 def test_torchao_rows_say_not_installed(monkeypatch):
-    monkeypatch.setattr(bench, "torchao_optim", lambda: (None, "", "not installed (pip install torchao)"))
+    monkeypatch.setattr(bench.torchao_peers, "torchao_optim", lambda: (None, "", "not installed (pip install torchao)"))
     rows = bench.bench_torchao("cpu", params=8192, tensors=1, reps=1, log=lambda s: None)
     assert len(rows) == len(bench.TORCHAO_CASES)
     assert all(r["ms"] is None and "not installed" in r["method"] for r in rows)

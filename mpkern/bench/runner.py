@@ -1,0 +1,146 @@
+"""Running the benchmarks: :func:`run` (what ``mpkern bench`` and ``benchmarks/bench_*.py`` call),
+the AdamW options both command lines share, and the scripts' own command line."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..measure import machine_info, measure_bandwidth, write_json
+from .adamw import bench_adamw
+from .common import FULL, KERNELS, QUICK
+from .host import bench_host_time
+from .matmul import bench_matmul, check_matmul_interpreter
+from .modes import adamw_modes, bench_adamw_modes
+from .report import format_table, plot
+from .torchao_peers import bench_torchao, torchao_optim
+from .unscale import bench_unscale
+
+
+def run(which: str = "all", *, device: str | torch.device | None = None, quick: bool = False,
+        params: int | None = None, tensors: int | None = None, reps: int | None = None,
+        modes: str = "default", torchao: bool = True, torchao_params: int | None = None,
+        host: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run benchmark ``which`` (``unscale``, ``adamw``, ``matmul`` or ``all``); return ``{"meta", "rows"}``.
+
+    Sizes (``params``/``tensors``/``reps`` override those of the optimizer-side benchmarks): full
+    32M params in 200 tensors, 15 repetitions (``FULL``); ``quick`` 16M params in 100 tensors, 7
+    repetitions (``QUICK``; the AdamW benchmark runs 5 fewer, at least 3, in both). The bandwidth
+    probe is 256 MiB in both. matmul: on CPU one shape, 1024x512x1024 (quick, at most 5
+    repetitions) or 2048x1024x2048 (at most 10); on CUDA the 4096^3 square (quick; also 8192^3 in
+    full) and the LLM-layer forward, input-gradient and weight-gradient GEMMs with 4096 tokens
+    (quick) or 16384.
+
+    ``adamw`` also runs, on the same sizes and against the same AMP-recipe baseline:
+    :func:`bench_adamw_modes` for ``modes`` (see :func:`adamw_modes`: ``"default"``, ``"all"``,
+    ``"none"`` or a ``master:moments`` list); with ``torchao`` :func:`bench_torchao` on
+    ``torchao_params`` (default: the same count; "not installed" rows without torchao); with
+    ``host`` :func:`bench_host_time` (1000 bf16 tensors of 256 elements, clip on, fastest of 30).
+    """
+    if which not in KERNELS + ("all",):
+        raise ValueError(f"which must be one of {KERNELS + ('all',)}, got {which!r}")
+    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: CUDA was asked for but torch.cuda.is_available() is False")
+    size = dict(QUICK if quick else FULL)
+    for k, v in (("params", params), ("tensors", tensors), ("reps", reps)):
+        if v is not None:
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{k} must be a positive integer, got {v!r}")
+            size[k] = v
+    if torchao_params is not None and (not isinstance(torchao_params, int) or torchao_params < 1):
+        raise ValueError(f"torchao_params must be a positive integer, got {torchao_params!r}")
+    kernels = KERNELS if which == "all" else (which,)
+    meta = machine_info(dev) | {"which": which, "quick": quick, **size}
+    if "adamw" in kernels:
+        _mod, version, why = torchao_optim() if torchao else (None, "", "not run")
+        mode_list = adamw_modes(modes)  # a bad mode fails here, before the long runs
+        meta.update(adamw_modes=[[mw, sd] for mw, sd in mode_list], torchao=version or why)
+    bw = None
+    if "unscale" in kernels or "adamw" in kernels:
+        log(f"measuring memory bandwidth on {dev} ...")
+        bw = measure_bandwidth(dev)
+        meta["bandwidth"] = bw
+        log(f"  in-place fp32 multiply {bw['inplace_GBps']:.1f} GB/s, copy {bw['copy_GBps']:.1f} GB/s")
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    if "unscale" in kernels:
+        rows += bench_unscale(dev, params=size["params"], tensors=size["tensors"], reps=size["reps"], bandwidth=bw,
+                              log=log)
+    if "adamw" in kernels:
+        areps = max(size["reps"] - 5, 3)
+        base = bench_adamw(dev, params=size["params"], tensors=size["tensors"], reps=areps, bandwidth=bw, log=log)
+        rows += base
+        baseline_s = base[1]["ms"] / 1e3  # (a), the AMP recipe on fp32 params
+        rows += bench_adamw_modes(dev, params=size["params"], tensors=size["tensors"], reps=areps, modes=mode_list,
+                                  bandwidth=bw, baseline_s=baseline_s, log=log)
+        if torchao:
+            rows += bench_torchao(dev, params=min(torchao_params or size["params"], size["params"]),
+                                  tensors=size["tensors"], reps=areps, baseline_s=baseline_s,
+                                  baseline_params=size["params"], log=log)
+        if host:
+            rows += bench_host_time(dev, log=log)
+    if "matmul" in kernels:
+        rows += bench_matmul(dev, quick=quick, log=log)
+    meta["seconds"] = time.perf_counter() - t0
+    return {"meta": meta, "rows": rows}
+
+
+def add_adamw_arguments(ap: Any) -> None:
+    """The AdamW benchmark's own options on an ``argparse`` parser (``benchmarks/bench_adamw.py``;
+    ``mpkern bench`` can take the same); :func:`adamw_run_kwargs` turns them into :func:`run`'s."""
+    ap.add_argument("--modes", default="default", metavar="default|all|none|MASTER:MOMENTS,...",
+                    help="FusedAdamWMP storage modes on bf16 params: 'default' (fp32+fp32, remainder+bf16, "
+                         "8bit+bf16, and 8bit+8bit, remainder+8bit where 8-bit moments exist), 'all' (every "
+                         "master_weights x state_dtype), 'none', or a list such as remainder:bf16,8bit:8bit")
+    ap.add_argument("--torchao-params", type=float, default=None, metavar="N",
+                    help="cap the params of the torchao rows (torchao compiles per tensor and is slow on CPU)")
+    ap.add_argument("--no-torchao", action="store_true", help="skip the torchao rows")
+    ap.add_argument("--no-host-time", action="store_true",
+                    help="skip the host-time rows (1000 bf16 tensors of 256, us per tensor)")
+
+
+def adamw_run_kwargs(args: Any) -> dict[str, Any]:
+    """:func:`run`'s AdamW keywords from options added by :func:`add_adamw_arguments` (absent: defaults)."""
+    tp = getattr(args, "torchao_params", None)
+    return {"modes": getattr(args, "modes", "default"), "torchao": not getattr(args, "no_torchao", False),
+            "torchao_params": None if tp is None else int(tp), "host": not getattr(args, "no_host_time", False)}
+
+
+def script_main(kernel: str, argv: list[str] | None = None, *, out_dir: str | None = None,
+                doc: str | None = None) -> int:
+    """The command line of ``benchmarks/bench_<kernel>.py``: same code as ``mpkern bench <kernel>``,
+    results also written to ``out_dir/<kernel>_<device>.json`` / ``.md`` (and ``.png``)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="small sizes (as mpkern bench --quick)")
+    ap.add_argument("--params", type=float, default=None, help=f"total parameters (default {FULL['params']:.0e})")
+    ap.add_argument("--tensors", type=int, default=None, help=f"number of tensors (default {FULL['tensors']})")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (median reported)")
+    ap.add_argument("--no-plot", action="store_true")
+    if kernel in ("adamw", "all"):
+        add_adamw_arguments(ap)
+    args = ap.parse_args(argv)
+    res = run(kernel, device=args.device, quick=args.quick, params=None if args.params is None else int(args.params),
+              tensors=args.tensors, reps=args.reps, **adamw_run_kwargs(args))
+    md = format_table(res["rows"])
+    print(f"\n{res['meta']['device']}, {res['meta']['threads']} threads\n\n{md}")
+    ok = True
+    if kernel == "matmul" and torch.device(args.device).type == "cpu" and not args.quick:
+        checks = check_matmul_interpreter()
+        res["interpreter_check"] = checks
+        ok = all(c["ok"] for c in checks)
+    if out_dir:
+        tag = f"{kernel}_{torch.device(args.device).type}"
+        write_json(res, os.path.join(out_dir, f"{tag}.json"))
+        with open(os.path.join(out_dir, f"{tag}.md"), "w") as f:
+            f.write(f"{res['meta']}\n\n{md}\n")
+        if not args.no_plot:
+            plot(res, os.path.join(out_dir, f"{tag}.png"))
+    return 0 if ok else 1
