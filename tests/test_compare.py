@@ -315,7 +315,7 @@ def test_choose_linear_takes_the_measured_faster(faster):
 def test_auto_linear_follows_the_measurement(monkeypatch):
     """The 16-bit-param runs use what choose_linear picked, and the table says which ran."""
     for pick in ("mpkern", "torch"):
-        monkeypatch.setattr(compare, "choose_linear", lambda shapes, dt, dev, pick=pick: {
+        monkeypatch.setattr(compare.probe, "choose_linear", lambda shapes, dt, dev, pick=pick: {
             "chosen": pick, "dtype": compare._DTYPE_NAME[dt], "why": "test", "ms": {}})
         res = _run("bf16-naive,mpkern-bf16")
         assert set(res["linear_choice"]) == {"bfloat16"}
@@ -352,8 +352,8 @@ def test_explicit_steps_turn_the_budget_off_and_the_budget_runs_the_probe(monkey
         seen.append(c.precisions)
         return dict.fromkeys(c.precisions, 1e-4)
 
-    monkeypatch.setattr(compare, "probe_step_seconds", probe)
-    monkeypatch.setattr(compare, "fit_budget", partial(compare.fit_budget, probe=probe))
+    monkeypatch.setattr(compare.budget, "probe_step_seconds", probe)
+    monkeypatch.setattr(compare.budget, "fit_budget", partial(compare.fit_budget, probe=probe))
     res = _run("fp32,mpkern-bf16", time_budget=30.0, min_steps=3)
     assert seen == [("fp32", "mpkern-bf16")] and res["budget"]["time_budget_s"] == 30.0
     assert res["config"]["steps"] == TINY["steps"]  # the configured steps fit easily

@@ -1,0 +1,59 @@
+"""``mpkern compare``: train the same small model several ways and report them side by side.
+
+The classic mixed-precision exercise -- train a text classifier in FP32 and in mixed precision,
+compare tokens/s, memory and validation accuracy -- as one function (:func:`run`) and one command.
+Every run gets the same initial weights, the same data in the same order and the same
+hyperparameters; only the precision recipe differs:
+
+==============  ===================================================================================
+``fp32``        fp32 params, ``torch.optim.AdamW`` (fused where PyTorch has it), ``clip_grad_norm_``
+``bf16``        PyTorch's recipe: fp32 params, ``torch.autocast(bfloat16)``, AdamW, ``clip_grad_norm_``
+``fp16``        ``torch.autocast(float16)`` + ``GradScaler`` (``unscale_`` + ``clip_grad_norm_``)
+``bf16-naive``  bf16 params, plain AdamW, no master weights (its small updates round away)
+``mpkern-bf16`` bf16 params, :class:`mpkern.FusedAdamWMP` (fp32 masters) with ``max_grad_norm`` fused
+``mpkern-fp16`` fp16 params (:func:`mpkern.nn.convert`), FusedAdamWMP + ``GradScaler`` +
+                ``mpkern.unscale_(opt, scaler=scaler, max_norm=...)``
+==============  ===================================================================================
+
+The task (generated in code from ``seed``; no download): each sequence is noise tokens with one
+*red* class token, one *blue* class token and one *query* token ("red?" or "blue?") at three
+random positions; the label is the class of the token whose colour the query names. The model
+(token + position embeddings, pre-LN transformer blocks, mean pooling, linear head) has only
+per-token MLPs before the pooling, so combining the query with the right class token *needs*
+attention; a model that ignores the query is capped at 50 % accuracy, chance is ``1/classes``.
+The validation split is held out (never trained on).
+
+Measurements: tokens/s over the steps after ``warmup`` (the device is synchronised at the timing
+boundaries and when the progress bar shows a loss, every ``log_every`` steps -- never inside a
+step); peak memory (CUDA: ``torch.cuda.max_memory_allocated`` above what was allocated before
+the run; CPU: growth of the process's peak resident set size during the run -- Linux ``VmHWM``,
+reset per run through ``/proc/self/clear_refs`` after ``malloc_trim`` -- plus the bytes of the
+tensors autograd saved for backward in one step, counted exactly); training-state bytes per
+parameter counted from the real tensors (:func:`mpkern.bytemodel.count_state`); final train loss
+(mean of the last ``log_every`` steps); validation accuracy; skipped steps and the loss scale.
+Parts: :mod:`.config` (settings and the runs of each device), :mod:`.task` (task and models),
+:mod:`.probe` (native-compute probe, the Linear choice), :mod:`.recipes` (the table of runs),
+:mod:`.train` (one run), :mod:`.budget` (the time budget and the time box), :mod:`.report` and
+:mod:`.plot` (what is printed and written), :mod:`.batch` (``--find-batch``: batch-size scaling),
+:mod:`.runner` (:func:`run`, the entry point).
+"""
+
+from __future__ import annotations
+
+from ..measure import cpu_flags
+from .budget import fit_budget, probe_step_seconds, steps_that_fit
+from .config import (_DTYPE_NAME, LINEARS, OPTIMIZER_STATES, PRECISIONS, SCHEMA, Config, default_config,
+                     default_precisions)
+from .memory import _CpuPeak, _OthersCpu
+from .plot import plot_results
+from .probe import CPU_FLAGS, GPU_MIN_CAPABILITY, NATIVE_MIN_SPEED, choose_linear, compute_support, linear_shapes
+from .report import _header, format_details, format_table, lessons, write_outputs
+from .runner import run
+from .task import Block, Classifier, HFClassifier, Task, make_task
+from .train import train_one
+
+__all__ = ["run", "Config", "PRECISIONS", "OPTIMIZER_STATES", "LINEARS", "SCHEMA", "default_config",
+           "default_precisions", "make_task", "Task", "Classifier", "Block", "HFClassifier", "compute_support",
+           "choose_linear", "linear_shapes", "probe_step_seconds", "steps_that_fit", "fit_budget", "train_one",
+           "lessons", "format_table", "format_details", "write_outputs", "plot_results", "cpu_flags", "CPU_FLAGS",
+           "GPU_MIN_CAPABILITY", "NATIVE_MIN_SPEED"]

@@ -1,0 +1,130 @@
+"""The settings of a comparison: the runs, their defaults per device, and their checks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-naive", "mpkern-bf16", "mpkern-fp16")
+OPTIMIZER_STATES = ("fp32", "remainder", "bf16-moments", "remainder-bf16", "8bit", "remainder-8bit", "8bit-8bit")
+LINEARS = ("auto", "mpkern", "torch")
+SCHEMA = "mpkern.compare/1"
+
+_DTYPE_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _state_name(state_dtype: Any) -> str:
+    """A ``state_dtype`` as FusedAdamWMP keeps it in its groups ("float32", "bfloat16", "8bit")."""
+    return _DTYPE_NAME[state_dtype] if isinstance(state_dtype, torch.dtype) else str(state_dtype)
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+# ---- configuration ------------------------------------------------------------------------------
+@dataclass
+class Config:
+    """Every setting of a comparison (all of it goes into ``results.json``)."""
+
+    precisions: tuple[str, ...] = ()
+    device: str = "cpu"
+    steps: int = 1000
+    lr: float = 1e-4
+    batch_size: int = 32
+    seq_len: int = 16
+    d_model: int = 128
+    layers: int = 2
+    heads: int = 4
+    classes: int = 32
+    noise_vocab: int = 64
+    val_size: int = 2048
+    warmup: int = 20
+    log_every: int = 20
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.01
+    seed: int = 0
+    optimizer_state: str = "fp32"
+    linear: str = "auto"
+    threads: int = 0
+    hf_model: str | None = None
+    time_budget: float | None = None
+    min_steps: int = 800
+    skipped_precisions: dict[str, str] = field(default_factory=dict)
+
+
+def default_config(device: str | torch.device = "cpu") -> Config:
+    """The built-in default for ``device``: a small model on CPU, up to 1000 steps sized by a measured
+    probe to fit 110 s of training for all runs (under 150 s in all on a 2-core CPU, with or without
+    native bf16: see :func:`fit_budget`); a GPT-2-small-sized one (768 wide, 12 layers) on CUDA.
+
+    lr 1e-4 is where the lesson shows: Adam moves each weight by about lr per step, less than half
+    a bf16 ulp of most weights (|w| > 2^8 * lr = 0.026), so bf16-naive's updates round away while
+    the runs with fp32 masters learn. At 3e-4 bf16-naive learns as well."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return Config(device=str(dev), steps=300, batch_size=16, seq_len=256, d_model=768, layers=12, heads=12,
+                      classes=32, noise_vocab=4096, warmup=30, log_every=25)
+    return Config(device=str(dev), time_budget=110.0)
+
+
+def default_precisions(device: str | torch.device) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The runs the device supports by default, and the reasons for those left out."""
+    from .. import bf16_supported
+
+    dev = torch.device(device)
+    skipped: dict[str, str] = {}
+    chosen = []
+    for p in PRECISIONS:
+        if "bf16" in p and not bf16_supported(dev):
+            skipped[p] = _no_bf16_message(dev)
+        elif p == "fp16" and dev.type == "cpu":
+            skipped[p] = ("PyTorch's CPU fp16 GEMM is not accelerated on most CPUs (autocast fp16 measured ~20x "
+                          "slower than fp32 on the 2-core dev machine); ask for it with --precision fp16")
+        else:
+            chosen.append(p)
+    return tuple(chosen), skipped
+
+
+def _no_bf16_message(dev: torch.device) -> str:
+    cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" and torch.cuda.is_available() else None
+    return (f"bfloat16 needs compute capability >= 8.0 (Ampere or newer); {dev} has {cap}. "
+            "Use the fp16 runs instead (--precision fp32,fp16,mpkern-fp16)")
+
+
+def _check(cfg: Config) -> None:
+    """Raise ValueError naming the setting that is out of range."""
+    for name in ("steps", "batch_size", "seq_len", "d_model", "layers", "heads", "classes", "noise_vocab",
+                 "val_size", "log_every"):
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if cfg.classes < 2:
+        raise ValueError(f"classes must be >= 2, got {cfg.classes}")
+    if cfg.seq_len < 3:
+        raise ValueError(f"seq_len must be >= 3 (query, red and blue tokens), got {cfg.seq_len}")
+    if cfg.d_model % cfg.heads:
+        raise ValueError(f"d_model ({cfg.d_model}) must be divisible by heads ({cfg.heads})")
+    if not (isinstance(cfg.lr, (int, float)) and math.isfinite(cfg.lr) and cfg.lr > 0):
+        raise ValueError(f"lr must be a positive finite number, got {cfg.lr!r}")
+    if not (cfg.max_grad_norm > 0 and math.isfinite(cfg.max_grad_norm)):
+        raise ValueError(f"max_grad_norm must be positive and finite, got {cfg.max_grad_norm!r}")
+    if not isinstance(cfg.warmup, int) or cfg.warmup < 0:
+        raise ValueError(f"warmup must be a non-negative integer, got {cfg.warmup!r}")
+    if cfg.optimizer_state not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATES}, got {cfg.optimizer_state!r}")
+    if cfg.linear not in LINEARS:
+        raise ValueError(f"linear must be one of {LINEARS}, got {cfg.linear!r}")
+    if cfg.time_budget is not None and not (isinstance(cfg.time_budget, (int, float)) and cfg.time_budget > 0):
+        raise ValueError(f"time_budget must be a positive number of seconds or None, got {cfg.time_budget!r}")
+    if not isinstance(cfg.min_steps, int) or cfg.min_steps < 1:
+        raise ValueError(f"min_steps must be a positive integer, got {cfg.min_steps!r}")
+    if not cfg.precisions:
+        raise ValueError("precisions is empty: nothing to run")
+    bad = [p for p in cfg.precisions if p not in PRECISIONS]
+    if bad:
+        raise ValueError(f"precisions: unknown {bad}; choose from {list(PRECISIONS)}")
+    if len(set(cfg.precisions)) != len(cfg.precisions):
+        raise ValueError(f"precisions lists a run twice: {list(cfg.precisions)}")

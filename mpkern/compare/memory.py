@@ -1,0 +1,104 @@
+"""Memory and machine-load meters of one run: CPU peak RSS, live tensor bytes, saved activations,
+other processes' CPU time."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Tensor = torch.Tensor
+
+
+
+# ---- memory -------------------------------------------------------------------------------------
+class _CpuPeak:
+    """Peak RSS growth of this process over a region (Linux: VmHWM reset via /proc/self/clear_refs)."""
+
+    def __init__(self) -> None:
+        self.ok = False
+        self.base = 0
+        try:
+            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except OSError:
+            self._trim = None
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+        raise OSError(key)
+
+    def start(self) -> None:
+        import gc
+
+        gc.collect()
+        if self._trim is not None:
+            self._trim(0)
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.base = self._status("VmRSS")
+            self.ok = True
+        except OSError:
+            self.ok = False
+
+    def peak(self) -> int | None:
+        if not self.ok:
+            return None
+        try:
+            return max(self._status("VmHWM") - self.base, 0)
+        except OSError:
+            return None
+
+
+def _saved_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """Run ``fn`` and count the bytes of the distinct tensors autograd saves for backward."""
+    seen: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        if t.numel():
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+OTHERS_WARN = 0.25
+
+
+class _OthersCpu:
+    """CPU time other processes used over a region: all busy time in ``/proc/stat`` minus this
+    process's own (``/proc/self/stat``), in cores on average. None where /proc is not there."""
+
+    def __init__(self) -> None:
+        self.start = self._now()
+
+    @staticmethod
+    def _now() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                cpu = [int(v) for v in f.readline().split()[1:]]
+            with open("/proc/self/stat") as f:
+                mine = f.read().rsplit(")", 1)[1].split()
+            tick = os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
+        busy = sum(cpu) - cpu[3] - (cpu[4] if len(cpu) > 4 else 0)  # all but idle and iowait
+        return time.perf_counter(), busy / tick, (int(mine[11]) + int(mine[12])) / tick  # utime + stime
+
+    def cores(self) -> float | None:
+        end = self._now()
+        if self.start is None or end is None or end[0] <= self.start[0]:
+            return None
+        others = (end[1] - self.start[1]) - (end[2] - self.start[2])
+        return max(0.0, others / (end[0] - self.start[0]))
+#: Compute capability from which a CUDA GPU has tensor cores for the dtype.

@@ -1,0 +1,184 @@
+"""The report: lessons in words, the markdown table and details, and the files written."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import torch
+
+from .memory import OTHERS_WARN
+from .plot import plot_results
+
+
+
+def lessons(results: dict[str, Any]) -> list[str]:
+    """What this report shows, in words, from its own numbers: the master-weight lesson and the
+    speed/memory lesson worded for whether this device computes 16-bit natively."""
+    runs = {r["name"]: r for r in results["runs"]}
+    out = []
+    naive, ok = runs.get("bf16-naive"), [r for n, r in runs.items() if n != "bf16-naive" and r["val_acc"] is not None]
+    lr = results["config"]["lr"]
+    if naive is not None and naive["val_acc"] is not None and ok:
+        best = max(r["val_acc"] for r in ok)
+        chance = results["task"]["chance_acc"]
+        masters = [n for n in runs if n.startswith("mpkern")] or [r["name"] for r in ok]
+        acc = ", ".join(f"{n} {100 * runs[n]['val_acc']:.1f} %" for n in masters if runs[n]["val_acc"] is not None)
+        if best < max(0.3, 3 * chance):
+            out.append(f"Master weights: too few steps to show the lesson -- no run has learned the task yet (best "
+                       f"{100 * best:.1f} %, chance {100 * chance:.1f} %); at lr {lr:g} the default model needs "
+                       "~800 steps (the default takes up to 1000).")
+        elif naive["val_acc"] < 0.5 * best:
+            out.append(f"Master weights: bf16-naive (bf16 params, no fp32 master) reached "
+                       f"{100 * naive['val_acc']:.1f} % (chance {100 * chance:.1f} %): at lr {lr:g} Adam's ~lr-sized "
+                       f"updates are below half a bf16 ulp of most weights and round away; with fp32 masters: {acc}.")
+        else:
+            out.append(f"Master weights: at lr {lr:g} bf16-naive reached {100 * naive['val_acc']:.1f} %, close to the "
+                       f"runs with masters ({acc}): its updates are large enough not to round away at this lr "
+                       "(at the default 1e-4 they do).")
+    nat = results.get("native_compute") or {}
+    dev = results["device"]
+    fp32 = runs.get("fp32")
+    sixteen = [r for r in results["runs"] if r["name"] != "fp32" and r.get("speedup_vs_fp32")]
+    speeds = ", ".join(f"{r['name']} {r['speedup_vs_fp32']:.2f}x" for r in sixteen)
+    if fp32 is not None and sixteen:
+        speeds = f" Measured here, tokens/s vs fp32: {speeds}."
+    else:
+        speeds = ""
+    bf, fh = nat.get("bfloat16", {}), nat.get("float16", {})
+    has_fp16 = any("fp16" in n for n in runs)
+    if dev["type"] == "cpu":
+        if bf.get("native"):
+            out.append(f"Speed: this CPU computes bf16 natively ({bf['why']}): its bf16 GEMMs are faster than fp32 "
+                       "ones, so a bf16 run gains where GEMMs dominate its step and can lose where casts and "
+                       f"elementwise ops weigh as much.{speeds}"
+                       + (" fp16 is not native on this CPU (" + fh.get("why", "?") + "): the fp16 runs show "
+                          "the GradScaler recipe, not fp16 speed." if has_fp16 and not fh.get("native") else ""))
+        else:
+            out.append(f"Speed: this CPU does not compute bf16 natively ({bf.get('why', 'not measured')}). The bf16 "
+                       "runs pay for that emulation in every bf16 op (in the GEMMs too, except where the GEMM column "
+                       f"says mpkern: its fp32 GEMM of the upcast operands).{speeds} What mixed precision buys on "
+                       "this machine is memory -- state bytes/param and the activations saved for backward (peak mem "
+                       "also counts the temporaries of the GEMM path); speed needs native 16-bit compute: a CPU with "
+                       "AVX512-BF16 or AMX, or a GPU (bf16 from compute capability 8.0).")
+    else:
+        out.append(f"Speed: {dev.get('name', 'this GPU')}: bf16 {'native' if bf.get('native') else 'not native'} "
+                   f"({bf.get('why', '?')}); fp16 {'native' if fh.get('native') else 'not native'}.{speeds}")
+    others = dev.get("other_processes_cores")
+    if others is not None and others >= OTHERS_WARN:
+        out.append(f"Timing caveat: other processes used {others:.2f} of the {dev.get('cores')} cores on average while "
+                   "the runs trained: they compete for the cores, and torch's worker threads wait for each other "
+                   f"when one is descheduled ({dev.get('threads')} threads here) -- tokens/s can drop several-fold "
+                   "(measured on a 2-core VM with one other busy process: 10x). Re-run on a quiet machine, or compare "
+                   "with --threads 1.")
+    return out
+
+
+_MEMORY_NOTE = {
+    False: ("CPU peak memory = growth of the process's peak resident set size during the run (Linux VmHWM, "
+            "reset per run via /proc/self/clear_refs after malloc_trim; includes allocator and oneDNN "
+            "scratch, and the model/optimizer/activations). activation_bytes_saved_for_backward counts the "
+            "distinct tensors autograd saved in one step (exact, allocator-independent)."),
+    True: "CUDA peak memory = torch.cuda.max_memory_allocated during the run minus what was allocated before it.",
+}
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, torch.dtype):
+        return str(v)
+    return v
+
+
+# ---- report -------------------------------------------------------------------------------------
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / 2**20:.1f} MiB"
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """The per-run table (markdown) of a :func:`run` report."""
+    cols = ["run", "params", "compute", "GEMM", "tokens/s", "vs fp32", "peak mem", "act. saved", "state B/param",
+            "final loss", "val acc", "skipped", "status"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in results["runs"]:
+        cells = [
+            r["name"], r["param_dtype"], r["compute"], r.get("gemm", "?"),
+            f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a",
+            f"{r['speedup_vs_fp32']:.2f}x" if r["speedup_vs_fp32"] else "n/a",
+            _fmt_bytes(r["peak_mem_bytes"]), _fmt_bytes(r["activation_bytes_saved_for_backward"]),
+            f"{r['state_bytes_per_param']['total']:.1f}",
+            f"{r['final_loss']:.3f}" if math.isfinite(r["final_loss"]) else "nan",
+            f"{100 * r['val_acc']:.1f} %" if r["val_acc"] is not None else "n/a",
+            str(r["skipped_steps"]),
+            "ok" if r["status"] == "ok" else f"diverged at step {r['diverged_at_step']}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_details(results: dict[str, Any]) -> str:
+    """What exactly ran in each run (optimizer, clipping, linear layers), the loss-scale history,
+    and the memory plan of the trained model -- the markdown below the table."""
+    out = [f"* {line}" for line in results.get("lessons", [])]
+    out += ["", "| run | optimizer | clipping | linear layers |", "|---|---|---|---|"]
+    for r in results["runs"]:
+        out.append(f"| {r['name']} | {r['optimizer']} | {r['clip']} | {r['linear']} |")
+    for r in results["runs"]:
+        if r["loss_scale_history"]:
+            hist = ", ".join(f"{s:g}@{i}" for i, s in r["loss_scale_history"][:12])
+            more = " ..." if len(r["loss_scale_history"]) > 12 else ""
+            out.append(f"\n{r['name']} loss scale (value@step): {hist}{more}")
+    out.append("")
+    out.append(results["memory_note"])
+    if results.get("plan"):
+        from ..plan import format_plan
+
+        n = results["runs"][0]["params"]
+        out.append(f"\nMemory plan for this model ({n:,} params; bytes/param measured from optimizer state tensors):\n")
+        out.append(format_plan(results["plan"]))
+    return "\n".join(out)
+
+
+def _header(results: dict[str, Any]) -> str:
+    c, d, t = results["config"], results["device"], results["task"]
+    nat = results.get("native_compute") or {}
+    native = "; ".join(f"{k} {'yes' if nat[k]['native'] else 'NO'} ({nat[k]['why']})"
+                       for k in ("bfloat16", "float16") if k in nat) or "not measured"
+    b = results.get("budget") or {}
+    budget = f"; time budget {b['time_budget_s']:g} s: {b['why']}" if b.get("time_budget_s") else ""
+    if c.get("hf_model"):
+        model = f"transformers {results['model']['class']} from {c['hf_model']}"
+    else:
+        model = f"d_model {c['d_model']}, {c['layers']} layers, {c['heads']} heads"
+    return (f"mpkern compare -- {d['name']} ({d['type']}), torch {results['versions']['torch']}, "
+            f"{results['timestamp']}\n"
+            f"model: {model} ({results['model']['params']:,} params), seq {c['seq_len']}, "
+            f"batch {c['batch_size']}, {c['steps']} steps (first {c['warmup']} untimed), lr {c['lr']:g}, "
+            f"clip {c['max_grad_norm']:g}, seed {c['seed']}{budget}\n"
+            f"native 16-bit compute: {native}\n"
+            f"task: {t['name']}, {t['classes']} classes (chance {100 * t['chance_acc']:.1f} %, ignoring the "
+            f"query caps at 50 %), {t['val_sequences']} held-out validation sequences; "
+            f"total wall time {results['wall_s']:.0f} s")
+
+
+def write_outputs(results: dict[str, Any], out: str, *, plot: bool = True) -> dict[str, str]:
+    """Write ``results.json``, ``results.md`` and (with matplotlib) ``compare.png`` into ``out``."""
+    os.makedirs(out, exist_ok=True)
+    paths = {"json": os.path.join(out, "results.json"), "md": os.path.join(out, "results.md")}
+    with open(paths["json"], "w") as f:
+        json.dump(results, f, indent=1, allow_nan=True)
+    with open(paths["md"], "w") as f:
+        f.write(_header(results).replace("\n", "  \n") + "\n\n" + format_table(results) + "\n\n"
+                + format_details(results) + "\n")
+    if plot:
+        png = os.path.join(out, "compare.png")
+        if plot_results(results, png):
+            paths["png"] = png
+    return paths
