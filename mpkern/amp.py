@@ -15,10 +15,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _backend, _ops, distributed
+from . import _backend, _handoff, _ops, distributed
+from ._grads import FLOATS as _FLOAT_DTYPES
+from ._grads import grad_of, raise_bad_grad
+from ._grads import is_flat as _flat
+from ._grads import main_grad_of as _main_grad_of
+from ._grads import to_device as _to_device
 
 Tensor = torch.Tensor
-_FLOAT_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
 
 
 class _UnscaleFields(NamedTuple):
@@ -48,37 +52,26 @@ class UnscaleResult(_UnscaleFields):
 
 
 def _grad_of(p: Tensor) -> Tensor | None:
-    """The gradient mpkern uses for ``p``: ``p.main_grad`` (fp32) if present, else ``p.grad``; when
-    both are present (a tied weight: an ``fp32_main_grad`` linear layer and, say, an embedding
-    share it) they are summed into ``main_grad`` (see :func:`_main_grad_of`). The hot loops of
-    ``_collect`` here and in ``FusedAdamWMP`` inline the lookup and call :func:`_main_grad_of`."""
-    g = getattr(p, "main_grad", None)
-    return p.grad if g is None else _main_grad_of(p, g)
+    """The gradient mpkern uses for ``p`` (see :func:`mpkern._grads.grad_of`)."""
+    return grad_of(p)[0]
 
 
-def _main_grad_of(p: Tensor, main_grad: Tensor) -> Tensor:
-    """``main_grad`` -- with ``p.grad`` added into it first when ``p`` has both.
-
-    A weight shared by an ``fp32_main_grad`` layer (which accumulates into ``main_grad``) and
-    another use (an embedding, a plain ``F.linear``) gets the other part of its gradient in
-    ``.grad``; the gradient is the sum. It is folded in place (``main_grad += grad``, then
-    ``p.grad = None``; zeroed instead inside a CUDA graph capture), so every consumer --
-    ``FusedAdamWMP``, :func:`unscale_`, :func:`clip_grad_norm_` -- sees the same, whole gradient
-    and a second consumer does not add it twice.
-    """
-    g16 = p.grad
-    if g16 is None:
-        return main_grad
-    if g16.shape != main_grad.shape or g16.layout != torch.strided:
-        raise ValueError(f"a parameter of shape {tuple(p.shape)} has both .main_grad {tuple(main_grad.shape)} and "
-                         f".grad {tuple(g16.shape)} ({g16.layout}); they cannot be summed")
-    with torch.no_grad():
-        main_grad.add_(g16)
-        if _ops.capturing():
-            g16.zero_()
-        else:
-            p.grad = None
-    return main_grad
+def _items(params_or_optimizer: Any) -> tuple[torch.optim.Optimizer | None, Iterable[Any]]:
+    """(optimizer or None, the items to walk): an optimizer's params (a param listed twice is
+    processed once: scaled once, counted once), or the given tensors / (name, tensor) pairs."""
+    if isinstance(params_or_optimizer, torch.optim.Optimizer):
+        seen: set[int] = set()
+        return params_or_optimizer, [p for group in params_or_optimizer.param_groups for p in group["params"]
+                                     if not (id(p) in seen or seen.add(id(p)))]
+    if isinstance(params_or_optimizer, torch.nn.Module):
+        raise TypeError("unscale_: got a torch.nn.Module; pass model.parameters() (or model.named_parameters(), "
+                        "or the optimizer)")
+    if isinstance(params_or_optimizer, Tensor):
+        return None, [params_or_optimizer]
+    if isinstance(params_or_optimizer, Iterable):
+        return None, params_or_optimizer
+    raise TypeError("unscale_: params_or_optimizer must be an iterable of tensors or a torch.optim.Optimizer, "
+                    f"got {type(params_or_optimizer).__name__}")
 
 
 def _collect(
@@ -86,21 +79,7 @@ def _collect(
 ) -> tuple[torch.optim.Optimizer | None, list[Tensor], list[Tensor], list[str] | None, int]:
     """(optimizer or None, params with a grad, their grads, their names if given as
     ``named_parameters()`` pairs, number of items seen), validated; raises before any work."""
-    optimizer = params_or_optimizer if isinstance(params_or_optimizer, torch.optim.Optimizer) else None
-    if optimizer is not None:  # a param listed twice is processed once (scaled once, counted once)
-        seen: set[int] = set()
-        items: Iterable[Any] = [p for group in optimizer.param_groups for p in group["params"]
-                                if not (id(p) in seen or seen.add(id(p)))]
-    elif isinstance(params_or_optimizer, torch.nn.Module):
-        raise TypeError("unscale_: got a torch.nn.Module; pass model.parameters() (or model.named_parameters(), "
-                        "or the optimizer)")
-    elif isinstance(params_or_optimizer, Tensor):
-        items = [params_or_optimizer]
-    elif isinstance(params_or_optimizer, Iterable):
-        items = params_or_optimizer
-    else:
-        raise TypeError("unscale_: params_or_optimizer must be an iterable of tensors or a torch.optim.Optimizer, "
-                        f"got {type(params_or_optimizer).__name__}")
+    optimizer, items = _items(params_or_optimizer)
     params: list[Tensor] = []
     grads: list[Tensor] = []
     names: list[str] | None = None
@@ -119,7 +98,7 @@ def _collect(
                                 f"got {type(p).__name__}")
         elif names is not None:
             raise TypeError("unscale_: mix of tensors and (name, tensor) pairs")
-        g = getattr(p, "main_grad", None)
+        g = getattr(p, "main_grad", None)  # _grads.grad_of, inlined: this loop runs per param
         if g is None:
             g = p.grad
             if g is None:
@@ -128,22 +107,12 @@ def _collect(
             g = _main_grad_of(p, g)
         # one combined test per grad (the hot path); the precise message only on failure
         if not (isinstance(g, Tensor) and g.layout == strided and g.dtype in floats):
-            _raise_bad_grad(i, g)
+            raise_bad_grad("unscale_", f"parameter {i}", g)
         params.append(p)
         grads.append(g)
         if names is not None:
             names.append(name)
     return optimizer, params, grads, names, i + 1
-
-
-def _raise_bad_grad(i: int, g: Any) -> None:
-    if not isinstance(g, Tensor):
-        raise TypeError(f"unscale_: gradient of parameter {i} must be a tensor, got {type(g).__name__}")
-    if g.layout != torch.strided:
-        raise ValueError(f"unscale_: gradient of parameter {i} is {g.layout}; only dense (strided) gradients "
-                         "are supported (sparse gradients are not)")
-    raise TypeError(f"unscale_: gradient of parameter {i} has dtype {g.dtype}; expected float32, float16 "
-                    "or bfloat16")
 
 
 def _check_norm_type(norm_type: Any) -> bool:
@@ -169,8 +138,6 @@ def _check_max_norm(max_norm: Any) -> float | None:
 
 def _inv_scale_tensor(inv_scale: Any, scaler: Any) -> Tensor | float:
     if scaler is not None:
-        if not isinstance(scaler, torch.amp.GradScaler):
-            raise TypeError(f"unscale_: scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         if not (isinstance(inv_scale, (int, float)) and inv_scale == 1.0):
             raise ValueError("unscale_: pass either inv_scale or scaler, not both (the scaler's scale is used)")
         if not scaler.is_enabled():
@@ -189,32 +156,122 @@ def _inv_scale_tensor(inv_scale: Any, scaler: Any) -> Tensor | float:
         raise ValueError(f"unscale_: inv_scale must be a positive finite float, got {inv_scale!r}")
     if inv_scale > 1.0:
         warnings.warn(f"unscale_: inv_scale={inv_scale!r} is > 1, so the gradients are scaled *up*; inv_scale is "
-                      "1 / loss_scale (or pass scaler=)", UserWarning, stacklevel=3)
+                      "1 / loss_scale (or pass scaler=)", UserWarning, stacklevel=4)
     return float(inv_scale)
 
 
-def _to_device(t: Tensor, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
-    """``t`` on ``device``, asynchronous only where that is safe (:func:`mpkern._ops.non_blocking_to`:
-    never into CPU memory)."""
-    return t.to(device=device, dtype=dtype, non_blocking=_ops.non_blocking_to(device))
+class _Request(NamedTuple):
+    """A validated :func:`unscale_` call (stage 1's result)."""
+
+    optimizer: torch.optim.Optimizer | None
+    params: list[Tensor]
+    grads: list[Tensor]
+    names: list[str] | None
+    inv: Tensor | float
+    scaler: torch.amp.GradScaler | None  # None when absent or disabled
+    defer: bool  # the optimizer applies the factor in its step
+    fuses: bool
+    inf_norm: bool
+    max_norm: float | None
+    reduce_plan: Any
+    out_device: torch.device
 
 
-def _flat(g: Tensor) -> bool:
-    """True if ``g`` covers one dense block of memory (contiguous up to a permutation of dims)."""
-    if g.is_contiguous():
-        return True
-    expected = 1
-    for d in sorted(range(g.dim()), key=g.stride):
-        if g.size(d) != 1 and g.stride(d) != expected:
-            return False
-        expected *= g.size(d)
-    return True
+def _validate(params_or_optimizer: Any, inv_scale: Any, max_norm: Any, norm_type: Any, scaler: Any, apply: Any,
+              process_group: Any, collected: tuple[list[Tensor], list[Tensor]] | None) -> _Request:
+    """Stage 1: check the arguments and collect the grads; raises before any grad is touched."""
+    inf_norm = _check_norm_type(norm_type)
+    max_norm_f = _check_max_norm(max_norm)
+    if not isinstance(apply, bool):
+        raise TypeError(f"unscale_: apply must be a bool, got {type(apply).__name__}")
+    if collected is not None:  # FusedAdamWMP.step: its own validated (params, grads), no second walk
+        optimizer, (params, grads), names, n_items = params_or_optimizer, collected, None, len(collected[0])
+    else:
+        optimizer, params, grads, names, n_items = _collect(params_or_optimizer)
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"unscale_: scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    if scaler is not None and optimizer is None:
+        raise ValueError("unscale_: scaler= needs the optimizer as first argument (its inf check is recorded "
+                         "per optimizer)")
+    fuses = _handoff.fuses_unscale(optimizer)
+    defer = fuses and not apply
+    enabled = scaler if scaler is not None and scaler.is_enabled() else None
+    if enabled is not None and not defer and any(g.dtype == torch.float16 for g in grads):
+        # GradScaler's own guard: unscaled fp16 grads lose their small values (keep fp32 params and
+        # autocast, or let FusedAdamWMP apply the factor in fp32 inside its step)
+        raise ValueError("Attempting to unscale FP16 gradients.")
+    inv = _inv_scale_tensor(inv_scale, scaler)
+    if process_group is None and optimizer is not None:
+        process_group = _handoff.process_group(optimizer)
+    reduce_plan = distributed.plan(grads, process_group, params)
+    if reduce_plan is not None:
+        grads = [distributed.local(g) for g in grads]  # the kernels work on local shards
+    if not grads and reduce_plan is None:
+        what = ("an empty iterable (an exhausted generator?)" if n_items == 0
+                else f"{n_items} parameters, none with a grad")
+        warnings.warn(f"unscale_: no gradient was processed ({what}); found_inf and total_norm are 0",
+                      UserWarning, stacklevel=3)
+    if enabled is not None:
+        _handoff.check_unscale_stage(enabled, optimizer)
+    out_device = (enabled._scale.device if enabled is not None else grads[0].device if grads
+                  else inv.device if isinstance(inv, Tensor) else torch.device("cpu"))
+    return _Request(optimizer, params, grads, names, inv, enabled, defer, fuses, inf_norm, max_norm_f, reduce_plan,
+                    out_device)
+
+
+class _DeviceStats(NamedTuple):
+    """Stage 2's result: per-tensor statistics in the caller's order, and how the grads split by device."""
+
+    sumsq: Tensor
+    amax: Tensor
+    by_dev: dict[torch.device, list[int]]
+    flat: list[bool]
+    backend: dict[torch.device, str]
+
+
+def _device_stats(grads: list[Tensor], inv: Tensor | float, out_device: torch.device) -> _DeviceStats:
+    """Stage 2: one statistics pass per device (in order within each), gathered on ``out_device``.
+    The backend is chosen (and a forced one checked) for every device before any work."""
+    by_dev: dict[torch.device, list[int]] = {}
+    flat: list[bool] = []
+    for i, g in enumerate(grads):
+        by_dev.setdefault(g.device, []).append(i)
+        flat.append(g.is_contiguous() or _flat(g))
+    backend = {dev: _backend.select(dev) for dev in by_dev}
+    one_block = all(flat) and len(by_dev) == 1
+    sums, maxs, order = [], [], []
+    for dev, idx in by_dev.items():
+        gs = grads if one_block else [grads[i] if flat[i] else grads[i].contiguous() for i in idx]
+        s, m = _ops.grad_stats(gs, _ops.scalar_on(inv, dev), backend[dev])
+        sums.append(s if dev == out_device else _to_device(s, out_device))
+        maxs.append(m if dev == out_device else _to_device(m, out_device))
+        order.extend(idx)
+    if not sums:
+        empty = torch.zeros(0, dtype=torch.float32, device=out_device)
+        return _DeviceStats(empty, empty.clone(), by_dev, flat, backend)
+    sumsq = torch.cat(sums) if len(sums) > 1 else sums[0]
+    amax = torch.cat(maxs) if len(maxs) > 1 else maxs[0]
+    if len(by_dev) > 1:  # back to the caller's order
+        perm = torch.empty(len(order), dtype=torch.int64)
+        perm[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order))
+        perm = _to_device(perm, out_device)
+        sumsq, amax = sumsq[perm], amax[perm]
+    return _DeviceStats(sumsq, amax, by_dev, flat, backend)
+
+
+class _Finished(NamedTuple):
+    nonfinite: Tensor
+    tensor_norm: Tensor
+    total_norm: Tensor
+    found_inf: Tensor
+    clip_coef: Tensor
+    factor: Tensor
 
 
 def _finish_stats(sumsq: Tensor, amax: Tensor, inv_out: Tensor, inf_norm: bool, max_norm_f: float | None,
-                  out_device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """From the per-tensor statistics: (nonfinite flags, per-tensor norms, total norm, found_inf,
-    clip coefficient, factor ``inv * coef``) -- a few tiny device ops, no sync."""
+                  out_device: torch.device) -> _Finished:
+    """Stage 3 (after the global reduction): nonfinite flags, per-tensor norms, total norm,
+    found_inf, clip coefficient, factor ``inv * coef`` -- a few tiny device ops, no sync."""
     nonfinite = (~torch.isfinite(amax)).to(torch.float32)
     if inf_norm:
         tensor_norm = amax * inv_out
@@ -229,13 +286,31 @@ def _finish_stats(sumsq: Tensor, amax: Tensor, inv_out: Tensor, inf_norm: bool, 
     else:
         clip_coef = torch.clamp(max_norm_f / (total_norm + 1e-6), max=1.0)
         clip_coef = torch.where(found_inf > 0, one, clip_coef)
-    factor = inv_out * clip_coef
-    return nonfinite, tensor_norm, total_norm, found_inf, clip_coef, factor
+    return _Finished(nonfinite, tensor_norm, total_norm, found_inf, clip_coef, inv_out * clip_coef)
 
 
-def _unscale_cached(optimizer: torch.optim.Optimizer, inv: Tensor | float, max_norm: float | None, device: torch.device,
-                    stats: Any) -> None:
-    """:func:`unscale_` of ``FusedAdamWMP.step``'s fast path: the same result as
+def _apply_or_defer(req: _Request, st: _DeviceStats, fin: _Finished, inv_out: Tensor) -> None:
+    """Stage 4: leave the factor to a fusing optimizer's step, or multiply the grads now."""
+    if req.fuses:  # apply=True: the grads are final now; the step still needs the skip decision
+        _handoff.leave_unscale(req.optimizer, fin.factor, fin.found_inf, fin.total_norm, inv=inv_out,
+                               coef=fin.clip_coef, applied=not req.defer, inf_norm=req.inf_norm)
+    if req.defer:
+        return
+    grads, out_device = req.grads, req.out_device
+    for dev, idx in st.by_dev.items():
+        f = fin.factor if dev == out_device else _to_device(fin.factor, dev)
+        if all(st.flat) and len(st.by_dev) == 1:
+            _ops.scale_(grads, f, st.backend[dev])
+            continue
+        _ops.scale_([grads[i] for i in idx if st.flat[i]], f, st.backend[dev])
+        for i in idx:  # rare: grads that are not one dense block (e.g. strided views)
+            if not st.flat[i]:
+                grads[i].mul_(f)
+
+
+def unscale_cached(optimizer: torch.optim.Optimizer, inv: Tensor | float, max_norm: float | None,
+                   device: torch.device, stats: Any) -> None:
+    """:func:`unscale_` for ``FusedAdamWMP.step``'s cached path: the same result as
     ``unscale_(optimizer, inv, max_norm=max_norm)`` (deferred, L2 norm) for grads that the step's
     cache has already checked and gathered -- plain dense tensors on one ``device``, no process
     group, no DTensor -- with the statistics pass ``stats(inv_scale)`` run on them in the cache's
@@ -243,8 +318,9 @@ def _unscale_cached(optimizer: torch.optim.Optimizer, inv: Tensor | float, max_n
     max_norm_f = _check_max_norm(max_norm)
     sumsq, amax = stats(_ops.scalar_on(inv, device))
     inv_out = _ops.scalar_on(inv, device)
-    _n, _t, total_norm, found_inf, clip_coef, factor = _finish_stats(sumsq, amax, inv_out, False, max_norm_f, device)
-    optimizer._mpkern_set_pending_unscale(factor, found_inf, total_norm, inv=inv_out, coef=clip_coef, inf_norm=False)
+    fin = _finish_stats(sumsq, amax, inv_out, False, max_norm_f, device)
+    _handoff.leave_unscale(optimizer, fin.factor, fin.found_inf, fin.total_norm, inv=inv_out, coef=fin.clip_coef,
+                           applied=False, inf_norm=False)
 
 
 def unscale_(
@@ -274,8 +350,9 @@ def unscale_(
         scaler: a ``torch.amp.GradScaler`` (then the first argument must be its optimizer). Its
             scale is used, and the inf check is recorded in it, so ``scaler.step(opt)`` skips the
             step on overflow and ``scaler.update()`` backs off the scale -- exactly like
-            ``scaler.unscale_(opt); clip_grad_norm_(params, max_norm)``. Like GradScaler, fp16
-            gradients are refused here ("Attempting to unscale FP16 gradients") unless the
+            ``scaler.unscale_(opt); clip_grad_norm_(params, max_norm)``. With ``FusedAdamWMP`` the
+            scaler is also attached to the optimizer (see :mod:`mpkern._handoff`). Like GradScaler,
+            fp16 gradients are refused here ("Attempting to unscale FP16 gradients") unless the
             optimizer is an mpkern one that applies the factor in fp32 inside its step.
         apply: with a ``FusedAdamWMP`` first argument, write the unscaled, clipped grads now
             instead of deferring the multiply into the step (for code that inspects or edits the
@@ -293,127 +370,32 @@ def unscale_(
     ``apply=False``: then the grads are only read, **they stay scaled until the step**, and the
     factor is applied in fp32 registers in the next ``step()``.
 
+    Stages: validate and collect (:func:`_validate`), per-device statistics
+    (:func:`_device_stats`), global reduction (:func:`mpkern.distributed.reduce_stats`), norm and
+    coefficient (:func:`_finish_stats`), apply or defer (:func:`_apply_or_defer`), record in the
+    scaler (:func:`mpkern._handoff.record_found_inf`).
+
     Returns:
         :class:`UnscaleResult` of device tensors (no host synchronisation happens).
 
     Raises:
         ValueError / TypeError for bad arguments, before any gradient is touched.
     """
-    inf_norm = _check_norm_type(norm_type)
-    max_norm_f = _check_max_norm(max_norm)
-    if not isinstance(apply, bool):
-        raise TypeError(f"unscale_: apply must be a bool, got {type(apply).__name__}")
-    if _collected is not None:  # FusedAdamWMP.step: its own validated (params, grads), no second walk
-        optimizer, (params, grads), names = params_or_optimizer, _collected, None
-        n_items = len(params)
-    else:
-        optimizer, params, grads, names, n_items = _collect(params_or_optimizer)
-    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-        raise TypeError(f"unscale_: scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-    if scaler is not None and optimizer is None:
-        raise ValueError("unscale_: scaler= needs the optimizer as first argument (its inf check is recorded "
-                         "per optimizer)")
-    fuses = optimizer is not None and getattr(optimizer, "_mpkern_fuses_unscale", False)
-    defer = fuses and not apply
-    if scaler is not None and scaler.is_enabled() and not defer and any(g.dtype == torch.float16 for g in grads):
-        # GradScaler's own guard: unscaled fp16 grads lose their small values (keep fp32 params and
-        # autocast, or let FusedAdamWMP apply the factor in fp32 inside its step)
-        raise ValueError("Attempting to unscale FP16 gradients.")
-    inv = _inv_scale_tensor(inv_scale, scaler)
-    if process_group is None and optimizer is not None:
-        process_group = getattr(optimizer, "_mpkern_process_group", None)
-    reduce_plan = distributed.plan(grads, process_group, params)
-    if reduce_plan is not None:
-        grads = [distributed.local(g) for g in grads]  # the kernels work on local shards
-    if not grads and reduce_plan is None:
-        what = ("an empty iterable (an exhausted generator?)" if n_items == 0
-                else f"{n_items} parameters, none with a grad")
-        warnings.warn(f"unscale_: no gradient was processed ({what}); found_inf and total_norm are 0",
-                      UserWarning, stacklevel=2)
-    if scaler is not None and scaler.is_enabled():
-        from torch.amp.grad_scaler import OptState
-
-        state = scaler._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        if state["stage"] is OptState.STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")
-
-    if scaler is not None and scaler.is_enabled():
-        out_device = scaler._scale.device
-    elif grads:
-        out_device = grads[0].device
-    elif isinstance(inv, Tensor):
-        out_device = inv.device
-    else:
-        out_device = torch.device("cpu")
-    # Group by device (keeping order inside each group); one statistics pass per device. The
-    # backend is chosen (and a forced one checked) for every device before any work.
-    by_dev: dict[torch.device, list[int]] = {}
-    flat: list[bool] = []
-    for i, g in enumerate(grads):
-        by_dev.setdefault(g.device, []).append(i)
-        flat.append(g.is_contiguous() or _flat(g))
-    backend = {dev: _backend.select(dev) for dev in by_dev}
-    all_flat = all(flat)
-    sums, maxs, order = [], [], []
-    for dev, idx in by_dev.items():
-        if all_flat and len(by_dev) == 1:
-            gs = grads
-        else:
-            gs = [grads[i] if flat[i] else grads[i].contiguous() for i in idx]
-        s, m = _ops.grad_stats(gs, _ops.scalar_on(inv, dev), backend[dev])
-        sums.append(s if dev == out_device else _to_device(s, out_device))
-        maxs.append(m if dev == out_device else _to_device(m, out_device))
-        order.extend(idx)
-    inv_out = _ops.scalar_on(inv, out_device)
-    if sums:
-        sumsq = torch.cat(sums) if len(sums) > 1 else sums[0]
-        amax = torch.cat(maxs) if len(maxs) > 1 else maxs[0]
-        if len(by_dev) > 1:  # back to the caller's order
-            perm = torch.empty(len(order), dtype=torch.int64)
-            perm[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order))
-            perm = _to_device(perm, out_device)
-            sumsq, amax = sumsq[perm], amax[perm]
-    else:
-        sumsq = torch.zeros(0, dtype=torch.float32, device=out_device)
-        amax = torch.zeros(0, dtype=torch.float32, device=out_device)
-    if reduce_plan is not None:  # one all-reduce: global statistics on every rank
-        sumsq, amax = distributed.reduce_stats(sumsq, amax, inf_norm, reduce_plan, per_tensor)
-
-    nonfinite, tensor_norm, total_norm, found_inf, clip_coef, factor = _finish_stats(
-        sumsq, amax, inv_out, inf_norm, max_norm_f, out_device)
-
-    if defer:
-        optimizer._mpkern_set_pending_unscale(factor, found_inf, total_norm, inv=inv_out, coef=clip_coef,
-                                              inf_norm=inf_norm)
-    else:
-        if fuses:
-            # apply=True: the grads are final now; the step still needs the skip decision
-            optimizer._mpkern_set_pending_unscale(factor, found_inf, total_norm, inv=inv_out, coef=clip_coef,
-                                                  applied=True, inf_norm=inf_norm)
-        for dev, idx in by_dev.items():
-            f = factor if dev == out_device else _to_device(factor, dev)
-            if all_flat and len(by_dev) == 1:
-                _ops.scale_(grads, f, backend[dev])
-                continue
-            _ops.scale_([grads[i] for i in idx if flat[i]], f, backend[dev])
-            for i in idx:  # rare: grads that are not one dense block (e.g. strided views)
-                if not flat[i]:
-                    grads[i].mul_(f)
-
-    if scaler is not None and scaler.is_enabled():
-        from torch.amp.grad_scaler import OptState
-
-        state = scaler._per_optimizer_states[id(optimizer)]
-        # a copy: GradScaler sums other optimizers' flags into these tensors in place
-        state["found_inf_per_device"] = {out_device: found_inf.clone()}
-        state["stage"] = OptState.UNSCALED
-
-    res = UnscaleResult(found_inf, total_norm.to(torch.float32), clip_coef,
-                        tensor_norm if per_tensor else None, nonfinite if per_tensor else None)
-    res.params = tuple(params)
-    res.names = tuple(names) if names is not None else None
+    req = _validate(params_or_optimizer, inv_scale, max_norm, norm_type, scaler, apply, process_group, _collected)
+    st = _device_stats(req.grads, req.inv, req.out_device)
+    sumsq, amax = st.sumsq, st.amax
+    if req.reduce_plan is not None:  # one all-reduce: global statistics on every rank
+        sumsq, amax = distributed.reduce_stats(sumsq, amax, req.inf_norm, req.reduce_plan, per_tensor)
+    inv_out = _ops.scalar_on(req.inv, req.out_device)
+    fin = _finish_stats(sumsq, amax, inv_out, req.inf_norm, req.max_norm, req.out_device)
+    _apply_or_defer(req, st, fin, inv_out)
+    if req.scaler is not None:
+        _handoff.record_found_inf(req.scaler, req.optimizer, fin.found_inf, unscaled=True)
+        _handoff.attach_scaler(req.optimizer, req.scaler)
+    res = UnscaleResult(fin.found_inf, fin.total_norm.to(torch.float32), fin.clip_coef,
+                        fin.tensor_norm if per_tensor else None, fin.nonfinite if per_tensor else None)
+    res.params = tuple(req.params)
+    res.names = tuple(req.names) if req.names is not None else None
     return res
 
 

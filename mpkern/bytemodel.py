@@ -14,6 +14,8 @@ Two kinds of numbers, used by ``mpkern bench``, ``mpkern plan`` and ``mpkern com
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -151,6 +153,53 @@ def _probe_model(dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     return m.to(dtype)
 
 
+#: the mpkern rows of :data:`RECIPES`: recipe name -> (master_weights, state_dtype)
+_MPKERN_RECIPES: dict[str, tuple[object, object]] = {
+    "mpkern master_weights=True": (True, torch.float32),
+    "mpkern master_weights='remainder'": ("remainder", torch.float32),
+    "mpkern bf16 moments": (True, torch.bfloat16),
+    "mpkern remainder + bf16 moments": ("remainder", torch.bfloat16),
+    "mpkern 8-bit master + bf16 moments": ("8bit", torch.bfloat16),
+    "mpkern remainder + 8-bit moments": ("remainder", "8bit"),
+    "mpkern 8-bit master + 8-bit moments": ("8bit", "8bit"),
+}
+
+
+def _extra_recipes() -> dict[str, tuple[object, str]]:
+    """One row per registered moment kind that no row of :data:`RECIPES` uses (fp32 masters)."""
+    used = {_storage.moment_name(sd) for _mw, sd in _MPKERN_RECIPES.values()}
+    return {f"mpkern {_storage.label(True, name)}": (True, name) for name in _storage.MOMENT_KINDS if name not in used}
+
+
+@contextlib.contextmanager
+def _backend_with_kernel(kind: _storage.MomentKind):
+    """The probe step on the CPU: on the ``torch`` backend when the selected one has no kernel
+    variant for ``kind`` (a kind that runs through its fp32 encode/decode only)."""
+    from . import _backend
+
+    if _backend.select("cpu") in kind.kernel_backends:
+        yield
+        return
+    old = os.environ.get("MPKERN_BACKEND")
+    os.environ["MPKERN_BACKEND"] = "torch"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["MPKERN_BACKEND"]
+        else:
+            os.environ["MPKERN_BACKEND"] = old
+
+
+def recipes() -> dict[str, str]:
+    """:data:`RECIPES` and a row for every other registered moment kind (name -> description)."""
+    out = dict(RECIPES)
+    for name, (mw, sd) in _extra_recipes().items():
+        out[name] = (f"bf16 params/grads, FusedAdamWMP: {_storage.label(mw, sd)} "
+                     f"({_storage.bytes_per_param(mw, sd):g} B/param of state)")
+    return out
+
+
 def build_recipe(name: str, seed: int = 0) -> tuple[list[Tensor], torch.optim.Optimizer, list[Tensor]]:
     """Build recipe ``name`` on a small model and take one optimizer step.
 
@@ -159,8 +208,9 @@ def build_recipe(name: str, seed: int = 0) -> tuple[list[Tensor], torch.optim.Op
     """
     from .optim import FusedAdamWMP
 
-    if name not in RECIPES:
-        raise ValueError(f"recipe must be one of {list(RECIPES)}, got {name!r}")
+    modes = {**_MPKERN_RECIPES, **_extra_recipes()}
+    if name not in RECIPES and name not in modes:
+        raise ValueError(f"recipe must be one of {list(recipes())}, got {name!r}")
     fp32 = name.startswith(("fp32", "AMP"))
     model = _probe_model(torch.float32 if fp32 else torch.bfloat16, seed)
     params = list(model.parameters())
@@ -175,18 +225,20 @@ def build_recipe(name: str, seed: int = 0) -> tuple[list[Tensor], torch.optim.Op
             m.grad = p.grad.float()
         opt = torch.optim.AdamW(masters, lr=1e-3)
     else:
-        mw = "remainder" if "remainder" in name else "8bit" if "8-bit master" in name else True
-        sdt = torch.bfloat16 if "bf16 moments" in name else "8bit" if "8-bit moments" in name else torch.float32
+        mw, sdt = modes[name]
         opt = FusedAdamWMP(params, lr=1e-3, master_weights=mw, state_dtype=sdt)
+        with _backend_with_kernel(_storage.moment_kind(sdt)):
+            opt.step()
+        return params, opt, masters
     opt.step()
     return params, opt, masters
 
 
 def measure_recipes() -> dict[str, dict[str, float]]:
-    """Bytes per parameter (weights, grads, masters, moments, total) of every recipe in :data:`RECIPES`,
+    """Bytes per parameter (weights, grads, masters, moments, total) of every recipe in :func:`recipes`,
     counted from the tensors of a small model after one step."""
     out = {}
-    for name in RECIPES:
+    for name in recipes():
         params, opt, masters = build_recipe(name)
         out[name] = count_state(params, opt, masters=masters).per_param()
     return out

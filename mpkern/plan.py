@@ -55,9 +55,18 @@ def hf_config_count(path: str) -> tuple[int, str]:
         config = AutoConfig.from_pretrained(path)
     else:
         config = AutoConfig.from_pretrained(cfg_path)
-    with torch.device("meta"):
-        model = _hf_model_builder(transformers, config)(config)
+    model = hf_meta_model(config)
     return sum(p.numel() for p in model.parameters()), type(model).__name__
+
+
+def hf_meta_model(config: Any) -> Any:
+    """The model a user trains from a ``transformers`` config (see :func:`hf_config_count`), built on
+    the meta device: shapes and dtypes, no memory (``mpkern plan --memory-budget`` runs a step on it)."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        return _hf_model_builder(transformers, config)(config)
 
 
 def _hf_model_builder(transformers: Any, config: Any) -> Any:
@@ -92,8 +101,9 @@ def plan_table(params: float, *, world_size: int = 1, gpu_mem: float | None = No
         raise ValueError(f"gpu_mem must be a positive number of GB, got {gpu_mem!r}")
     measured = measured if measured is not None else bytemodel.measure_recipes()
     rows = []
+    notes = bytemodel.recipes()
     for name, bpp in measured.items():
-        row: dict[str, Any] = {"recipe": name, "note": bytemodel.RECIPES.get(name, "")}
+        row: dict[str, Any] = {"recipe": name, "note": notes.get(name, "")}
         row.update({f"{k}_B": v for k, v in bpp.items() if k != "total"})
         row["total_B"] = bpp["total"]
         row["world_size"] = world_size

@@ -216,6 +216,7 @@ def _scaled_setup(max_grad_norm=None, dtype=torch.float16):
 @pytest.mark.parametrize("max_grad_norm", [None, 1.0])
 def test_scaler_step_sees_main_grad_overflow(backend, max_grad_norm):
     lin, opt, scaler = _scaled_setup(max_grad_norm)
+    opt.attach_grad_scaler(scaler)  # the protocol that lets the step record a main_grad overflow (issue 19)
     for p in lin.parameters():  # warm-up step: state exists
         p.grad = torch.randn_like(p)
     scaler.step(opt)

@@ -1,12 +1,30 @@
-"""Saved per-param state -> ``FusedAdamWMP`` state: ours in any storage kind, or ``torch.optim.AdamW``'s."""
+"""Checkpoints of ``FusedAdamWMP``: load (ours in any storage kind, or ``torch.optim.AdamW``'s),
+export (``state_dict``, ``adamw_state_dict``, ``master_params``) and pickling.
+
+The storage kinds say how each of their states converts (:mod:`.storage`); this module is the
+plumbing around them: the ``Optimizer.load_state_dict`` sequence, group keys, warnings.
+"""
 
 from __future__ import annotations
 
+import copy
+import itertools
+import uuid
+import warnings
+import weakref
+from collections import defaultdict
+from itertools import chain
 from typing import Any
 
 import torch
 
-from . import storage
+from . import storage, writes
+
+Tensor = torch.Tensor
+# mpkern's own param-group keys; the storage-layout ones are the constructor's choice even when a
+# checkpoint says otherwise (the state is converted, with a warning)
+OWN_KEYS = ("max_grad_norm", "master_weights", "state_dtype", "stochastic_rounding", "seed")
+LAYOUT_KEYS = ("master_weights", "state_dtype")
 
 Tensor = torch.Tensor
 
@@ -64,4 +82,233 @@ def state_from_checkpoint(p: Tensor, src: Any, group: dict[str, Any], kind: stor
     return st
 
 
-__all__ = ["state_from_checkpoint"]
+def _merge_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]], state: dict[Any, Any]
+                  ) -> tuple[list[dict[str, Any]], list[str]]:
+    """The saved groups with this optimizer's params, mpkern's keys filled in (a plain AdamW checkpoint
+    has none) and this optimizer's storage layout; and what was converted (for the warning)."""
+    if len(groups) != len(saved_groups):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+        raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
+                         "optimizer's group")
+    converted = []
+    for gi, (g, ng) in enumerate(zip(groups, saved_groups)):
+        note = storage.moment_kind(g["state_dtype"]).adamw_conversion
+        if "state_dtype" not in ng and note and any("exp_avg" in state.get(k, {}) for k in ng["params"]):
+            converted.append(f"group {gi}: torch.optim.AdamW moments -> state_dtype={g['state_dtype']!r} ({note})")
+        ng["params"] = g["params"]
+        if "param_names" in g and "param_names" not in ng:
+            ng["param_names"] = g["param_names"]
+        for key in OWN_KEYS:
+            ng.setdefault(key, g[key])
+        if isinstance(ng["state_dtype"], torch.dtype):  # saved by an older mpkern
+            ng["state_dtype"] = storage.MOMENT_DTYPE_NAMES.get(ng["state_dtype"], ng["state_dtype"])
+        for key in LAYOUT_KEYS:
+            if ng[key] != g[key]:
+                converted.append(f"group {gi}: {key}={ng[key]!r} -> {g[key]!r}")
+                ng[key] = g[key]
+    return saved_groups, converted
+
+
+def load(opt: Any, state_dict: dict[str, Any]) -> None:
+    """``FusedAdamWMP.load_state_dict``: the base class's sequence, our conversion.
+
+    Same order as ``torch.optim.Optimizer``: load pre-hooks (their edits count), validation, the
+    saved group ``params`` ids mapped to this optimizer's params, per-param state converted
+    (:func:`state_from_checkpoint`), groups replaced, post-hooks. Differences: moments keep
+    ``state_dtype`` and masters stay fp32 (the base class would cast them to the 16-bit param
+    dtype); an AdamW checkpoint's masters are taken from the params (remainders start at zero). The
+    storage layout (``master_weights``, ``state_dtype``) is this optimizer's: a checkpoint saved
+    with another layout is converted exactly (with a warning).
+    """
+    state_dict = state_dict.copy()
+    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        hook_result = pre_hook(opt, state_dict)
+        if hook_result is not None:
+            state_dict = hook_result
+    groups = opt.param_groups
+    saved_groups = copy.deepcopy(state_dict["param_groups"])
+    id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
+                      chain.from_iterable(g["params"] for g in groups)))
+    new_groups, converted = _merge_groups(groups, saved_groups, state_dict["state"])
+    group_of = {id(p): ng for ng in new_groups for p in ng["params"]}
+    state: defaultdict[Any, dict[Any, Any]] = defaultdict(dict)
+    for k, v in state_dict["state"].items():
+        if k in id_map:
+            p = id_map[k]
+            group = group_of[id(p)]
+            state[p] = state_from_checkpoint(p, v, group, storage.master_kind(group["master_weights"], p.dtype))
+        else:
+            state[k] = v
+    opt.__setstate__({"state": state, "param_groups": new_groups})
+    # a master loaded here is checked against its param at the next step (elementwise, on the
+    # device), whichever of model and optimizer was loaded first
+    opt._versions = {id(p): writes.LOADED for p in state if isinstance(p, Tensor)}
+    if converted:
+        warnings.warn("FusedAdamWMP.load_state_dict: the checkpoint's state layout differs from this optimizer's; "
+                      "converted (" + "; ".join(converted) + ")", UserWarning, stacklevel=3)
+    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
+        post_hook(opt)
+
+
+def export(opt: Any, sd: dict[str, Any]) -> dict[str, Any]:
+    """``Optimizer.state_dict()``'s result ``sd`` with each state as its storage kind saves it
+    (:func:`mpkern.optim.storage.export_state`: new dicts; the optimizer's own state is untouched)."""
+    for group, saved in zip(opt.param_groups, sd["param_groups"]):
+        for p, i in zip(group["params"], saved["params"]):
+            st = sd["state"].get(i)
+            if st is not None:
+                sd["state"][i] = storage.export_state(p, st)
+    return sd
+
+
+@torch.no_grad()
+def adamw_state_dict(opt: Any) -> dict[str, Any]:
+    """``FusedAdamWMP.adamw_state_dict`` (see there): fp32 moments, AdamW's group keys."""
+    sd = opt.state_dict()
+    groups = []
+    for g in sd["param_groups"]:
+        ng = {k: v for k, v in g.items() if k not in OWN_KEYS}
+        for key, val in (("foreach", None), ("differentiable", False), ("fused", None),
+                         ("decoupled_weight_decay", True)):
+            ng.setdefault(key, val)
+        groups.append(ng)
+    state = {}
+    for i, st in sd["state"].items():
+        out = {"step": torch.as_tensor(st["step"], dtype=torch.float32).detach().clone()}
+        for key in ("exp_avg", "exp_avg_sq"):
+            val = storage.moments_fp32(st, key)
+            if val is not None:
+                out[key] = val.detach()
+        if "max_exp_avg_sq" in st:
+            out["max_exp_avg_sq"] = st["max_exp_avg_sq"].detach().to(torch.float32).clone()
+        state[i] = out
+    return {"state": state, "param_groups": groups}
+
+
+def master_params(opt: Any) -> list[Tensor]:
+    """``FusedAdamWMP.master_params`` (see there)."""
+    out = []
+    opt._storage_count = None
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p, {})
+            kind = storage.master_kind(group["master_weights"], p.dtype)
+            rec = opt._versions.get(id(p), -1)
+            if "step" in st and rec is writes.LOADED:
+                # a checkpoint was loaded and the model may still be: read, do not conform (the
+                # step converts from the param as it is then)
+                others = storage.stored_kinds(st, but=kind)
+                if others:
+                    out.append(others[0].to_fp32(p, st))
+                    continue
+            elif "step" in st and rec != writes.stamp(p):
+                opt._conform(kind, p, st)  # written since our last step
+            live = kind.live_fp32(st)
+            if live is not None:
+                out.append(live)  # writing into it changes the master
+            elif kind.has_state(st):
+                out.append(kind.to_fp32(p, st))
+            else:
+                out.append(p.detach() if p.dtype == torch.float32 else p.detach().float())
+    return out
+
+
+@torch.no_grad()
+def copy_masters_to(opt: Any, target: Any) -> None:
+    """``FusedAdamWMP.copy_master_params_to`` (see there)."""
+    dst = list(target.parameters()) if isinstance(target, torch.nn.Module) else list(target)
+    src = opt.master_params()
+    if len(dst) != len(src):
+        raise ValueError(f"copy_master_params_to: target has {len(dst)} tensors, the optimizer has {len(src)} "
+                         "params")
+    for i, (d, s) in enumerate(zip(dst, src)):
+        if not isinstance(d, Tensor) or d.shape != s.shape:
+            raise ValueError(f"copy_master_params_to: target tensor {i} has shape "
+                             f"{tuple(getattr(d, 'shape', ()))}, param {i} has {tuple(s.shape)}")
+    for d, s in zip(dst, src):
+        d.copy_(s)
+
+
+# ---- pickling: process groups do not pickle -----------------------------------------------------
+_PROCESS = uuid.uuid4().hex  # tokens of another process are never found here
+_TOKENS = itertools.count()
+_GROUP_TOKEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> its token
+_GROUPS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # token -> process group
+_STRONG: dict[str, Any] = {}  # groups that take no weak reference (kept: such objects are rare)
+
+
+def group_token(pg: Any) -> str:
+    """A token for ``pg`` valid in this process while ``pg`` lives (never reused for another group)."""
+    try:
+        token = _GROUP_TOKEN.get(pg)
+    except TypeError:  # cannot be weakly referenced
+        token = next((t for t, g in _STRONG.items() if g is pg), None)
+        if token is None:
+            token = f"{_PROCESS}:{next(_TOKENS)}"
+            _STRONG[token] = pg
+        return token
+    if token is None:
+        token = _GROUP_TOKEN[pg] = f"{_PROCESS}:{next(_TOKENS)}"
+        _GROUPS[token] = pg
+    return token
+
+
+def group_of_token(token: Any) -> Any:
+    """The process group of ``token``; RuntimeError when it is gone or from another process."""
+    pg = _GROUPS.get(token, _STRONG.get(token)) if isinstance(token, str) else None
+    if pg is None:
+        raise RuntimeError("FusedAdamWMP: this optimizer was pickled with a process_group, which only exists in "
+                           "the process that created it (and while it lives); build the optimizer anew here")
+    return pg
+
+
+LIVE_KEYS = ("_pending", "last_grad_norm", "last_found_inf")
+
+
+def getstate(opt: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """``Optimizer.__getstate__``'s ``state`` plus what a step left, and a token for the process group."""
+    state.update({k: opt._live.get(k) for k in LIVE_KEYS})
+    pg = opt.__dict__.get("_mpkern_process_group")
+    if pg is not None:  # process groups do not pickle: a token valid in this process
+        state["_mpkern_process_group_token"] = group_token(pg)
+    return state
+
+
+def setstate(opt: Any) -> None:
+    """After ``Optimizer.__setstate__`` (a copy, an unpickle, a load): our own attributes rebuilt,
+    groups saved by older versions given today's keys, every param taken as written by us."""
+    d = opt.__dict__
+    d["_live"] = {k: d.pop(k, None) for k in LIVE_KEYS}
+    for key in ("_mpkern_process_group", "_storage_count"):
+        d.setdefault(key, None)
+    opt._offsets = {}
+    opt._fast = None  # a load or a copy: the next step takes the full path
+    d.setdefault("_fast_misses", 0)
+    token = d.pop("_mpkern_process_group_token", None)
+    if token is not None:
+        opt._mpkern_process_group = group_of_token(token)
+    for key, val in (("max_grad_norm", None), ("master_weights", True), ("state_dtype", "float32"),
+                     ("stochastic_rounding", False), ("seed", 0)):
+        opt.defaults.setdefault(key, val)
+    for group in chain(opt.param_groups, [opt.defaults]):
+        for key, val in (("amsgrad", False), ("maximize", False), ("capturable", False)):
+            group.setdefault(key, val)  # groups saved before a flag existed: AdamW's fallbacks
+        if isinstance(group.get("state_dtype"), torch.dtype):  # saved by an older mpkern
+            group["state_dtype"] = storage.MOMENT_DTYPE_NAMES.get(group["state_dtype"], group["state_dtype"])
+    # params and masters were copied together: they agree now
+    opt._versions = {id(p): writes.stamp(p) for p in opt.state if isinstance(p, Tensor)}
+
+
+__all__ = [
+    "adamw_state_dict",
+    "copy_masters_to",
+    "export",
+    "getstate",
+    "group_of_token",
+    "group_token",
+    "load",
+    "master_params",
+    "setstate",
+    "state_from_checkpoint",
+]

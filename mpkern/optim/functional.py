@@ -1,8 +1,13 @@
-"""The functional AdamW step of ``FusedAdamWMP``: one fused kernel over prepared lists of one device."""
+"""The functional AdamW step of ``FusedAdamWMP``: one fused kernel over named lists of one device.
+
+:class:`KernelLists` is what :mod:`.buckets` prepares for one bucket (one group, one device, one
+master kind); :func:`group_scalars` turns a param group into the kernel's scalar arguments, for the
+full path (:func:`fused_adamw_mp`) and the cached one (:mod:`.step_cache`) alike.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -11,26 +16,62 @@ from .. import _ops
 Tensor = torch.Tensor
 
 
-def fused_adamw_mp(backend: str, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
-                   exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], masters: list[Tensor],
-                   steps: list[Tensor], grad_factor: Tensor, found_inf: Tensor, lr_tensor: Tensor | None,
-                   lr: float, group: dict[str, Any], mode: int, stream_ids: list[int],
-                   elem_offsets: list[int], exp_avg_scales: list[Tensor] | None = None,
-                   exp_avg_sq_scales: list[Tensor] | None = None) -> None:
-    """One fused AdamW kernel on ``backend`` over layout-matched flat lists (one group, one device,
-    one master kind ``mode``): ``grad * grad_factor`` in registers, nothing written when
-    ``found_inf`` is set, the hyperparameters from ``group``. Random bits (bf16 moments, 8-bit
-    master corrections, stochastic param rounding) come from the stream of each param
-    (``stream_ids``: unique per param of the optimizer; ``elem_offsets``: where a shard starts in
-    its whole tensor) at its step: same seed + step = same bits, across resumes and reshards.
-    8-bit moments (int8 / uint8 ``exp_avgs`` / ``exp_avg_sqs``) come with their bf16 group scales
-    (``exp_avg_scales``, ``exp_avg_sq_scales``), updated in the same kernel."""
+class KernelLists(NamedTuple):
+    """The layout-matched flat lists one kernel call takes (``exp_avg_scales`` / ``exp_avg_sq_scales``:
+    None unless the moment kind has scales; ``write_backs``: (moment kind, param, state, fp32
+    moments) of kinds without a kernel variant, encoded back after the reference step)."""
+
+    params: list[Tensor]
+    grads: list[Tensor]
+    exp_avgs: list[Tensor]
+    exp_avg_sqs: list[Tensor]
+    max_exp_avg_sqs: list[Tensor]
+    masters: list[Tensor]
+    steps: list[Tensor]
+    stream_ids: list[int]
+    elem_offsets: list[int]
+    exp_avg_scales: list[Tensor] | None
+    exp_avg_sq_scales: list[Tensor] | None
+    write_backs: list[tuple[Any, Tensor, dict, Any]]
+
+
+class GroupScalars(NamedTuple):
+    """A param group's hyperparameters as the kernels take them."""
+
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    maximize: bool
+    stochastic_rounding: bool
+    seed: int
+
+
+def group_scalars(group: dict[str, Any]) -> GroupScalars:
+    """The kernel's scalar arguments of ``group`` (one conversion for the full and the cached step)."""
     beta1, beta2 = group["betas"]
+    return GroupScalars(float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+                        bool(group["maximize"]), bool(group["stochastic_rounding"]), int(group["seed"]))
+
+
+def fused_adamw_mp(backend: str, lists: KernelLists, grad_factor: Tensor, found_inf: Tensor,
+                   lr_tensor: Tensor | None, lr: float, group: dict[str, Any], mode: int) -> None:
+    """One fused AdamW kernel on ``backend`` over ``lists`` (one group, one device, one master kind
+    ``mode``): ``grad * grad_factor`` in registers, nothing written when ``found_inf`` is set, the
+    hyperparameters from ``group``. Random bits (bf16 moments, 8-bit master corrections, stochastic
+    param rounding) come from the stream of each param (``stream_ids``: unique per param of the
+    optimizer; ``elem_offsets``: where a shard starts in its whole tensor) at its step: same seed +
+    step = same bits, across resumes and reshards. 8-bit moments come with their bf16 group scales,
+    updated in the same kernel. Moments of a kind without a kernel variant were decoded to fp32
+    (``write_backs``) and are encoded back here."""
+    s = group_scalars(group)
+    scales = () if lists.exp_avg_scales is None else (lists.exp_avg_scales, lists.exp_avg_sq_scales)
     _ops.adamw_step_(
-        backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
-        lr_tensor, lr, float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-        bool(group["maximize"]), mode, bool(group["stochastic_rounding"]), int(group["seed"]), stream_ids,
-        elem_offsets, *(() if exp_avg_scales is None else (exp_avg_scales, exp_avg_sq_scales)))
+        backend, lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs, lists.max_exp_avg_sqs, lists.masters,
+        lists.steps, grad_factor, found_inf, lr_tensor, lr, s.beta1, s.beta2, s.eps, s.weight_decay, s.maximize,
+        mode, s.stochastic_rounding, s.seed, lists.stream_ids, lists.elem_offsets, *scales)
+    for kind, p, st, moments in lists.write_backs:
+        kind.write_back(p, st, moments, found_inf)
 
 
-__all__ = ["fused_adamw_mp"]
+__all__ = ["GroupScalars", "KernelLists", "fused_adamw_mp", "group_scalars"]

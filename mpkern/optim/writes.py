@@ -6,6 +6,20 @@ pointer: host-side integers, no sync). A param whose stamp changed was written o
 ``model.to(dtype)``); :func:`conform` then makes its state fit the param as it is now. In-place
 writes through a ``.data`` alias change neither number and are not seen
 (``FusedAdamWMP.resync_masters`` is the explicit way).
+
+In detail, when a param was written or replaced by someone else since the optimizer's last
+write (``model.load_state_dict``, ``fill_``, ``copy_``, re-initialisation,
+``p.data = t``, ``model.to(memory_format=...)``, ``model.to(dtype)``; seen from the param's version
+counter and data pointer, host-side integers, so no sync), its state is made to fit before the
+next update: state re-laid like the param (values kept by index), the master re-seeded
+elementwise (kept where the param still equals the rounded master, else the param's value),
+a master built or dropped when the param's dtype changed (``model.float()`` after steps gives the
+params their fp32 masters back). With ``"remainder"`` the remainder of a written param is reset,
+except for params that share one storage (views of a flat buffer share a version counter, so
+the written one cannot be told apart: remainders are kept, the written param's master is then
+within half a bf16 ulp of the written value). **Not seen**: in-place writes through a ``.data``
+alias (``p.data.fill_(x)``, ``p.data.copy_(ema)``) -- PyTorch gives ``.data`` its own version
+counter; call :meth:`resync_masters` after such writes.
 """
 
 from __future__ import annotations
@@ -16,6 +30,7 @@ from typing import Any
 import torch
 
 from .. import distributed
+from ..distributed import local as _local
 from . import storage
 
 Tensor = torch.Tensor
@@ -79,4 +94,43 @@ def conform(kind: storage.MasterKind, p: Tensor, st: dict[str, Any], *, recorded
                     shared=shared() if recorded is not LOADED and not moved else False)
 
 
-__all__ = ["LOADED", "conform", "stamp"]
+def shares_storage(opt: Any, p: Tensor) -> bool:
+    """True if ``p``'s storage also holds another param of ``opt`` (views of one flat buffer share
+    one version counter, so a write to one of them cannot be told apart). The count is cached in
+    ``opt._storage_count`` until the next step resets it."""
+    if opt._storage_count is None:
+        count: dict[int, int] = {}
+        for group in opt.param_groups:
+            for q in group["params"]:
+                key = _local(q).untyped_storage().data_ptr()
+                count[key] = count.get(key, 0) + 1
+        opt._storage_count = count
+    return opt._storage_count.get(_local(p).untyped_storage().data_ptr(), 0) > 1
+
+
+def restamp_after_compiled(opt: Any) -> None:
+    """The first eager step after compiled ones takes the params as ``opt`` wrote them (writes
+    between compiled steps are not seen, as documented): their stamps moved with the compiled
+    step's own writes, and taking them for external writes would reset remainders and 8-bit
+    corrections. A "just loaded" mark is kept."""
+    opt._live["traced"] = False
+    versions = opt._versions
+    for p in opt.state:
+        if isinstance(p, Tensor) and versions.get(id(p), -1) is not LOADED:
+            versions[id(p)] = stamp(p)
+
+
+@torch.no_grad()
+def resync(opt: Any, params: Any) -> None:
+    """``FusedAdamWMP.resync_masters``: conform the state of ``params`` (None: all) as if written."""
+    wanted = None if params is None else {id(p) for p in ([params] if isinstance(params, Tensor) else params)}
+    opt._storage_count = None
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p)
+            if st and "step" in st and (wanted is None or id(p) in wanted):
+                opt._versions[id(p)] = -1  # "written"
+                opt._conform(storage.master_kind(group["master_weights"], p.dtype), p, st)
+
+
+__all__ = ["LOADED", "conform", "restamp_after_compiled", "resync", "shares_storage", "stamp"]

@@ -24,11 +24,28 @@ from typing import Any
 
 import torch
 
-from .base import (ALL_BACKENDS, KernelMoments, MasterKind, MomentKind, State, flat_view, laid, like,
-                   master_to_remainder, remainder_to_master)
+from .base import (
+    ALL_BACKENDS,
+    KernelMoments,
+    MasterKind,
+    MomentKind,
+    State,
+    flat_view,
+    laid,
+    like,
+    master_to_remainder,
+    remainder_to_master,
+)
 from .masters import Fp32Master, Int8Master, NoMaster, RemainderMaster
-from .moments import (MOMENT8_GROUP, DenseMoments, Int8Moments, check_moment8, moment8_decode, moment8_encode,
-                      moment8_groups)
+from .moments import (
+    MOMENT8_GROUP,
+    DenseMoments,
+    Int8Moments,
+    check_moment8,
+    moment8_decode,
+    moment8_encode,
+    moment8_groups,
+)
 
 Tensor = torch.Tensor
 
@@ -71,6 +88,11 @@ def unregister_moment_kind(name: str) -> None:
 register_moment_kind(DenseMoments("float32", torch.float32, "fp32 moments"))
 register_moment_kind(DenseMoments("bfloat16", torch.bfloat16, "bf16 moments"))
 INT8_MOMENTS = register_moment_kind(Int8Moments())
+
+
+#: the headline storage modes (issue 15), in table order: what bench / compare show by default
+DEFAULT_MODES: tuple[tuple[Any, str], ...] = (
+    (True, "float32"), ("remainder", "bfloat16"), ("8bit", "bfloat16"), ("8bit", "8bit"), ("remainder", "8bit"))
 
 
 # ---- names ---------------------------------------------------------------------------------------
@@ -231,7 +253,7 @@ def export_state(p: Tensor, st: State) -> State:
 
 
 __all__ = [
-    "ALL_BACKENDS", "FP32", "INT8", "INT8_MOMENTS", "MASTER_KINDS", "MOMENT8_GROUP", "MOMENT_DTYPE_NAMES",
+    "ALL_BACKENDS", "DEFAULT_MODES", "FP32", "INT8", "INT8_MOMENTS", "MASTER_KINDS", "MOMENT8_GROUP", "MOMENT_DTYPE_NAMES",
     "MOMENT_KINDS", "NONE", "REMAINDER", "STORED_MASTERS", "DenseMoments", "Int8Moments", "KernelMoments",
     "MasterKind", "MomentKind", "bytes_per_param", "check_amsgrad", "check_backend", "check_master_weights",
     "check_moment8", "check_state_dtype", "export_state", "flat_view", "label", "laid", "like", "master_kind",

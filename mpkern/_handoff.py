@@ -1,0 +1,118 @@
+"""Where ``mpkern.unscale_`` (:mod:`mpkern.amp`) and a fused optimizer (``FusedAdamWMP``) meet.
+
+The one package-internal interface between the two, so that neither calls the other's private
+methods. An optimizer takes part by having
+
+* ``_mpkern_fuses_unscale = True``: it applies an unscale/clip factor inside its step, so
+  ``unscale_`` may leave the factor to it instead of writing the grads;
+* ``_live``: a dict it owns (kept in a dict because ``torch.compile`` replays dict mutations but
+  not attribute stores on the optimizer) in which this module keeps ``"_pending"`` (a
+  :class:`Pending`) and ``"scaler"`` (a weak reference to the attached ``GradScaler``).
+
+**GradScaler protocol.** ``GradScaler.step(opt)`` hands an amp-scaling optimizer its scale and the
+inf check of ``.grad`` (``opt.grad_scale`` / ``opt.found_inf``), but not itself. An overflow that
+only a ``main_grad`` holds (fp32 grads of ``mpkern.nn`` layers, which GradScaler does not read) is
+found by the optimizer's own check, and must be recorded in the scaler so that ``scaler.update()``
+backs off. The scaler is known to the optimizer when it was *attached*: by
+``mpkern.unscale_(opt, scaler=scaler)`` (every step that uses it), or once by
+``opt.attach_grad_scaler(scaler)``. Without an attached scaler the step is still skipped, and a
+warning says that the scale cannot back off. :func:`record_found_inf` is the one place that writes
+a GradScaler's per-optimizer state.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+
+from ._grads import to_device
+
+Tensor = torch.Tensor
+
+
+class Pending(NamedTuple):
+    """What :func:`mpkern.unscale_` / ``clip_grad_norm_`` left for the next ``step()``.
+
+    ``inv`` and ``coef`` are still to be applied to the grads (both 1 when ``apply=True`` wrote
+    them already); ``norm`` is the norm of ``grads * inv`` (what the step sees before ``coef``),
+    ``reported`` the norm the caller got back (``last_grad_norm``), ``inf_norm`` which norm it is.
+    """
+
+    inv: Tensor
+    coef: Tensor
+    found: Tensor
+    norm: Tensor
+    reported: Tensor
+    inf_norm: bool
+
+
+def fuses_unscale(opt: Any) -> bool:
+    """True if ``opt`` applies a pending unscale/clip factor inside its step."""
+    return opt is not None and getattr(opt, "_mpkern_fuses_unscale", False)
+
+
+def leave_unscale(opt: Any, factor: Tensor, found_inf: Tensor, total_norm: Tensor, *, inv: Tensor,
+                  coef: Tensor, applied: bool, inf_norm: bool) -> None:
+    """Leave an unscale/clip for ``opt``'s next step: apply ``inv * coef`` (= ``factor``) then, or, with
+    ``applied=True`` (the grads were already multiplied), only the skip decision and the norm."""
+    if applied:
+        one = torch.ones_like(factor)
+        opt._live["_pending"] = Pending(one, one, found_inf, total_norm * coef, total_norm, inf_norm)
+    else:
+        opt._live["_pending"] = Pending(inv, coef, found_inf, total_norm, total_norm, inf_norm)
+
+
+def pending(opt: Any) -> Pending | None:
+    """The unscale/clip left for ``opt``'s next step (None: none)."""
+    return opt._live.get("_pending") if fuses_unscale(opt) else None
+
+
+def process_group(opt: Any) -> Any:
+    """The ``process_group`` an optimizer was built with (None: none, or not an mpkern optimizer)."""
+    return getattr(opt, "_mpkern_process_group", None)
+
+
+def attach_scaler(opt: Any, scaler: torch.amp.GradScaler) -> None:
+    """Remember ``scaler`` (weakly) as the GradScaler that steps ``opt`` (see the module docs)."""
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"attach_grad_scaler: scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    if fuses_unscale(opt):
+        opt._live["scaler"] = weakref.ref(scaler)
+
+
+def attached_scaler(opt: Any) -> torch.amp.GradScaler | None:
+    """The GradScaler attached to ``opt``, if it is still alive."""
+    ref = opt._live.get("scaler")
+    return None if ref is None else ref()
+
+
+def scaler_state(scaler: torch.amp.GradScaler, opt: Any) -> dict[str, Any]:
+    """GradScaler's per-optimizer record of ``opt`` (its ``stage`` and ``found_inf_per_device``)."""
+    return scaler._per_optimizer_states[id(opt)]
+
+
+def record_found_inf(scaler: torch.amp.GradScaler, opt: Any, found_inf: Tensor, *, unscaled: bool) -> None:
+    """Record ``found_inf`` in ``scaler`` for ``opt``, so that ``scaler.step`` / ``scaler.update`` see
+    it as their own inf check (``unscaled``: and mark ``opt`` unscaled, as ``scaler.unscale_`` does).
+    A copy on the scale's device: GradScaler sums other optimizers' flags into these tensors in place."""
+    dev = scaler._scale.device
+    state = scaler_state(scaler, opt)
+    state["found_inf_per_device"] = {dev: to_device(found_inf, dev).clone() if found_inf.device == dev
+                                     else to_device(found_inf, dev)}
+    if unscaled:
+        from torch.amp.grad_scaler import OptState
+
+        state["stage"] = OptState.UNSCALED
+
+
+def check_unscale_stage(scaler: torch.amp.GradScaler, opt: Any) -> None:
+    """GradScaler's own errors for ``unscale_`` called twice or after ``step`` in one iteration."""
+    from torch.amp.grad_scaler import OptState
+
+    stage = scaler_state(scaler, opt)["stage"]
+    if stage is OptState.UNSCALED:
+        raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+    if stage is OptState.STEPPED:
+        raise RuntimeError("unscale_() is being called after step().")

@@ -1,0 +1,437 @@
+"""The ``FusedAdamWMP`` class: arguments, param groups, lazy state, ``step()``, public helpers.
+
+It has the shape of ``torch/optim/adamw.py``; its parts live in the modules beside it:
+:mod:`.buckets` (collect and prepare the kernel lists), :mod:`.functional` (the fused step),
+:mod:`.scaling` (unscale / clip / GradScaler), :mod:`.step_cache` (the eager fast path),
+:mod:`.writes` (external writes), :mod:`.checkpoint` (load / export / pickling) and
+:mod:`.storage` (the storage kinds). See docs/design.md for how a step flows through them.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .. import _handoff, _ops, amp
+from . import buckets, checkpoint, scaling, step_cache, storage, writes
+from .writes import stamp as _stamp
+
+Tensor = torch.Tensor
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_LIVE_KEYS = checkpoint.LIVE_KEYS
+
+
+def _live_attr(key: str, doc: str) -> property:
+    """An attribute kept in the optimizer's ``_live`` dict (see ``FusedAdamWMP.__init__``)."""
+
+    def get(self: Any) -> Any:
+        return self._live.get(key)
+
+    def put(self: Any, value: Any) -> None:
+        self._live[key] = value
+
+    return property(get, put, doc=doc)
+
+
+class FusedAdamWMP(torch.optim.Optimizer):
+    """AdamW with fp32 master weights for 16-bit params, fused into one kernel per group and device.
+
+    Args (``torch.optim.AdamW``'s, in its order):
+        params: parameters or param groups, as for ``torch.optim.AdamW``.
+        lr, betas, eps, weight_decay, amsgrad, maximize: exactly as ``torch.optim.AdamW``
+            (``lr`` may be a float or a one-element tensor).
+        foreach, fused: accepted for compatibility; mpkern is always one fused multi-tensor
+            kernel, so a value other than None only triggers a warning.
+        capturable: allow ``step()`` to be captured in a CUDA graph (``torch.cuda.graph``) and
+            replayed. Every per-step scalar already lives on the device (found_inf, grad factor,
+            step counters; lr when it is a tensor on the params' device -- a float lr is frozen
+            into the graph, as in ``torch.optim``); the kernels' metadata tables are built by an
+            eager warm-up step and reused. With ``capturable=False`` a capture raises.
+        differentiable: must be False (the fused step is not differentiable; True raises).
+
+    mpkern's own keyword arguments (also stored in every param group, so in ``state_dict()``):
+        max_grad_norm: clip the global grad norm to this value inside ``step()`` (a read-only
+            statistics pre-pass, the coefficient applied in the update). A non-finite grad found
+            by that pass skips the step like a GradScaler overflow. Global: every group has the
+            same value (``opt.max_grad_norm = x`` sets it everywhere).
+        master_weights: ``True`` (fp32 master in state), ``"remainder"`` (bf16 params only: an int16
+            remainder so that param + remainder is the exact fp32 master), ``"8bit"`` (bf16/fp16
+            params: a one-byte stochastically rounded correction of the param's rounding error) or
+            ``False`` (update the 16-bit params directly).
+        state_dtype: how ``exp_avg``/``exp_avg_sq`` are kept: ``torch.float32``, ``torch.bfloat16``
+            (stored with stochastic rounding) or ``"8bit"`` (one byte per element per moment plus a bf16
+            scale per 32 elements, companded, stochastically rounded: 2.125 B/param for both; not with
+            amsgrad). See docs/storage.md for how each mode differs from fp32 AdamW.
+        stochastic_rounding: with ``master_weights=False`` and bf16 params, round the updated
+            params stochastically (unbiased) instead of to nearest.
+        seed: seed of the stochastic-rounding bit stream.
+        process_group: a ``torch.distributed`` group over which the grads are sharded by hand
+            (ZeRO-style flat shards, Megatron tensor parallel): ``max_grad_norm`` and
+            ``mpkern.unscale_(opt)`` combine the local norms over it (one all-reduce). Not needed
+            for FSDP2 / DTensor params, whose mesh says it. Not saved in ``state_dict()``.
+
+    Distributed: DTensor params (FSDP2 ``fully_shard``, tensor parallel) are updated shard by
+    shard; masters and moments are DTensors laid out like their params (state memory divides by
+    the number of shards, and ``torch.distributed.checkpoint`` can reshard them), and clipping
+    uses the global norm (see :mod:`mpkern.distributed`).
+
+    Params may have any layout: dense ones (contiguous, channels_last, permuted) are updated in
+    place as flat buffers with state laid out like the param; other strided views go through a
+    contiguous copy (correct, slower).
+
+    Writes to the params by others (``model.load_state_dict``, ``fill_``, ``p.data = t``,
+    ``model.to(...)``) are seen from the params' version counters and data pointers and the state
+    is made to fit before the next update (see :mod:`mpkern.optim.writes`; not seen: in-place
+    writes through a ``.data`` alias -- call :meth:`resync_masters` after such writes).
+
+    Overflow: ``_step_supports_amp_scaling = True`` -- ``GradScaler.step`` hands over ``grad_scale``
+    and ``found_inf``; when found_inf is set nothing changes (params, masters, moments, steps).
+    An overflow only a ``main_grad`` holds (GradScaler reads ``.grad``) is found by the step's own
+    check and recorded in the attached GradScaler (:meth:`attach_grad_scaler`, or
+    ``mpkern.unscale_(opt, scaler=scaler)``), so that ``scaler.update()`` backs off; with no scaler
+    attached the step is skipped and a warning says the scale cannot back off.
+    ``mpkern.unscale_(opt, ...)`` does not touch the grads (unless ``apply=True``): its factor
+    (inv_scale * clip_coef) is applied in the next ``step()``; a second call before that step
+    replaces the first, and ``zero_grad()`` drops it.
+
+    ``last_grad_norm`` / ``last_found_inf``: device tensors from the last ``step()`` (no sync).
+    ``last_grad_norm`` is None until a norm was computed: by ``max_grad_norm``, ``clip_grad_norm_``
+    or ``mpkern.unscale_(opt, ...)`` (without clipping no norm pass runs: it would cost a read
+    of every grad).
+
+    ``main_grad`` (fp32 grads from ``mpkern.nn`` with ``fp32_main_grad=True``) is consumed by
+    ``step()``: it is set to None after every step (taken or skipped; zeroed in place inside a CUDA
+    graph capture), so ``model.zero_grad()``, ``opt.zero_grad()`` or no zero_grad at all cannot
+    make it accumulate across steps.
+
+    Host time: eager steps whose params are plain dense tensors on one device with the native
+    CPU or CUDA backend reuse the kernel lists of the last full step, re-checked in one C++ loop
+    (see :mod:`mpkern.optim.step_cache`; ``opt.step_cache = False`` turns it off).
+    """
+
+    _step_supports_amp_scaling = True
+    _mpkern_fuses_unscale = True  # see mpkern._handoff
+    _mpkern_check_writes = True  # the external-write check (benchmarks switch it off to time it)
+    # the eager fast path: the prepared kernel lists cached and re-validated in C++ each step
+    # (see .step_cache); False always takes the full path (tests compare the two)
+    _mpkern_step_cache = True
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        max_grad_norm: float | None = None,
+        master_weights: bool | str = True,
+        state_dtype: torch.dtype | str = torch.float32,
+        stochastic_rounding: bool = False,
+        seed: int = 0,
+        process_group: Any = None,
+    ) -> None:
+        _check_adamw_args(lr, betas, eps, weight_decay, differentiable)
+        ignored = [f"{k}={v!r}" for k, v in (("foreach", foreach), ("fused", fused)) if v is not None]
+        if ignored:
+            warnings.warn(f"FusedAdamWMP ignores {', '.join(ignored)}: it always runs one fused multi-tensor "
+                          "kernel", UserWarning, stacklevel=2)
+        state_dtype = _check_own_args(master_weights, state_dtype, max_grad_norm, stochastic_rounding)
+        storage.check_amsgrad(amsgrad, state_dtype, "")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        capturable=capturable, max_grad_norm=max_grad_norm, master_weights=master_weights,
+                        state_dtype=state_dtype, stochastic_rounding=stochastic_rounding, seed=int(seed))
+        # what a step leaves for the next one or for the caller, kept in a dict: a compiled step
+        # (torch.compile) replays mutations of a dict, but not attribute stores on the optimizer
+        self._live: dict[str, Any] = dict.fromkeys(_LIVE_KEYS)
+        self._versions: dict[int, Any] = {}  # id(param) -> its stamp (version, data pointer) after our last write
+        self._mpkern_process_group = process_group
+        self._storage_count: dict[int, int] | None = None  # see _shares_storage (rebuilt every step)
+        self._offsets: dict[int, int] = {}  # id(DTensor param) -> flat offset of its local shard
+        self._fast: step_cache.StepCache | None = None  # see .step_cache
+        self._fast_misses = 0  # cache invalidations in a row (builds back off after a few)
+        super().__init__(params, defaults)
+
+    # ---- what a step leaves (see _live) --------------------------------------------------------
+    _pending = _live_attr("_pending", "What mpkern.unscale_ / clip_grad_norm_ left for the next step "
+                                      "(a mpkern._handoff.Pending).")
+    last_grad_norm = _live_attr("last_grad_norm", "The global grad norm of the last step() (a device tensor; "
+                                                  "None until a norm was computed).")
+    last_found_inf = _live_attr("last_found_inf", "1.0 if the last step() was skipped for a non-finite grad, "
+                                                  "else 0.0 (a device tensor).")
+
+    # ---- settings ----------------------------------------------------------------------------
+    @property
+    def max_grad_norm(self) -> float | None:
+        """Global-norm clipping threshold applied in ``step()`` (None: no clipping)."""
+        return self.param_groups[0]["max_grad_norm"] if self.param_groups else self.defaults["max_grad_norm"]
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float | None) -> None:
+        _check_own_args(True, torch.float32, value, False)
+        self.defaults["max_grad_norm"] = value
+        for group in self.param_groups:
+            group["max_grad_norm"] = value
+
+    @property
+    def seed(self) -> int:
+        return int(self.defaults["seed"])
+
+    @property
+    def step_cache(self) -> bool:
+        """Whether eager steps may reuse the kernel lists of the last full step (see the class docs;
+        benchmarks and tests switch it off to time or compare the full path)."""
+        return bool(self._mpkern_step_cache)
+
+    @step_cache.setter
+    def step_cache(self, value: bool) -> None:
+        self._mpkern_step_cache = bool(value)
+        self._fast = None
+
+    @property
+    def check_external_writes(self) -> bool:
+        """Whether each step checks the params for writes by others (stamps); benchmarks time it."""
+        return bool(self._mpkern_check_writes)
+
+    @check_external_writes.setter
+    def check_external_writes(self, value: bool) -> None:
+        self._mpkern_check_writes = bool(value)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._fast = None
+        super().add_param_group(param_group)
+        try:
+            _check_group(self.param_groups[-1], len(self.param_groups) - 1, self.param_groups[0])
+        except (ValueError, TypeError):
+            self.param_groups.pop()  # nothing half-added
+            raise
+
+    def attach_grad_scaler(self, scaler: torch.amp.GradScaler) -> None:
+        """Attach the ``GradScaler`` that steps this optimizer (kept weakly), so that an overflow only
+        a ``main_grad`` holds backs off its scale (``mpkern.unscale_(opt, scaler=scaler)`` attaches it
+        too). Needed only with ``main_grad`` and plain ``scaler.step(opt)``; see :mod:`mpkern._handoff`."""
+        _handoff.attach_scaler(self, scaler)
+
+    # ---- copies and pickling -----------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        return checkpoint.getstate(self, super().__getstate__())
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        checkpoint.setstate(self)
+
+    # ---- grads: clip, zero ---------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the grads' global norm in the next ``step()`` (grads are not modified); return the norm.
+
+        Composes with what is already pending: after ``mpkern.unscale_(opt, scaler=scaler)`` the
+        norm is that of the *unscaled* grads and the unscale factor stays; every clip threshold
+        applies (``max_grad_norm``, an earlier ``unscale_(max_norm=)``, this one): the smallest
+        coefficient wins. Without a pending unscale it sees the grads as they are (scaled, if a
+        scaler scaled the loss: use ``mpkern.unscale_(opt, scaler=scaler, max_norm=...)`` then).
+        ``clip_grad_norm`` is the same method under the name some wrappers (sharded optimizers,
+        older ``transformers.Trainer``) look for.
+        """
+        return scaling.clip_grad_norm(self, max_norm, norm_type)
+
+    clip_grad_norm = clip_grad_norm_
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Like ``Optimizer.zero_grad``, for ``p.main_grad`` too (set to None, or zeroed in place when
+        ``set_to_none=False``); drops a factor left by ``mpkern.unscale_`` / ``clip_grad_norm_``."""
+        super().zero_grad(set_to_none=set_to_none)
+        self._pending = None
+        buckets.zero_main_grads(self, set_to_none)
+
+    # ---- masters out --------------------------------------------------------------------------
+    def master_params(self) -> list[Tensor]:
+        """The fp32 value of every param, in param-group order (what the next step starts from).
+
+        * ``master_weights=True``: the master state tensor itself (live: writing into it changes
+          the optimizer's master);
+        * ``"remainder"`` / ``"8bit"``: a new fp32 tensor rebuilt from the 16-bit param and its state;
+        * fp32 params: the param itself; 16-bit params without master state (``False``, or before
+          the first step): ``p.float()`` (a copy).
+        Use it for an fp32 export, EMA or evaluation; see :meth:`copy_master_params_to`.
+        """
+        return checkpoint.master_params(self)
+
+    def adamw_state_dict(self) -> dict[str, Any]:
+        """A state dict that ``torch.optim.AdamW.load_state_dict`` accepts, whatever the storage kinds.
+
+        Per param: ``step`` and fp32 ``exp_avg`` / ``exp_avg_sq`` (``max_exp_avg_sq`` with amsgrad),
+        decoded from this optimizer's storage; param groups with AdamW's keys (mpkern's own keys
+        dropped). The params it belongs to are the fp32 masters of :meth:`master_params`: build the
+        AdamW over fp32 copies of them (``[torch.nn.Parameter(m.detach().clone()) for m in
+        opt.master_params()]``), in the same group structure, then load this. New tensors: the
+        optimizer's state is not shared.
+        """
+        return checkpoint.adamw_state_dict(self)
+
+    @torch.no_grad()
+    def resync_masters(self, params: Iterable[Tensor] | None = None) -> None:
+        """Re-seed the masters of ``params`` (default: every param) from the params as they are now.
+
+        Writes the optimizer cannot see need this: writes through a ``.data`` alias
+        (``p.data.fill_(x)``, ``p.data.copy_(ema)``; old ``_init_weights`` code) bypass the version
+        counter the automatic check reads. Masters are re-seeded elementwise (kept where the param
+        still equals the rounded master, else the param's value); remainders are reset (except for
+        params sharing one storage, see the class docs). Params without state are ignored.
+        """
+        writes.resync(self, params)
+
+    @torch.no_grad()
+    def copy_master_params_to(self, target: torch.nn.Module | Iterable[Tensor]) -> None:
+        """Write the fp32 masters into ``target``: a module whose ``parameters()`` (or an iterable of
+        tensors) correspond one to one, in order, to this optimizer's params (e.g. an fp32 copy of
+        the model made before ``.to(torch.bfloat16)``). Values are cast to each target's dtype."""
+        checkpoint.copy_masters_to(self, target)
+
+    # ---- external writes ------------------------------------------------------------------------
+    def _conform(self, kind: storage.MasterKind, p: Tensor, st: dict[str, Any]) -> None:
+        """Make the state of ``p`` fit the param as it is now (see :func:`.writes.conform`); record
+        its stamp."""
+        self._fast = None
+        writes.conform(kind, p, st, recorded=self._versions.get(id(p), -1),
+                       shared=lambda: writes.shares_storage(self, p))
+        self._versions[id(p)] = _stamp(p)
+
+    # ---- step ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One AdamW step over all param groups (skipped bitwise when an overflow was found).
+
+        Everything that can fail (grads, state layout, lr, capture rules) is checked and prepared
+        for every group before the first kernel runs: an error leaves no group half-stepped."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if torch.compiler.is_compiling():
+            # replayed by every compiled call: compiled steps write the params through functionalized
+            # copies (their version counters move) and record no stamps
+            self._live["traced"] = True
+        elif self._live.get("traced"):  # a compiled step ran since the last eager one
+            writes.restamp_after_compiled(self)
+        fast = step_cache.refresh(self)
+        if fast is not None:
+            try:
+                self._fast_step(fast)
+            finally:
+                fast.cache.release()  # the cache never keeps grads alive between steps
+            return loss
+        self._full_step()
+        return loss
+
+    def _fast_step(self, fc: step_cache.StepCache) -> None:
+        step_cache.fast_step(self, fc)
+
+    def _full_step(self) -> None:
+        """``step()`` without the cache: collect, prepare every bucket, resolve the factor, run the kernels."""
+        work, uses_main = buckets.collect(self)
+        buckets.check_capture(self, work)
+        own_check = scaling.check_scaler_sequence(self, uses_main)
+        if not work:
+            self._pending = None
+            return
+        # the external-write check is host-side: it runs in eager steps (not while compiling or
+        # capturing a CUDA graph, whose replays run no Python)
+        check_writes = self._mpkern_check_writes and not torch.compiler.is_compiling() and not _ops.capturing()
+        self._storage_count = None
+        prepared = [buckets.Prepared(b, *buckets.prepare(self, b, check_writes), _ops.lr_args(b.group["lr"], b.device))
+                    for b in work]
+
+        def stats(inv: Tensor) -> None:
+            seen: set[int] = set()  # a repeated param counts once in the norm, as in torch's clip
+            firsts = [x for b in work for x in b.pairs if not (id(x[0]) in seen or seen.add(id(x[0])))]
+            amp.unscale_(self, inv, max_norm=self.max_grad_norm, _collected=([x[0] for x in firsts],
+                                                                               [x[1] for x in firsts]))
+
+        # after everything that can fail: the pending unscale is kept on an error
+        factor, found = scaling.step_factor(self, work[0].device,
+                                            stats if self.max_grad_norm is not None or own_check else None)
+        if own_check:
+            scaling.tell_scaler(self, found)
+        buckets.run(self, prepared, factor, found, check_writes)
+        buckets.consume_main_grads(work)
+        step_cache.build(self, prepared, uses_main, check_writes)
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    @torch.no_grad()
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer.state_dict()``: every storage kind in its compact form (checkpoint bytes
+        = state bytes, and a resume continues bit-identically), except where a kind exports itself
+        otherwise (:meth:`mpkern.optim.storage.MomentKind.export`: 8-bit moments of DTensor params
+        are saved as fp32 DTensors, which ``torch.distributed.checkpoint`` can reshard)."""
+        return checkpoint.export(self, super().state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load our own or a plain ``torch.optim.AdamW`` state dict, the way ``Optimizer`` does (hooks,
+        validation, id mapping), except that the state keeps this optimizer's storage layout
+        (``master_weights``, ``state_dtype``; another layout is converted, with a warning) instead of
+        being cast to the param dtype. See :func:`mpkern.optim.checkpoint.load`."""
+        checkpoint.load(self, state_dict)
+
+
+def _check_adamw_args(lr: Any, betas: Any, eps: float, weight_decay: float, differentiable: bool) -> None:
+    """``torch.optim.AdamW``'s argument checks, with its messages."""
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+    elif not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if differentiable:
+        raise ValueError("FusedAdamWMP: differentiable=True is not supported (the fused step is not "
+                         "differentiable); use torch.optim.AdamW(differentiable=True)")
+
+
+def _check_own_args(master_weights: Any, state_dtype: Any, max_grad_norm: Any, stochastic_rounding: Any) -> str:
+    """Validate mpkern's own arguments; return ``state_dtype`` as the name kept in the groups."""
+    master = storage.check_master_weights(master_weights)
+    name = storage.check_state_dtype(state_dtype)
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                      or not (max_grad_norm > 0 and math.isfinite(max_grad_norm))):
+        raise ValueError(f"max_grad_norm must be a positive finite float or None, got {max_grad_norm!r}")
+    if stochastic_rounding and not master.stochastic_rounding:
+        raise ValueError("stochastic_rounding applies to 16-bit params without master weights: "
+                         "use it with master_weights=False")
+    return name
+
+
+def _check_group(group: dict[str, Any], gi: int, first: dict[str, Any]) -> None:
+    """Validate a group just added (its mpkern keys, its params' dtypes for its storage kinds)."""
+    group["state_dtype"] = _check_own_args(group["master_weights"], group["state_dtype"], group["max_grad_norm"],
+                                           group["stochastic_rounding"])
+    storage.check_amsgrad(group["amsgrad"], group["state_dtype"], f" (group {gi})")
+    if group["max_grad_norm"] != first["max_grad_norm"]:
+        raise ValueError(f"FusedAdamWMP: max_grad_norm is a global norm threshold; group {gi} has "
+                         f"{group['max_grad_norm']!r}, group 0 has {first['max_grad_norm']!r}")
+    for i, p in enumerate(group["params"]):
+        if p.is_complex():
+            raise ValueError(f"FusedAdamWMP: param {i} of group {gi} is complex; complex params are not supported")
+        if p.dtype not in _FLOATS:
+            raise TypeError(f"FusedAdamWMP: param {i} of group {gi} has dtype {p.dtype}; expected float32, "
+                            "float16 or bfloat16")
+        buckets.check_param_dtype(group, p.dtype, f"param {i} of group {gi}")
+    storage.MASTER_KINDS[group["master_weights"]].check_group([p.dtype for p in group["params"]], f"group {gi}")
+
+
+__all__ = ["FusedAdamWMP"]

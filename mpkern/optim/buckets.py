@@ -1,0 +1,298 @@
+"""From param groups to kernel buckets: collect the grads, prepare the kernel lists, capture rules.
+
+A *bucket* is what one kernel call steps: one param group, one device, one master kind.
+:func:`collect` validates every grad (raising before any param or state is touched) and sorts the
+params into buckets; :func:`prepare` builds a bucket's :class:`~.functional.KernelLists` (creating
+or conforming state on the way). Benchmarks time them through :func:`step_parts` (public as
+``mpkern.optim.step_parts``) without reaching into the optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from .. import _backend, _grads, _ops, distributed
+from ..distributed import local as _local
+from . import storage
+from .functional import KernelLists, fused_adamw_mp
+from .writes import stamp as _stamp
+
+Tensor = torch.Tensor
+Parameter = torch.nn.Parameter
+_flat_view = storage.flat_view
+
+
+class Bucket(NamedTuple):
+    """One kernel call's params: ``pairs`` of (param, grad, random-stream id)."""
+
+    group: dict[str, Any]
+    device: torch.device
+    kind: storage.MasterKind
+    pairs: list[tuple[Tensor, Tensor, int]]
+
+
+def collect(opt: Any) -> tuple[list[Bucket], bool]:
+    """(buckets, whether any grad is a ``main_grad``), validated; raises before any param or state is
+    modified.
+
+    A param listed twice in one group (``torch.optim`` warns about it) is stepped twice, like
+    ``torch.optim.AdamW`` does on its single-tensor path: each repeat goes to a later pass.
+    A param with both ``main_grad`` and ``.grad`` (a tied weight) gets their sum.
+    """
+    work: list[Bucket] = []
+    uses_main = False
+    strided, floats = torch.strided, _grads.FLOATS
+    sid = -1  # the param's random-stream id: its position among all params of the optimizer
+    for gi, group in enumerate(opt.param_groups):
+        passes: list[dict[tuple[torch.device, storage.MasterKind], list[tuple[Tensor, Tensor, int]]]] = [{}]
+        plist = group["params"]
+        seen: dict[int, int] | None = {} if len(set(map(id, plist))) != len(plist) else None  # C-level test
+        kinds: dict[torch.dtype, storage.MasterKind] = {}
+        for pi, p in enumerate(plist):
+            sid += 1
+            g = getattr(p, "main_grad", None)  # _grads.grad_of, inlined: this loop runs per param
+            if g is None:
+                g = p.grad
+                if g is None:
+                    continue
+            else:
+                uses_main = True
+                if p.grad is not None:
+                    g = _grads.main_grad_of(p, g)
+            # one cheap combined test per param; the detailed message only on failure
+            if not (isinstance(g, Tensor) and g.layout == strided and g.dtype in floats
+                    and g.shape == p.shape and g.device == p.device):
+                _grads.raise_bad_grad("FusedAdamWMP", f"group {gi} param {pi}", g, p)
+            if type(g) is not Tensor:
+                distributed.check_reduced(g, f"FusedAdamWMP: group {gi} param {pi}")
+            kind = kinds.get(p.dtype)
+            if kind is None:  # once per dtype and group: a param may have changed dtype since
+                check_param_dtype(group, p.dtype, f"param {pi} of group {gi}")
+                kind = kinds[p.dtype] = storage.master_kind(group["master_weights"], p.dtype)
+            if seen is None:
+                passes[0].setdefault((p.device, kind), []).append((p, g, sid))
+                continue
+            k = seen.get(id(p), -1) + 1  # a repeated param: a later pass
+            seen[id(p)] = k
+            if k == len(passes):
+                passes.append({})
+            passes[k].setdefault((p.device, kind), []).append((p, g, sid))
+        for buckets in passes:
+            for (dev, kind), pairs in buckets.items():
+                work.append(Bucket(group, dev, kind, pairs))
+    backends = {dev: _backend.select(dev) for dev in {b.device for b in work}}
+    for b in work:
+        storage.check_backend(b.kind, b.group["state_dtype"], backends[b.device])
+    return work, uses_main
+
+
+def check_param_dtype(group: dict[str, Any], dtype: torch.dtype, where: str) -> None:
+    """Raise if a param of ``dtype`` cannot be stepped by ``group``'s storage mode."""
+    storage.MASTER_KINDS[group["master_weights"]].check_param_dtype(dtype, where)
+    if group["stochastic_rounding"] and dtype == torch.float16:
+        raise ValueError(f"FusedAdamWMP: stochastic_rounding supports bfloat16 params, {where} is float16")
+
+
+class Prepared(NamedTuple):
+    """A bucket ready for its kernel: its lists, its contiguous copies, its ``(lr_tensor, lr)``."""
+
+    bucket: Bucket
+    lists: KernelLists
+    copies: list[tuple[Tensor, Tensor]]
+    lr: tuple[Tensor | None, float]
+
+
+def prepare(opt: Any, bucket: Bucket, check_writes: bool) -> tuple[KernelLists, list[tuple[Tensor, Tensor]]]:
+    """Kernel argument lists for one bucket: flat views of dense params/grads/state, and each
+    param's random stream (id, offset of its local shard in the whole tensor); plus the
+    (param, contiguous copy) pairs of params that are not one dense block."""
+    group, kind = bucket.group, bucket.kind
+    out = KernelLists([], [], [], [], [], [], [], [], [], None, None, [])
+    copies: list[tuple[Tensor, Tensor]] = []
+    amsgrad = group["amsgrad"]
+    mkey = kind.key
+    moments = storage.moment_kind(group["state_dtype"])
+    versions = opt._versions
+    for p, g, sid in bucket.pairs:
+        out.stream_ids.append(sid)
+        st = _state_for(opt, group, kind, p, check_writes, versions)
+        if amsgrad and "max_exp_avg_sq" not in st:
+            st["max_exp_avg_sq"] = storage.like(p, torch.float32).zero_()
+        km = moments.kernel_tensors(st)
+        if km.exp_avg_scale is not None:
+            if out.exp_avg_scales is None:
+                out = out._replace(exp_avg_scales=[], exp_avg_sq_scales=[])
+            out.exp_avg_scales.append(km.exp_avg_scale)
+            out.exp_avg_sq_scales.append(km.exp_avg_sq_scale)
+        if moments.needs_write_back:
+            out.write_backs.append((moments, p, st, km))
+        ts = [km.exp_avg, km.exp_avg_sq]
+        if amsgrad:
+            ts.append(st["max_exp_avg_sq"])
+        if mkey is not None:
+            ts.append(st[mkey])
+        if type(p) is not Parameter and distributed.is_dtensor(p):
+            # FSDP2 / tensor parallel: the kernel updates the local shard, drawing the random
+            # bits the whole tensor would draw at its elements
+            off = opt._offsets.get(id(p))
+            if off is None:
+                off = opt._offsets[id(p)] = distributed.shard_offset(p)
+            out.elem_offsets.append(off)
+            p, g, ts = _local(p), _local(g), [_local(t) for t in ts]
+        else:
+            out.elem_offsets.append(0)
+        pp, gg, ts = _dense(p, g, ts, copies)
+        out.params.append(pp)
+        out.grads.append(gg)
+        out.exp_avgs.append(ts[0])
+        out.exp_avg_sqs.append(ts[1])
+        if amsgrad:
+            out.max_exp_avg_sqs.append(ts[2])
+        if mkey is not None:
+            out.masters.append(ts[-1])
+        out.steps.append(st["step"])
+    return out, copies
+
+
+def init_state(opt: Any, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
+    """``p``'s state on its first step: step 0, zero moments of the group's kind, its master."""
+    opt._fast = None
+    state = opt.state[p]
+    if "step" in state:
+        return state
+    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+    state.update(storage.moment_kind(group["state_dtype"]).create(p))
+    if group["amsgrad"]:
+        state["max_exp_avg_sq"] = storage.like(p, torch.float32).zero_()
+    state.update(storage.master_kind(group["master_weights"], p.dtype).create(p))
+    return state
+
+
+def _state_for(opt: Any, group: dict[str, Any], kind: storage.MasterKind, p: Tensor, check_writes: bool,
+               versions: dict[int, Any]) -> dict[str, Any]:
+    """``p``'s state, created on the first step, made to fit the param when it was written."""
+    st = opt.state.get(p)
+    if st is None or "step" not in st:
+        st = init_state(opt, group, p)
+        if check_writes:
+            versions[id(p)] = _stamp(p)
+    elif check_writes and versions.get(id(p), -1) != (
+            (p._version, p.data_ptr()) if type(p) is Parameter else _stamp(p)):
+        opt._conform(kind, p, st)  # written or replaced: records the stamp
+    elif kind.key not in st if kind.key is not None else storage.stored_kinds(st):
+        opt._conform(kind, p, st)  # a converted checkpoint or a new param dtype
+    return st
+
+
+def _dense(p: Tensor, g: Tensor, ts: list[Tensor], copies: list[tuple[Tensor, Tensor]]
+           ) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """(param, grad, state tensors) as flat dense buffers of one memory order."""
+    if p.is_contiguous():
+        return p, (g if g.is_contiguous() else g.contiguous()), ts
+    if _grads.is_flat(p):  # dense in another memory format: flat views, state laid out like p
+        if g.stride() != p.stride():
+            g = storage.like(p, g.dtype).copy_(g)
+        return _flat_view(p), _flat_view(g), [_flat_view(t) for t in ts]
+    # not one dense block: update a contiguous copy, written back after the kernel
+    pp = p.contiguous()
+    copies.append((p, pp))
+    return pp, g.contiguous(), ts
+
+
+def check_capture(opt: Any, work: list[Bucket]) -> None:
+    """During a CUDA graph capture, raise (naming the reason) unless the step can be captured:
+    ``capturable=True``, state initialised by an eager warm-up step, lr a float or a tensor on
+    the params' device (a CPU tensor's value would be frozen into the graph)."""
+    if not _ops.capturing():
+        return
+    for gi, group in enumerate(opt.param_groups):
+        if not group["capturable"]:
+            raise RuntimeError(f"FusedAdamWMP.step() is being captured in a CUDA graph, but param group {gi} "
+                               "has capturable=False; construct the optimizer with capturable=True")
+        lr = group["lr"]
+        if isinstance(lr, Tensor) and lr.device.type == "cpu":
+            raise RuntimeError(f"FusedAdamWMP: param group {gi} has a CPU tensor lr; in a captured CUDA graph "
+                               "its value would be frozen -- use a float or a tensor on the params' device")
+    for b in work:
+        for p, *_ in b.pairs:
+            if "step" not in opt.state[p]:
+                raise RuntimeError("FusedAdamWMP: a param has no optimizer state yet; run one eager step "
+                                   "(warm-up) before capturing step() in a CUDA graph")
+
+
+def consume_main_grads(work: list[Bucket]) -> None:
+    """Set every ``main_grad`` that fed this step to None -- or, inside a CUDA graph capture,
+    zero it in place (a replay must find the same buffers, and the zeroing is captured)."""
+    mains = [p for b in work for p, *_ in b.pairs if getattr(p, "main_grad", None) is not None]
+    if not mains:
+        return
+    if _ops.capturing():
+        torch._foreach_zero_([p.main_grad for p in mains])
+        return
+    for p in mains:
+        p.main_grad = None
+
+
+def run(opt: Any, prepared: list[Prepared], factor: Tensor, found: Tensor, check_writes: bool) -> None:
+    """One fused kernel per prepared bucket; record the stamps the kernels moved."""
+    per_dev: dict[torch.device, tuple[Tensor, Tensor]] = {}
+    versions = opt._versions
+    for bucket, lists, copies, (lr_tensor, lr_value) in prepared:
+        dev = bucket.device
+        if dev not in per_dev:
+            per_dev[dev] = (_grads.to_device(factor, dev, torch.float32).reshape(()),
+                            _grads.to_device(found, dev, torch.float32).reshape(()))
+        f_dev, found_dev = per_dev[dev]
+        for p, tmp in copies:  # not one dense block: (re)take the copy now -- a repeat of the
+            tmp.copy_(p)       # param in a later pass must see the earlier pass's update
+        fused_adamw_mp(_backend.select(dev), lists, f_dev, found_dev, lr_tensor, lr_value, bucket.group,
+                       bucket.kind.mode)
+        for p, tmp in copies:  # params that are not one dense block went through a copy
+            p.copy_(tmp)
+        if check_writes:
+            # prepare recorded each param's stamp before the kernel. The native and Triton
+            # kernels write through data pointers (no version bump): nothing to do. A backend
+            # that bumps (the torch reference, the contiguous-copy path) is seen on the param
+            # it touched and recorded again -- one host read per bucket in the common case.
+            p0 = bucket.pairs[0][0]
+            if copies or versions.get(id(p0)) != _stamp(p0):
+                for p, *_ in bucket.pairs:
+                    versions[id(p)] = _stamp(p)
+
+
+def zero_main_grads(opt: Any, set_to_none: bool) -> None:
+    """``zero_grad`` for ``p.main_grad`` of every param of ``opt`` (None, or zeroed in place)."""
+    mains = []
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if getattr(p, "main_grad", None) is not None:
+                if set_to_none:
+                    p.main_grad = None
+                else:
+                    mains.append(p.main_grad)
+    if mains:
+        torch._foreach_zero_(mains)
+
+
+def step_parts(opt: Any) -> dict[str, Callable[[], object]]:
+    """Callables that each run one host-side part of a full-path ``step()`` of ``opt``, for
+    benchmarks (which then never call the optimizer's private methods): ``"collect"`` (every
+    grad), ``"prepare"`` (the first bucket's lists) and ``"kernel call"`` (the first bucket's fused
+    kernel with factor 1 and lr 1e-3: it really steps those params). Call after one step."""
+    work, _ = collect(opt)
+    if not work:
+        raise ValueError("step_parts: no param has a grad")
+    first = work[0]
+    lists, _copies = prepare(opt, first, True)
+    dev = first.device
+    one, zero = torch.ones((), device=dev), torch.zeros((), device=dev)
+    backend = _backend.select(dev)
+    return {"collect": lambda: collect(opt), "prepare": lambda: prepare(opt, first, True),
+            "kernel call": lambda: fused_adamw_mp(backend, lists, one, zero, None, 1e-3, first.group,
+                                                  first.kind.mode)}
+
+
+__all__ = ["Bucket", "Prepared", "check_capture", "check_param_dtype", "collect", "consume_main_grads", "prepare", "run", "step_parts", "zero_main_grads"]
