@@ -32,8 +32,7 @@ from .common import (
 
 #: the headline modes of issue 15, as ``(master_weights, state_dtype)`` values (the registry's
 #: list); those whose kinds this build lacks are left out by :func:`adamw_modes`
-DEFAULT_ADAMW_MODES: tuple[tuple[Any, str], ...] = tuple(getattr(storage, "DEFAULT_MODES", (  # TRANSITION
-    (True, "float32"), ("remainder", "bfloat16"), ("8bit", "bfloat16"), ("8bit", "8bit"), ("remainder", "8bit"))))
+DEFAULT_ADAMW_MODES: tuple[tuple[Any, str], ...] = tuple(storage.DEFAULT_MODES)
 
 
 def adamw_modes(which: str | None = "default") -> list[tuple[Any, str]]:

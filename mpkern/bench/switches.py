@@ -6,15 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-# TRANSITION (issue 19, until the optimizer's public switches land): public name -> today's name
-_TODAY = {"check_external_writes": "_mpkern_check_writes", "step_cache": "_mpkern_step_cache"}
-
 
 def set_switch(optimizer: Any, name: str, value: bool) -> None:
     """``optimizer.<name> = value`` for a public boolean switch of ``FusedAdamWMP``
     (``check_external_writes``, ``step_cache``); AttributeError if the optimizer has no such switch."""
-    if not hasattr(optimizer, name) and hasattr(optimizer, _TODAY.get(name, "")):
-        name = _TODAY[name]  # TRANSITION
     if not hasattr(optimizer, name):
         raise AttributeError(f"{type(optimizer).__name__} has no public switch {name!r}")
     setattr(optimizer, name, bool(value))
