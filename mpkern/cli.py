@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import sys
+from typing import Any
 
 
 # ---- argument types (argparse turns their ValueError/ArgumentTypeError into exit code 2) --------
@@ -43,6 +44,15 @@ def _precisions(s: str) -> list[str]:
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"a precision is listed twice: {s!r}")
     return names
+
+
+def _size(s: str) -> int:
+    from .batch_plan import parse_size
+
+    try:
+        return parse_size(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _device(s: str) -> str:
@@ -102,21 +112,31 @@ def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     from . import compare
 
     device = _resolve_device(args.device, parser)
+    if args.memory_budget is not None and not args.find_batch:
+        parser.error("--memory-budget goes with --find-batch")
     overrides = {k: getattr(args, k) for k in _COMPARE_FLAGS if getattr(args, k) is not None}
     try:
         res = compare.run(args.precision, device=device, out=args.out, progress=not args.no_progress,
-                          plot=not args.no_plot, **overrides)
+                          plot=not args.no_plot, find_batch=args.find_batch, memory_budget=args.memory_budget,
+                          **overrides)
     except ValueError as e:  # e.g. bf16 asked for on a GPU without it, d_model not divisible by heads
         parser.error(str(e))
     print()
     print(compare._header(res))
     print()
+    if args.find_batch:
+        from .compare.batch import format_batch_table
+
+        print(format_batch_table(res))
+        if args.out:
+            print(f"\nwrote {args.out}/results.json, results.md" + (", batch_scaling.png" if not args.no_plot else ""))
+        return 0
     print(compare.format_table(res))
     print()
     print(compare.format_details(res))
     if args.out:
         print(f"\nwrote {args.out}/results.json, results.md" + (", compare.png" if not args.no_plot else ""))
-    diverged = [r["name"] for r in res["runs"] if r["status"] != "ok"]
+    diverged = [r["name"] for r in res["runs"] if r["status"] == "diverged"]
     if diverged:
         print(f"diverged: {', '.join(diverged)} (the other runs completed)")
     return 0
@@ -150,8 +170,10 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from . import plan
 
+    if args.memory_budget is not None:
+        return _plan_batches(args, parser)
     if args.params is None and args.hf_config is None:
-        parser.error("give --params N (e.g. 7e9) or --hf-config PATH")
+        parser.error("give --params N (e.g. 7e9) or --hf-config PATH (or --memory-budget SIZE)")
     if args.hf_config is not None:
         try:
             n, model_class = plan.hf_config_count(args.hf_config)
@@ -175,6 +197,25 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _plan_batches(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``mpkern plan --memory-budget SIZE``: the largest batch per recipe (:mod:`mpkern.batch_plan`)."""
+    from . import batch_plan
+
+    if args.params is not None:
+        parser.error("--memory-budget measures a step of a model: give --hf-config PATH, or nothing for "
+                     "mpkern compare's model (not --params)")
+    try:
+        res = batch_plan.plan_batches(args.memory_budget, hf_config=args.hf_config, seq_len=args.seq_len,
+                                      margin=args.safety_margin)
+    except (ValueError, OSError) as e:
+        parser.error(f"--memory-budget: {e}")
+    if args.json:
+        print(json.dumps(res, indent=1))
+    else:
+        print(batch_plan.format_batches(res))
+    return 0
+
+
 # ---- parser -------------------------------------------------------------------------------------
 def _version() -> str:
     from mpkern import __version__
@@ -182,19 +223,9 @@ def _version() -> str:
     return __version__
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``mpkern`` command (exposed for tests and docs)."""
+def _add_compare_parser(sub: Any) -> None:
+    """The ``compare`` subcommand's flags."""
     from .compare import OPTIMIZER_STATES
-
-    p = argparse.ArgumentParser(prog="mpkern", description="mpkern: fused mixed-precision training kernels")
-    p.add_argument("--version", action="version", version=f"mpkern {_version()}")
-    sub = p.add_subparsers(dest="cmd", required=True)
-
-    pi = sub.add_parser("info", help="device, dtype support and which backends are available (and why not)")
-    pi.add_argument("--json", action="store_true",
-                    help="print mpkern.info() as JSON (version, torch, device, capability, bf16/fp16, backends with "
-                         "availability and reason, matmul notes)")
-    pi.set_defaults(func=_cmd_info)
 
     pc = sub.add_parser(
         "compare", help="train the same small model in fp32 / bf16 / fp16 / mpkern and compare speed, memory, accuracy",
@@ -204,15 +235,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "Default: every run the device supports, sized by a measured probe to fit --time-budget "
                     "(CPU: 110 s of training, under 150 s in all on a 2-core CPU).")
     pc.add_argument("--precision", type=_precisions, default=None, metavar="LIST",
-                    help="comma-separated runs: fp32,bf16,fp16,bf16-naive,mpkern-bf16,mpkern-fp16 "
-                         "(default: all the device supports; CPU leaves out fp16 autocast, which is very slow there)")
+                    help="comma-separated runs: fp32,bf16,fp16,bf16-naive,mpkern-bf16,mpkern-8bit,mpkern-fp16 "
+                         "(default: all the device supports; CPU leaves out the fp16 runs: no native fp16 there). "
+                         "mpkern-8bit: bf16 params, FusedAdamWMP(master_weights='8bit', state_dtype='8bit'), "
+                         "7.125 B/param")
     pc.add_argument("--device", type=_device, default=None, help="cpu or cuda (default: cuda if available)")
     pc.add_argument("--steps", type=_positive_int,
                     help="training steps per run (CPU default: up to 1000, as the time budget allows; "
                          "given explicitly, the time budget is off unless --time-budget is given too)")
     pc.add_argument("--time-budget", type=_positive_float, metavar="SECONDS",
                     help="seconds for all training runs together (CPU default 110): the steps are chosen from a "
-                         "short measured probe of each run on this device, never below --min-steps")
+                         "short measured probe of each run on this device, never below --min-steps; a run the "
+                         "probe finds >= 4x slower than fp32 is time-boxed (10 s, reported as stopped)")
     pc.add_argument("--min-steps", type=_positive_int,
                     help="fewest steps the time budget may choose (default 800: the master-weight lesson needs them)")
     pc.add_argument("--lr", type=_positive_float,
@@ -246,7 +280,31 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--hf-model", default=None, metavar="CONFIG_PATH",
                     help="train a transformers sequence classifier built (random init, no download) from this local "
                          "config.json or folder instead of the built-in model; vocab/labels are set to the task's")
+    pc.add_argument("--find-batch", action="store_true",
+                    help="instead of the comparison: grow each run's batch (doubling from --batch-size, then "
+                         "bisecting) until it no longer fits --memory-budget; at each size train --steps steps "
+                         "(default 20) and record tokens/s, peak memory, stability and val accuracy")
+    pc.add_argument("--memory-budget", type=_size, default=None, metavar="SIZE",
+                    help="memory budget of --find-batch, e.g. 96MiB or 20GB (CPU: required, the measured peak tensor "
+                         "bytes decide; CUDA: default the device's free memory, an out-of-memory error counts as not "
+                         "fitting)")
     pc.set_defaults(func=_cmd_compare)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``mpkern`` command (exposed for tests and docs)."""
+
+    p = argparse.ArgumentParser(prog="mpkern", description="mpkern: fused mixed-precision training kernels")
+    p.add_argument("--version", action="version", version=f"mpkern {_version()}")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    pi = sub.add_parser("info", help="device, dtype support and which backends are available (and why not)")
+    pi.add_argument("--json", action="store_true",
+                    help="print mpkern.info() as JSON (version, torch, device, capability, bf16/fp16, backends with "
+                         "availability and reason, matmul notes)")
+    pi.set_defaults(func=_cmd_info)
+
+    _add_compare_parser(sub)
 
     pb = sub.add_parser(
         "bench", help="kernel benchmarks vs the PyTorch peers, with the byte-model limit of each ratio",
@@ -275,6 +333,14 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--hf-config", metavar="PATH", help="take the parameter count from a transformers config.json")
     pp.add_argument("--world-size", type=_positive_int, default=1, help="ranks the state is sharded over (FSDP2)")
     pp.add_argument("--gpu-mem", type=_positive_float, default=None, metavar="GB", help="memory per device in GB")
+    pp.add_argument("--memory-budget", type=_size, default=None, metavar="SIZE",
+                    help="estimate the largest batch per recipe within SIZE (e.g. 20GB) from a measured step of "
+                         "--hf-config's model (meta device) or of mpkern compare's model")
+    pp.add_argument("--seq-len", type=_positive_int, default=None,
+                    help="tokens per sample of --memory-budget's step (default 16 for compare's model, 512 for "
+                         "--hf-config)")
+    pp.add_argument("--safety-margin", type=_number(float, "a fraction in [0, 1)", allow_zero=True), default=0.1,
+                    metavar="FRACTION", help="share of the budget the estimate leaves unused (default 0.1)")
     pp.add_argument("--json", action="store_true", help="print as JSON")
     pp.set_defaults(func=_cmd_plan)
     return p

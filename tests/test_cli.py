@@ -25,9 +25,10 @@ def test_help_lists_subcommands(capsys):
 
 @pytest.mark.parametrize("cmd, flags", [("compare", ["--precision", "--steps", "--lr", "--batch-size", "--seq-len",
                                                      "--d-model", "--layers", "--device", "--seed", "--out",
-                                                     "--optimizer-state"]),
+                                                     "--optimizer-state", "--find-batch", "--memory-budget"]),
                                         ("bench", ["--device", "--quick", "--json", "--plot"]),
-                                        ("plan", ["--params", "--world-size", "--gpu-mem", "--hf-config"])])
+                                        ("plan", ["--params", "--world-size", "--gpu-mem", "--hf-config",
+                                                  "--memory-budget", "--safety-margin"])])
 def test_subcommand_help(cmd, flags, capsys):
     with pytest.raises(SystemExit) as e:
         main([cmd, "--help"])
@@ -47,6 +48,11 @@ def test_subcommand_help(cmd, flags, capsys):
     (["compare", "--device", "tpu"], "--device"),
     (["compare", "--bogus"], "--bogus"),
     (["compare", "--d-model", "30", "--heads", "4", "--steps", "2", "--no-progress", "--no-plot"], "d_model"),
+    (["compare", "--memory-budget", "96MiB"], "--find-batch"),
+    (["compare", "--find-batch", "--memory-budget", "lots"], "--memory-budget"),
+    (["compare", "--find-batch", "--device", "cpu", "--steps", "2", "--no-progress", "--no-plot"], "memory-budget"),
+    (["plan", "--memory-budget", "0GB"], "--memory-budget"),
+    (["plan", "--memory-budget", "1GB", "--params", "7e9"], "--hf-config"),
     (["bench", "everything"], "which"),
     (["bench", "--params", "0"], "--params"),
     (["plan"], "--params"),

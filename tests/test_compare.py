@@ -412,3 +412,103 @@ def test_other_processes_cpu_is_measured_apart_from_ours(monkeypatch):
     time.sleep(0.3)
     got = meter.cores()  # /proc/stat counts in 10 ms ticks: allow a few ticks over the core count
     assert got is not None and 0.0 <= got <= (os.cpu_count() or 1) + 0.2
+
+
+# ---- the compact run, the CPU peak, the time box, --find-batch ------------------------------------
+def test_default_cpu_runs_show_the_compact_mode():
+    chosen, skipped = compare.default_precisions("cpu")
+    assert {"fp32", "bf16-naive", "mpkern-bf16", "mpkern-8bit"} <= set(chosen)
+    assert "mpkern-fp16" in skipped and "--precision" in skipped["mpkern-fp16"] and "fp16" in skipped
+
+
+def test_compact_run_keeps_the_fewest_bytes_and_the_lesson_says_what_each_mode_saves():
+    res = _run("fp32,mpkern-bf16,mpkern-8bit", linear="torch")
+    runs = {r["name"]: r for r in res["runs"]}
+    compact = runs["mpkern-8bit"]
+    assert "master_weights='8bit'" in compact["optimizer"] and "state_dtype=8bit" in compact["optimizer"]
+    # bf16 param + bf16 grad + int8 master correction + two int8 moments = 7 B; + a bf16 scale per 32 per moment
+    assert 7.0 < compact["state_bytes_per_param"]["total"] <= 7.2
+    line = next(t for t in res["lessons"] if t.startswith("mpkern modes:"))
+    assert "mpkern-bf16" in line and "mpkern-8bit" in line and "less training state than fp32" in line
+    # CPU peak = persistent state + the tensors of a steady step: the compact bf16 run needs less than fp32
+    assert all(r["peak_mem_kind"].startswith("tensor bytes") for r in res["runs"])
+    assert compact["peak_mem_bytes"] < runs["mpkern-bf16"]["peak_mem_bytes"] < runs["fp32"]["peak_mem_bytes"]
+    for r in res["runs"]:
+        persistent = r["state_bytes"]["total"] - r["state_bytes"]["grads"]
+        assert r["peak_mem_bytes"] >= persistent + r["state_bytes"]["grads"]  # the grads exist at the step's peak
+
+
+def test_live_bytes_counts_each_tensor_from_creation_to_free():
+    from mpkern.compare.memory import live_peak
+
+    def step():
+        a = torch.empty(1000)                       # 4000 B
+        b = torch.empty(500, dtype=torch.float64)   # 4000 B: 8000 live
+        del a
+        c = torch.empty(250)                        # 1000 B: 5000 live
+        return b, c
+
+    assert live_peak(step)[1] == 8000
+
+
+def test_time_boxes_pick_the_runs_many_times_slower_than_fp32():
+    boxes = compare.budget.time_boxes({"fp32": 0.01, "bf16": 0.039, "mpkern-bf16": 0.04})
+    assert set(boxes) == {"mpkern-bf16"} and boxes["mpkern-bf16"]["slower"] == pytest.approx(4.0)
+    assert compare.budget.time_boxes({"fp32": 0.01}) == {}
+
+
+def test_a_slow_run_is_time_boxed_and_the_report_says_so(monkeypatch):
+    probe = (lambda c, base, choice: {"fp32": 1e-3, "mpkern-bf16": 1e-2})
+    monkeypatch.setattr(compare.budget, "TIME_BOX_S", 0.0)
+    monkeypatch.setattr(compare.budget, "fit_budget", partial(compare.budget.fit_budget, probe=probe))
+    res = _run("fp32,mpkern-bf16", time_budget=30.0, min_steps=3)
+    fp32, boxed = res["runs"]
+    assert fp32["status"] == "ok" and fp32["steps_done"] == TINY["steps"]
+    assert boxed["status"] == "stopped" and boxed["steps_done"] == TINY["warmup"] + 1 < TINY["steps"]
+    assert boxed["tokens_per_s"] > 0 and boxed["val_acc"] is not None and math.isfinite(boxed["final_loss"])
+    assert res["budget"]["time_boxed"]["mpkern-bf16"]["slower"] == pytest.approx(10.0)
+    assert "time-boxed: stopped at step 2" in compare.format_table(res)
+    assert any(t.startswith("Time box: mpkern-bf16 stopped at step 2 of 6") for t in res["lessons"])
+
+
+def test_find_batch_grows_each_run_until_it_no_longer_fits(tmp_path):
+    budget = 640 * 1024
+    compare.run("fp32,mpkern-8bit", device="cpu", progress=False, plot=False, out=str(tmp_path), find_batch=True,
+                memory_budget=budget, linear="torch", **(TINY | {"steps": 2, "batch_size": 8}))
+    with open(tmp_path / "results.json") as f:
+        data = json.load(f)
+    assert data["memory_budget_bytes"] == budget
+    for name in ("fp32", "mpkern-8bit"):
+        s = data["batch_scaling"][name]
+        pts = {p["batch_size"]: p for p in s["points"]}
+        for p in s["points"]:
+            assert {"batch_size", "tokens_per_s", "peak_mem_bytes", "status", "val_acc"} <= set(p)
+            assert p["status"] in ("ok", "over_budget"), p
+            if p["status"] == "ok":
+                assert p["peak_mem_bytes"] <= budget and p["tokens_per_s"] > 0 and p["val_acc"] is not None
+            else:
+                assert p["peak_mem_bytes"] > budget
+        best = s["max_batch_size"]
+        assert pts[best]["status"] == "ok"
+        next_up = min(b for b in pts if b > best)
+        assert pts[next_up]["status"] == "over_budget"
+        assert next_up - best <= max(1, best // 8)  # bisected close to the limit
+    scaling = data["batch_scaling"]
+    assert scaling["mpkern-8bit"]["max_batch_size"] > scaling["fp32"]["max_batch_size"]
+    assert data["batch_ratio_vs_fp32"]["mpkern-8bit"] > 1.0
+    with pytest.raises(ValueError, match="memory-budget"):
+        compare.run("fp32", device="cpu", progress=False, plot=False, find_batch=True, **TINY)
+
+
+def test_batch_search_doubles_then_bisects():
+    tried = []
+
+    def fits(b):
+        tried.append(b)
+        return b <= 100
+
+    assert compare.batch.search(fits, 8) == (96, 104)
+    assert tried[:5] == [8, 16, 32, 64, 128]
+    tried.clear()
+    assert compare.batch.search(fits, 512)[0] == 96 and tried[:4] == [512, 256, 128, 64]
+    assert compare.batch.search(lambda b: False, 4) == (0, 1)

@@ -199,3 +199,39 @@ def test_storage_descriptions_match_the_allocated_state():
         params, opt, masters = bytemodel.build_recipe(name)
         got = bytemodel.count_state(params, opt, masters=masters).per_param()
         assert got["masters"] + got["moments"] == storage.state_bytes_per_param(mw, sdt, torch.bfloat16), name
+
+
+# ---- the largest batch for a memory budget ------------------------------------------------------
+def test_sizes_parse_with_units():
+    from mpkern.batch_plan import parse_size
+
+    assert parse_size("96MiB") == 96 * 2**20 and parse_size("20GB") == 20 * 10**9 and parse_size("1.5KiB") == 1536
+    for bad in ("lots", "-1GB", "0", "5 parsecs"):
+        with pytest.raises(ValueError, match="memory size"):
+            parse_size(bad)
+
+
+def test_batch_estimate_holds_against_a_measured_peak():
+    """plan's estimate for compare's model (a step measured at batch 32 and 64) against the peak
+    compare measures when it trains that batch: within the budget, and close to the prediction."""
+    from mpkern import batch_plan
+    from mpkern.compare import Classifier, Config
+    from mpkern.compare.batch import measure_point
+
+    budget = 24 * 2**20
+    est = batch_plan.plan_batches(budget)
+    assert est["margin"] == batch_plan.SAFETY_MARGIN and est["steps"]["fp32"]["per_sample"] > 0
+    cfg = Config(steps=2, warmup=1, log_every=1, val_size=8, linear="torch")
+    torch.manual_seed(0)
+    base = Classifier(2 * cfg.classes + 2 + cfg.noise_vocab, cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads,
+                      cfg.classes)
+    rows = est["rows"]
+    fp32 = next(r for r in rows if r["compute"] == "fp32")
+    compact = min((r for r in rows if r["compute"] == "bf16"), key=lambda r: r["state_B_per_param"])
+    for row, run in ((fp32, "fp32"), (compact, "mpkern-8bit")):
+        b = row["max_batch_size"]
+        assert b > 1
+        point = measure_point(run, cfg, base, b, budget)
+        assert point["status"] == "ok" and point["peak_mem_bytes"] <= budget, (row, point)
+        assert point["peak_mem_bytes"] == pytest.approx(row["predicted_peak_bytes"], rel=0.15), (row, point)
+    assert compact["max_batch_size"] > fp32["max_batch_size"]

@@ -11,6 +11,7 @@ hyperparameters; only the precision recipe differs:
 ``fp16``        ``torch.autocast(float16)`` + ``GradScaler`` (``unscale_`` + ``clip_grad_norm_``)
 ``bf16-naive``  bf16 params, plain AdamW, no master weights (its small updates round away)
 ``mpkern-bf16`` bf16 params, :class:`mpkern.FusedAdamWMP` (fp32 masters) with ``max_grad_norm`` fused
+``mpkern-8bit`` bf16 params, FusedAdamWMP(master_weights="8bit", state_dtype="8bit"): 7.125 B/param
 ``mpkern-fp16`` fp16 params (:func:`mpkern.nn.convert`), FusedAdamWMP + ``GradScaler`` +
                 ``mpkern.unscale_(opt, scaler=scaler, max_norm=...)``
 ==============  ===================================================================================
@@ -26,16 +27,13 @@ The validation split is held out (never trained on).
 Measurements: tokens/s over the steps after ``warmup`` (the device is synchronised at the timing
 boundaries and when the progress bar shows a loss, every ``log_every`` steps -- never inside a
 step); peak memory (CUDA: ``torch.cuda.max_memory_allocated`` above what was allocated before
-the run; CPU: growth of the process's peak resident set size during the run -- Linux ``VmHWM``,
-reset per run through ``/proc/self/clear_refs`` after ``malloc_trim`` -- plus the bytes of the
-tensors autograd saved for backward in one step, counted exactly); training-state bytes per
-parameter counted from the real tensors (:func:`mpkern.bytemodel.count_state`); final train loss
-(mean of the last ``log_every`` steps); validation accuracy; skipped steps and the loss scale.
-Parts: :mod:`.config` (settings and the runs of each device), :mod:`.task` (task and models),
-:mod:`.probe` (native-compute probe, the Linear choice), :mod:`.recipes` (the table of runs),
-:mod:`.train` (one run), :mod:`.budget` (the time budget and the time box), :mod:`.report` and
-:mod:`.plot` (what is printed and written), :mod:`.batch` (``--find-batch``: batch-size scaling),
-:mod:`.runner` (:func:`run`, the entry point).
+the run; CPU: the run's tensor bytes -- weights, masters and moments plus the peak of the tensors
+one steady step creates, activations, grads and every op's temporaries, counted from creation to
+free (:class:`.memory.LiveBytes`) -- beside the growth of the process's peak RSS); training-state
+bytes per parameter counted from the real tensors (:func:`mpkern.bytemodel.count_state`); final
+train loss (mean of the last ``log_every`` steps); validation accuracy; skipped steps and the loss
+scale. With a time budget (CPU default), a run the probe finds many times slower than fp32 is
+time-boxed (:func:`.budget.fit_budget`): it stops after a fixed window and says so.
 """
 
 from __future__ import annotations

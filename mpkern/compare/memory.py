@@ -102,3 +102,58 @@ class _OthersCpu:
         others = (end[1] - self.start[1]) - (end[2] - self.start[2])
         return max(0.0, others / (end[0] - self.start[0]))
 #: Compute capability from which a CUDA GPU has tensor cores for the dtype.
+
+
+class LiveBytes:
+    """Peak bytes of the tensors created while it is active (a ``TorchDispatchMode``): every storage
+    an op returns is counted from its creation until it is freed, so activations, grads and the
+    temporaries of each op (e.g. the fp32 copies of an upcasting GEMM path) are all in ``peak``.
+    Allocator-independent and exact for what goes through the dispatcher (scratch memory a kernel
+    allocates internally is not seen). Works for real and meta tensors."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        meter = self
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        meter._add(t.untyped_storage())
+                return out
+
+        self._mode = _Mode()
+
+    def _add(self, st: Any) -> None:
+        import weakref
+
+        key, n = id(st), st.nbytes()
+        if n == 0 or key in self._seen:
+            return
+        self._seen.add(key)
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(st, self._free, key, n)
+
+    def _free(self, key: int, n: int) -> None:
+        self._seen.discard(key)
+        self.live -= n
+
+    def __enter__(self) -> LiveBytes:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+
+def live_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """Run ``fn`` under :class:`LiveBytes`; ``(result, peak bytes of the tensors it created)``."""
+    with LiveBytes() as m:
+        out = fn()
+    return out, m.peak

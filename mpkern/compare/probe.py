@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..measure import cpu_flags, sync
-from .config import _DTYPE_NAME, Config
+from .config import _DTYPE_NAME, SIXTEEN_BIT_PARAMS, Config
 from .task import make_task
 
 Tensor = torch.Tensor
@@ -198,7 +198,7 @@ def measure_device(cfg: Config, base: nn.Module) -> tuple[dict[str, Any], dict[s
     choice: dict[str, dict[str, Any]] = {}
     if cfg.linear == "auto":
         dtypes = {torch.float16 if p.endswith("fp16") else torch.bfloat16
-                  for p in cfg.precisions if p in ("bf16-naive", "mpkern-bf16", "mpkern-fp16")}
+                  for p in cfg.precisions if p in SIXTEEN_BIT_PARAMS}
         for dt in sorted(dtypes, key=str):
             choice[_DTYPE_NAME[dt]] = choose_linear(shapes, dt, dev)
     return support, choice

@@ -38,6 +38,7 @@ def lessons(results: dict[str, Any]) -> list[str]:
             out.append(f"Master weights: at lr {lr:g} bf16-naive reached {100 * naive['val_acc']:.1f} %, close to the "
                        f"runs with masters ({acc}): its updates are large enough not to round away at this lr "
                        "(at the default 1e-4 they do).")
+    out += _mode_lessons(runs) + _time_box_lessons(results)
     nat = results.get("native_compute") or {}
     dev = results["device"]
     fp32 = runs.get("fp32")
@@ -76,11 +77,52 @@ def lessons(results: dict[str, Any]) -> list[str]:
     return out
 
 
+def _mode_lessons(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """What each mpkern mode saves (state bytes/param against fp32's) and costs (val acc against fp32's)."""
+    fp32 = runs.get("fp32")
+    parts = []
+    for name, r in runs.items():
+        if (not name.startswith("mpkern") or r.get("status", "ok") != "ok" or r["val_acc"] is None
+                or "state_bytes_per_param" not in r):
+            continue
+        bpp = r["state_bytes_per_param"]["total"]
+        text = f"{name} ({r['optimizer'].removeprefix('mpkern.FusedAdamWMP(').split(')')[0]}) keeps {bpp:.4g} B/param"
+        if fp32 is not None and fp32["val_acc"] is not None and "state_bytes_per_param" in fp32:
+            ref = fp32["state_bytes_per_param"]["total"]
+            saves = f"{100 * (1 - bpp / ref):.0f} % less training state than fp32" if bpp < ref else "as much as fp32"
+            d = 100 * (r["val_acc"] - fp32["val_acc"])
+            cost = ("no measurable accuracy cost" if abs(d) < 1.0
+                    else f"{-d:.1f} points below fp32" if d < 0 else f"{d:.1f} points above fp32")
+            text += f" ({saves}) and reached {100 * r['val_acc']:.1f} % val acc vs fp32's {100 * fp32['val_acc']:.1f} %: {cost}"
+        else:
+            text += f" and reached {100 * r['val_acc']:.1f} % val acc"
+        parts.append(text)
+    return ["mpkern modes: " + "; ".join(parts) + "."] if parts else []
+
+
+def _time_box_lessons(results: dict[str, Any]) -> list[str]:
+    """Why a run stopped early (its time box) and what its numbers then mean."""
+    boxes = (results.get("budget") or {}).get("time_boxed") or {}
+    out = []
+    for r in results["runs"]:
+        if r.get("status") != "stopped":
+            continue
+        why = boxes.get(r["name"], {}).get("why", "it was time-boxed")
+        acc = f"{100 * r['val_acc']:.1f} %" if r["val_acc"] is not None else "n/a"
+        out.append(f"Time box: {r['name']} stopped at step {r['steps_done']} of {results['config']['steps']} -- {why}. "
+                   f"Its tokens/s are measured over those steps; its loss ({r['final_loss']:.3f}) and val acc ({acc}) "
+                   "are those of the step it reached, not comparable with the finished runs' (--time-budget off, e.g. "
+                   "--steps 800, trains it fully).")
+    return out
+
+
 _MEMORY_NOTE = {
-    False: ("CPU peak memory = growth of the process's peak resident set size during the run (Linux VmHWM, "
-            "reset per run via /proc/self/clear_refs after malloc_trim; includes allocator and oneDNN "
-            "scratch, and the model/optimizer/activations). activation_bytes_saved_for_backward counts the "
-            "distinct tensors autograd saved in one step (exact, allocator-independent)."),
+    False: ("CPU peak mem = tensor bytes of the run: its weights, masters and moments plus the peak of the tensors "
+            "one steady training step creates (activations, grads and the temporaries of each op -- e.g. the fp32 "
+            "copies of mpkern.linear's CPU GEMM path -- counted from creation to free through the dispatcher; "
+            "allocator-independent). RSS peak = growth of the process's peak resident set size during the run "
+            "(Linux VmHWM, reset per run; includes what the allocator keeps after frees and oneDNN scratch). "
+            "act. saved counts the distinct tensors autograd saved for backward in one step."),
     True: "CUDA peak memory = torch.cuda.max_memory_allocated during the run minus what was allocated before it.",
 }
 
@@ -102,22 +144,32 @@ def _fmt_bytes(n: float | None) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def _status(r: dict[str, Any]) -> str:
+    if r["status"] == "diverged":
+        return f"diverged at step {r['diverged_at_step']}"
+    if r["status"] == "stopped":
+        return f"time-boxed: stopped at step {r['steps_done']}"
+    return r["status"]
+
+
 def format_table(results: dict[str, Any]) -> str:
     """The per-run table (markdown) of a :func:`run` report."""
-    cols = ["run", "params", "compute", "GEMM", "tokens/s", "vs fp32", "peak mem", "act. saved", "state B/param",
-            "final loss", "val acc", "skipped", "status"]
+    rss = any(r.get("rss_peak_bytes") is not None for r in results["runs"])
+    cols = ["run", "params", "compute", "GEMM", "tokens/s", "vs fp32", "peak mem"] + ["RSS peak"] * rss + [
+            "act. saved", "state B/param", "final loss", "val acc", "skipped", "status"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in results["runs"]:
         cells = [
             r["name"], r["param_dtype"], r["compute"], r.get("gemm", "?"),
             f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a",
             f"{r['speedup_vs_fp32']:.2f}x" if r["speedup_vs_fp32"] else "n/a",
-            _fmt_bytes(r["peak_mem_bytes"]), _fmt_bytes(r["activation_bytes_saved_for_backward"]),
-            f"{r['state_bytes_per_param']['total']:.1f}",
+            _fmt_bytes(r["peak_mem_bytes"])] + [_fmt_bytes(r.get("rss_peak_bytes"))] * rss + [
+            _fmt_bytes(r["activation_bytes_saved_for_backward"]),
+            f"{r['state_bytes_per_param']['total']:.4g}",
             f"{r['final_loss']:.3f}" if math.isfinite(r["final_loss"]) else "nan",
             f"{100 * r['val_acc']:.1f} %" if r["val_acc"] is not None else "n/a",
             str(r["skipped_steps"]),
-            "ok" if r["status"] == "ok" else f"diverged at step {r['diverged_at_step']}",
+            _status(r),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -153,6 +205,11 @@ def _header(results: dict[str, Any]) -> str:
                        for k in ("bfloat16", "float16") if k in nat) or "not measured"
     b = results.get("budget") or {}
     budget = f"; time budget {b['time_budget_s']:g} s: {b['why']}" if b.get("time_budget_s") else ""
+    if "memory_budget_bytes" in results:
+        from ..batch_plan import fmt_size
+
+        budget = (f"; --find-batch: batch grown from {c['batch_size']} (doubling, then bisecting) within "
+                  f"{fmt_size(results['memory_budget_bytes'])}, {c['steps']} steps per size")
     if c.get("hf_model"):
         model = f"transformers {results['model']['class']} from {c['hf_model']}"
     else:
@@ -169,16 +226,20 @@ def _header(results: dict[str, Any]) -> str:
 
 
 def write_outputs(results: dict[str, Any], out: str, *, plot: bool = True) -> dict[str, str]:
-    """Write ``results.json``, ``results.md`` and (with matplotlib) ``compare.png`` into ``out``."""
+    """Write ``results.json``, ``results.md`` and (with matplotlib) ``compare.png`` -- for a
+    ``--find-batch`` report ``batch_scaling.png`` -- into ``out``."""
+    from .batch import format_batch_table, plot_batch
+
     os.makedirs(out, exist_ok=True)
     paths = {"json": os.path.join(out, "results.json"), "md": os.path.join(out, "results.md")}
     with open(paths["json"], "w") as f:
         json.dump(results, f, indent=1, allow_nan=True)
+    scaling = "batch_scaling" in results
+    body = format_batch_table(results) if scaling else format_table(results) + "\n\n" + format_details(results)
     with open(paths["md"], "w") as f:
-        f.write(_header(results).replace("\n", "  \n") + "\n\n" + format_table(results) + "\n\n"
-                + format_details(results) + "\n")
+        f.write(_header(results).replace("\n", "  \n") + "\n\n" + body + "\n")
     if plot:
-        png = os.path.join(out, "compare.png")
-        if plot_results(results, png):
+        png = os.path.join(out, "batch_scaling.png" if scaling else "compare.png")
+        if (plot_batch if scaling else plot_results)(results, png):
             paths["png"] = png
     return paths

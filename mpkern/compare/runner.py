@@ -15,32 +15,20 @@ from torch import nn
 from ..measure import device_info
 from . import budget as _budget
 from . import probe as _probe
-from .config import SCHEMA, Config, _check, _no_bf16_message, default_config, default_precisions
+from .config import BF16_RUNS, SCHEMA, Config, _check, _no_bf16_message, default_config, default_precisions
 from .memory import _OthersCpu
 from .report import _MEMORY_NOTE, _jsonable, lessons, write_outputs
 from .task import Classifier, HFClassifier, make_task
 from .train import train_one
+from . import batch as _batch
+from ..batch_plan import parse_size
 
 
 
-# ---- the comparison -----------------------------------------------------------------------------
-def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.device | None = None,
-        out: str | None = None, progress: bool = True, plot: bool = True, **overrides: Any) -> dict[str, Any]:
-    """Train every run in ``precisions`` and return the report (also written to ``out``).
-
-    Args:
-        precisions: names from :data:`PRECISIONS` (a list or a comma-separated string); ``None``:
-            every run the device supports (see :func:`default_precisions`).
-        device: ``"cpu"``, ``"cuda"``, ... (default: CUDA if available, else CPU).
-        out: directory for ``results.json``, ``results.md`` and ``compare.png`` (None: write nothing).
-        progress: show a progress bar per run.
-        plot: write ``compare.png`` (needs matplotlib; without it a one-line notice is printed).
-        **overrides: any field of :class:`Config` (``steps``, ``lr``, ``batch_size``, ``seq_len``,
-            ``d_model``, ``layers``, ``heads``, ``seed``, ``optimizer_state``, ``linear``, ...).
-
-    Raises ValueError (naming the setting) for bad settings and for bf16 on a GPU without it.
-    """
-    from .. import __version__, bf16_supported
+def _resolve(precisions: Sequence[str] | str | None, device: str | torch.device | None, find_batch: bool,
+             overrides: dict[str, Any]) -> Config:
+    """The checked :class:`Config` of a call of :func:`run`."""
+    from .. import bf16_supported
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,6 +39,8 @@ def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.de
     unknown = set(overrides) - set(Config.__dataclass_fields__) - {"precisions", "device", "skipped_precisions"}
     if unknown:
         raise TypeError(f"run() got unknown settings {sorted(unknown)}")
+    if find_batch:  # every batch size trains --steps steps (default 20); no time budget
+        overrides = {"steps": FIND_BATCH_STEPS, **overrides, "time_budget": None}
     if "steps" in overrides and "time_budget" not in overrides:
         overrides = dict(overrides, time_budget=None)  # steps asked for: take them as given
     cfg = replace(cfg, **overrides)
@@ -60,62 +50,131 @@ def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.de
         chosen = tuple(p.strip() for p in precisions.split(",")) if isinstance(precisions, str) else tuple(precisions)
         skipped = {}
         for p in chosen:
-            if "bf16" in p and not bf16_supported(dev):
+            if p in BF16_RUNS and not bf16_supported(dev):
                 raise ValueError(f"precision {p}: {_no_bf16_message(dev)}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     cfg = replace(cfg, precisions=chosen, skipped_precisions=skipped, device=str(dev),
                   threads=torch.get_num_threads())
     _check(cfg)
-    t_all = time.perf_counter()
-    dev_info = device_info(dev)
+    return cfg
+
+
+#: steps per batch size of ``--find-batch`` unless ``steps`` is given
+FIND_BATCH_STEPS = 20
+
+
+def _base_model(cfg: Config) -> nn.Module:
     vocab = 2 * cfg.classes + 2 + cfg.noise_vocab  # as make_task builds it
     torch.manual_seed(cfg.seed)
     if cfg.hf_model:
-        base: nn.Module = HFClassifier(cfg.hf_model, vocab, cfg.seq_len, cfg.classes)
-    else:
-        base = Classifier(vocab, cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads, cfg.classes)
-    for p, why in skipped.items():
-        print(f"[compare] skipping {p}: {why}", flush=True)
-    support, linear_choice = _probe.measure_device(cfg, base)
-    for info in linear_choice.values():
-        print(f"[compare] --linear auto, {info['dtype']}: {info['chosen']} ({info['why']})", flush=True)
-    cfg, budget = _budget.fit_budget(cfg, base, linear_choice)
-    if cfg.time_budget is not None:
-        print(f"[compare] time budget: {budget['why']}", flush=True)
-    task = make_task(cfg)
-    others = _OthersCpu()
-    runs = [train_one(name, cfg, task, base, progress=progress, linear_choice=linear_choice)
-            for name in cfg.precisions]
-    if dev.type == "cpu":
-        dev_info["other_processes_cores"] = others.cores()
-    ref = next((r for r in runs if r["name"] == "fp32" and r["tokens_per_s"]), None)
-    for r in runs:
-        if ref and r["tokens_per_s"]:
-            r["speedup_vs_fp32"] = r["tokens_per_s"] / ref["tokens_per_s"]
-    from ..plan import plan_table
+        return HFClassifier(cfg.hf_model, vocab, cfg.seq_len, cfg.classes)
+    return Classifier(vocab, cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads, cfg.classes)
 
-    results = {
+
+def _common(cfg: Config, base: nn.Module, dev_info: dict[str, Any], support: dict[str, Any],
+            linear_choice: dict[str, Any]) -> dict[str, Any]:
+    """The parts of the report every mode has: versions, device, config, task, model."""
+    from .. import __version__
+
+    task = make_task(replace(cfg, steps=1, val_size=cfg.val_size))
+    return {
         "schema": SCHEMA,
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "versions": {"mpkern": __version__, "torch": torch.__version__, "python": platform.python_version(),
                      "cuda": torch.version.cuda},
-        "device": dev_info,
-        "native_compute": support,
-        "linear_choice": linear_choice,
-        "budget": budget,
+        "device": dev_info, "native_compute": support, "linear_choice": linear_choice,
         "config": _jsonable(asdict(cfg)),
         "task": {"name": "query-selected colour class", "vocab": task.vocab, "classes": task.classes,
-                 "train_sequences": len(task.y_train), "val_sequences": len(task.y_val),
+                 "train_sequences": cfg.steps * cfg.batch_size, "val_sequences": len(task.y_val),
                  "chance_acc": 1.0 / task.classes, "ignore_query_ceiling_acc": 0.5,
                  "tokens_per_step": cfg.batch_size * cfg.seq_len},
         "model": {"class": base.model.__class__.__name__ if isinstance(base, HFClassifier) else "Classifier",
                   "params": sum(p.numel() for p in base.parameters())},
-        "memory_note": _MEMORY_NOTE[dev.type == "cuda"],
-        "runs": runs,
-        "plan": plan_table(runs[0]["params"]) if runs else [],
+        "memory_note": _MEMORY_NOTE[torch.device(cfg.device).type == "cuda"],
     }
-    results["lessons"] = lessons(results)
+
+
+def _find_batch(cfg: Config, base: nn.Module, support: dict[str, Any], linear_choice: dict[str, Any],
+                memory_budget: Any, explicit: bool) -> tuple[Config, dict[str, Any]]:
+    """``--find-batch``: the budget, the runs (on a CPU without native bf16 the default leaves out the
+    bf16 autocast run: many times slower there), and the scaling curve of each."""
+    dev = torch.device(cfg.device)
+    budget = parse_size(memory_budget) if memory_budget is not None else _batch.default_budget(dev)
+    if not explicit and dev.type == "cpu" and not support.get("bfloat16", {}).get("native", True) \
+            and "bf16" in cfg.precisions:
+        skipped = dict(cfg.skipped_precisions, bf16="this CPU emulates bf16 GEMMs (see native 16-bit compute): "
+                       "autocast bf16 at large batches would take most of the time; ask with --precision")
+        cfg = replace(cfg, precisions=tuple(p for p in cfg.precisions if p != "bf16"), skipped_precisions=skipped)
+    if cfg.steps < 2:
+        raise ValueError(f"steps: --find-batch needs >= 2 steps per batch size (the second is measured), got {cfg.steps}")
+    scaling = _batch.find_batch(cfg, base, budget, linear_choice)
+    return cfg, {"memory_budget_bytes": budget, "batch_scaling": scaling, "batch_ratio_vs_fp32": _batch.ratios(scaling)}
+
+
+def _load(dev_info: dict[str, Any], others: _OthersCpu) -> None:
+    if dev_info["type"] == "cpu":
+        dev_info["other_processes_cores"] = others.cores()
+
+
+# ---- the comparison -----------------------------------------------------------------------------
+def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.device | None = None,
+        out: str | None = None, progress: bool = True, plot: bool = True, find_batch: bool = False,
+        memory_budget: str | int | None = None, **overrides: Any) -> dict[str, Any]:
+    """Train every run in ``precisions`` and return the report (also written to ``out``).
+
+    Args:
+        precisions: names from :data:`PRECISIONS` (a list or a comma-separated string); ``None``:
+            every run the device supports (see :func:`default_precisions`).
+        device: ``"cpu"``, ``"cuda"``, ... (default: CUDA if available, else CPU).
+        out: directory for ``results.json``, ``results.md`` and ``compare.png`` (None: write nothing).
+        progress: show a progress bar per run.
+        plot: write ``compare.png`` (needs matplotlib; without it a one-line notice is printed).
+        find_batch: instead of the comparison, the batch-size scaling of each run within
+            ``memory_budget`` (:mod:`mpkern.compare.batch`; ``results["batch_scaling"]``).
+        memory_budget: bytes or a size such as ``"96MiB"`` / ``"20GB"`` (``find_batch``; required on
+            CPU, default on CUDA: the device's free memory).
+        **overrides: any field of :class:`Config` (``steps``, ``lr``, ``batch_size``, ``seq_len``,
+            ``d_model``, ``layers``, ``heads``, ``seed``, ``optimizer_state``, ``linear``, ...).
+
+    Raises ValueError (naming the setting) for bad settings and for bf16 on a GPU without it.
+    """
+    cfg = _resolve(precisions, device, find_batch, overrides)
+    dev = torch.device(cfg.device)
+    if find_batch and memory_budget is None and dev.type == "cpu":
+        _batch.default_budget(dev)  # raises: CPU needs a budget
+    if memory_budget is not None:
+        parse_size(memory_budget)  # a bad size fails before any training
+    t_all = time.perf_counter()
+    dev_info = device_info(dev)
+    base = _base_model(cfg)
+    for p, why in cfg.skipped_precisions.items():
+        print(f"[compare] skipping {p}: {why}", flush=True)
+    support, linear_choice = _probe.measure_device(cfg, base)
+    for info in linear_choice.values():
+        print(f"[compare] --linear auto, {info['dtype']}: {info['chosen']} ({info['why']})", flush=True)
+    others = _OthersCpu()
+    if find_batch:
+        cfg, scaling = _find_batch(cfg, base, support, linear_choice, memory_budget, precisions is not None)
+        _load(dev_info, others)
+        results = _common(cfg, base, dev_info, support, linear_choice) | scaling | {"runs": []}
+    else:
+        cfg, budget = _budget.fit_budget(cfg, base, linear_choice)
+        if cfg.time_budget is not None:
+            print(f"[compare] time budget: {budget['why']}", flush=True)
+        task = make_task(cfg)
+        runs = [train_one(name, cfg, task, base, progress=progress, linear_choice=linear_choice)
+                for name in cfg.precisions]
+        ref = next((r for r in runs if r["name"] == "fp32" and r["tokens_per_s"]), None)
+        for r in runs:
+            if ref and r["tokens_per_s"]:
+                r["speedup_vs_fp32"] = r["tokens_per_s"] / ref["tokens_per_s"]
+        from ..plan import plan_table
+
+        _load(dev_info, others)
+        results = _common(cfg, base, dev_info, support, linear_choice) | {
+            "budget": budget, "runs": runs, "plan": plan_table(runs[0]["params"]) if runs else []}
+        results["lessons"] = lessons(results)
     results["wall_s"] = time.perf_counter() - t_all
     if out is not None:
         write_outputs(results, out, plot=plot)

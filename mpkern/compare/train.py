@@ -14,12 +14,12 @@ from torch import nn
 from .. import _progress, bytemodel
 from ..measure import sync
 from .config import Config
-from .memory import _CpuPeak, _saved_bytes
+from .budget import TIME_BOX_WARMUP
+from .memory import _CpuPeak, _saved_bytes, live_peak
 from .recipes import _build, _Recipe
 from .task import Task
 
 Tensor = torch.Tensor
-
 
 
 def _evaluate(r: _Recipe, task: Task, device: torch.device, batch: int = 512) -> float:
@@ -35,11 +35,121 @@ def _evaluate(r: _Recipe, task: Task, device: torch.device, batch: int = 512) ->
     return correct.item() / len(task.y_val)
 
 
+#: the step whose live tensor bytes are counted (the optimizer state exists from step 0 on)
+PROFILED_STEP = 1
+
+
+class _Loop:
+    """The training loop of one run and what it records (losses, loss scales, skips, timing)."""
+
+    def __init__(self, name: str, cfg: Config, r: _Recipe, task: Task, device: torch.device,
+                 deadline_s: float | None) -> None:
+        self.name, self.cfg, self.r, self.device = name, cfg, r, device
+        self.steps = cfg.steps
+        warmup = min(cfg.warmup, TIME_BOX_WARMUP) if deadline_s is not None else cfg.warmup
+        self.warm = min(warmup, self.steps - 1)
+        self.deadline_s = deadline_s
+        self.losses = torch.full((self.steps,), float("nan"), device=device)
+        self.scales = torch.zeros(self.steps, device=device) if r.scaler is not None else None
+        self.skipped_fused = torch.zeros((), device=device)
+        self.x_all, self.y_all = task.x_train.to(device), task.y_train.to(device)
+        self.diverged_at: int | None = None
+        self.stopped = self.over_budget = False
+        self.act_bytes = self.live_peak = 0
+        self.t0: float | None = None
+        self.done = self.logged = 0
+
+    def batch(self, i: int) -> tuple[Tensor, Tensor]:
+        bsz = self.cfg.batch_size
+        return self.x_all[i * bsz:(i + 1) * bsz], self.y_all[i * bsz:(i + 1) * bsz]
+
+    def one(self, i: int) -> Tensor:
+        x, y = self.batch(i)
+        if i == 0:
+            loss, self.act_bytes = _saved_bytes(partial(self.r.step, x, y))
+        elif i == PROFILED_STEP and self.device.type == "cpu":
+            loss, self.live_peak = live_peak(partial(self.r.step, x, y))
+            budget = self.cfg.memory_budget
+            if budget is not None:  # --find-batch: a step over the budget ends the run here
+                st = bytemodel.count_state(self.r.params, self.r.opt)
+                self.over_budget = st.total - st.bytes["grads"] + self.live_peak > budget
+        else:
+            loss = self.r.step(x, y)
+        return loss
+
+    def run(self, bar: Any) -> None:
+        cfg, r = self.cfg, self.r
+        start = time.perf_counter()
+        for i in range(self.steps):
+            if i == self.warm:
+                sync(self.device)
+                self.t0 = time.perf_counter()
+            self.losses[i] = self.one(i)
+            if self.scales is not None:
+                self.scales[i] = r.scaler._scale.reshape(())  # after update(): the scale the next step uses
+            elif self.name in ("mpkern-bf16", "mpkern-8bit") and r.opt.last_found_inf is not None:
+                self.skipped_fused += r.opt.last_found_inf
+            self.done = i + 1
+            if self.deadline_s is not None and self.done > self.warm and time.perf_counter() - start >= self.deadline_s:
+                self.stopped = self.done < self.steps  # the time box: the clock only, no host sync
+            if self.done % cfg.log_every == 0 or self.done == self.steps or self.stopped:
+                self._log(bar)
+                if self.diverged_at is not None or self.stopped:
+                    break
+            if self.over_budget:
+                break
+        sync(self.device)
+        self.t1 = time.perf_counter()
+
+    def _log(self, bar: Any) -> None:
+        cfg, done = self.cfg, self.done
+        last = self.losses[done - 1].item()  # the one host sync per logging window
+        tps = ((done - self.warm) * cfg.batch_size * cfg.seq_len / (time.perf_counter() - self.t0)
+               if self.t0 and done > self.warm else 0.0)
+        bar.set_postfix_str(f"loss {last:.3f}  {tps:,.0f} tok/s")
+        bar.update(done - self.logged)
+        self.logged = done
+        if not math.isfinite(last):
+            bad = (~torch.isfinite(self.losses[:done])).cpu()
+            j = done - 1  # the first step of the trailing run of non-finite losses
+            while j > 0 and bool(bad[j - 1]):
+                j -= 1
+            self.diverged_at = j
+
+    def skipped(self) -> tuple[int, list[list[float]] | None]:
+        """Skipped steps and the compressed loss-scale history."""
+        r, done = self.r, self.done
+        if self.scales is not None:
+            sc = self.scales[:done].cpu()
+            prev = torch.cat([torch.tensor([float(r.scaler._init_scale)]), sc[:-1]])
+            return int((sc < prev).sum()), _compress_scales(sc.tolist(), float(r.scaler._init_scale))
+        if self.name in ("mpkern-bf16", "mpkern-8bit"):
+            return int(self.skipped_fused.item()), None
+        return 0, None
+
+
+def _peak(device: torch.device, cpu_peak: _CpuPeak, mem_base: int, loop: _Loop,
+          state: bytemodel.StateBytes) -> dict[str, Any]:
+    """Peak memory of the run: CUDA max_memory_allocated; CPU the tensor bytes of a steady step
+    (persistent state without grads + the peak of the tensors the step created) beside peak RSS."""
+    if device.type == "cuda":
+        return {"peak_mem_bytes": torch.cuda.max_memory_allocated(device) - mem_base,
+                "peak_mem_kind": "cuda.max_memory_allocated - allocated before the run", "rss_peak_bytes": None}
+    persistent = state.total - state.bytes["grads"]
+    profiled = loop.done > PROFILED_STEP
+    return {"peak_mem_bytes": persistent + loop.live_peak if profiled else None,
+            "peak_mem_kind": "tensor bytes: weights + masters + moments + peak of the tensors one steady step creates "
+                             "(activations, grads, temporaries)",
+            "rss_peak_bytes": cpu_peak.peak()}
+
+
 def train_one(name: str, cfg: Config, task: Task, base: nn.Module, *, progress: bool = True,
               linear_choice: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Train run ``name`` (one of :data:`PRECISIONS`) for ``cfg.steps`` steps; return its report."""
+    """Train run ``name`` (one of :data:`PRECISIONS`) for ``cfg.steps`` steps (or its time box,
+    ``cfg.time_box[name]`` seconds); return its report."""
     device = torch.device(cfg.device)
     cpu_peak = _CpuPeak()
+    mem_base = 0
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -48,95 +158,37 @@ def train_one(name: str, cfg: Config, task: Task, base: nn.Module, *, progress: 
         cpu_peak.start()
     t_start = time.perf_counter()
     r = _build(name, cfg, base, device, linear_choice)
-    steps, bsz, warm = cfg.steps, cfg.batch_size, min(cfg.warmup, cfg.steps - 1)
-    losses = torch.full((steps,), float("nan"), device=device)
-    scales = torch.zeros(steps, device=device) if r.scaler is not None else None
-    skipped_fused = torch.zeros((), device=device)
-    x_all, y_all = task.x_train.to(device), task.y_train.to(device)
-    bar = _progress.bar(steps, f"{name:<12}", progress)
-    diverged_at: int | None = None
-    act_bytes = 0
-    t0 = t1 = None
-    done = 0
-    for i in range(steps):
-        if i == warm:
-            sync(device)
-            t0 = time.perf_counter()
-        x, y = x_all[i * bsz:(i + 1) * bsz], y_all[i * bsz:(i + 1) * bsz]
-        if i == 0:
-            loss, act_bytes = _saved_bytes(partial(r.step, x, y))
-        else:
-            loss = r.step(x, y)
-        losses[i] = loss
-        if scales is not None:
-            scales[i] = r.scaler._scale.reshape(())  # after update(): the scale the next step uses
-        elif name == "mpkern-bf16" and r.opt.last_found_inf is not None:
-            skipped_fused += r.opt.last_found_inf
-        done = i + 1
-        if done % cfg.log_every == 0 or done == steps:
-            window = losses[max(0, done - cfg.log_every):done]
-            last = window[-1].item()  # the one host sync per logging window
-            tps = (done - warm) * bsz * cfg.seq_len / (time.perf_counter() - t0) if t0 and done > warm else 0.0
-            bar.set_postfix_str(f"loss {last:.3f}  {tps:,.0f} tok/s")
-            bar.update(cfg.log_every if done % cfg.log_every == 0 else done % cfg.log_every)
-            if not math.isfinite(last):
-                bad = (~torch.isfinite(losses[:done])).cpu()
-                # the first step of the trailing run of non-finite losses
-                j = done - 1
-                while j > 0 and bool(bad[j - 1]):
-                    j -= 1
-                diverged_at = j
-                break
-    sync(device)
-    t1 = time.perf_counter()
+    loop = _Loop(name, cfg, r, task, device, cfg.time_box.get(name))
+    bar = _progress.bar(cfg.steps, f"{name:<12}", progress)
+    loop.run(bar)
     bar.close()
-    timed_steps = done - warm if t0 is not None else 0
-    tokens_per_s = timed_steps * bsz * cfg.seq_len / (t1 - t0) if timed_steps > 0 else None
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) - mem_base
-        peak_kind = "cuda.max_memory_allocated - allocated before the run"
-    else:
-        peak = cpu_peak.peak()
-        peak_kind = "peak RSS growth (VmHWM)" if peak is not None else "unavailable (no /proc/self/clear_refs)"
-    state = _state_with_grads(r, x_all[:bsz], y_all[:bsz])
-    hist = losses[:done].cpu()
+    done, warm = loop.done, loop.warm
+    timed_steps = done - warm if loop.t0 is not None else 0
+    tokens_per_s = timed_steps * cfg.batch_size * cfg.seq_len / (loop.t1 - loop.t0) if timed_steps > 0 else None
+    rss = cpu_peak.peak() if device.type == "cpu" else None
+    state = _state_with_grads(r, loop.x_all[:cfg.batch_size], loop.y_all[:cfg.batch_size])
+    hist = loop.losses[:done].cpu()
     finite = hist[torch.isfinite(hist)]
     tail = hist[max(0, done - cfg.log_every):done]
-    final_loss = float(tail.mean()) if diverged_at is None else float("nan")
-    val_acc = _evaluate(r, task, device) if diverged_at is None else None
-    if scales is not None:
-        sc = scales[:done].cpu()
-        prev = torch.cat([torch.tensor([float(r.scaler._init_scale)]), sc[:-1]])
-        skipped = int((sc < prev).sum())
-        scale_hist = _compress_scales(sc.tolist(), float(r.scaler._init_scale))
-    elif name == "mpkern-bf16":
-        skipped, scale_hist = int(skipped_fused.item()), None
-    else:
-        skipped, scale_hist = 0, None
-    out = {
-        "name": name,
-        **r.describe,
-        "status": "ok" if diverged_at is None else "diverged",
-        "diverged_at_step": diverged_at,
-        "steps_done": done,
-        "timed_steps": timed_steps,
-        "tokens_per_s": tokens_per_s,
-        "speedup_vs_fp32": None,
-        "peak_mem_bytes": peak,
-        "peak_mem_kind": peak_kind,
-        "activation_bytes_saved_for_backward": act_bytes,
-        "params": state.params,
-        "state_bytes": dict(state.bytes, total=state.total),
+    ok = loop.diverged_at is None
+    skipped, scale_hist = loop.skipped()
+    status = "diverged" if not ok else "stopped" if loop.stopped else "over_budget" if loop.over_budget else "ok"
+    return {
+        "name": name, **r.describe, "status": status, "diverged_at_step": loop.diverged_at,
+        "stopped_why": (f"time-boxed at step {done} of {cfg.steps} after {cfg.time_box[name]:g} s"
+                        if loop.stopped else None),
+        "steps_done": done, "timed_steps": timed_steps, "tokens_per_s": tokens_per_s, "speedup_vs_fp32": None,
+        **_peak(device, cpu_peak, mem_base, loop, state), **({"rss_peak_bytes": rss} if rss is not None else {}),
+        "activation_bytes_saved_for_backward": loop.act_bytes,
+        "params": state.params, "state_bytes": dict(state.bytes, total=state.total),
         "state_bytes_per_param": state.per_param(),
-        "final_loss": final_loss,
+        "final_loss": float(tail.mean()) if ok else float("nan"),
         "min_loss": float(finite.min()) if len(finite) else float("nan"),
-        "val_acc": val_acc,
-        "skipped_steps": skipped,
-        "loss_scale_history": scale_hist,
+        "val_acc": _evaluate(r, task, device) if ok and not loop.over_budget else None,
+        "skipped_steps": skipped, "loss_scale_history": scale_hist,
         "losses": [round(v, 5) if math.isfinite(v) else None for v in hist.tolist()],
         "wall_s": time.perf_counter() - t_start,
     }
-    return out
 
 
 def _state_with_grads(r: _Recipe, x: Tensor, y: Tensor) -> bytemodel.StateBytes:
