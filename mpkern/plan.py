@@ -101,8 +101,9 @@ def plan_table(params: float, *, world_size: int = 1, gpu_mem: float | None = No
         raise ValueError(f"gpu_mem must be a positive number of GB, got {gpu_mem!r}")
     measured = measured if measured is not None else bytemodel.measure_recipes()
     rows = []
+    notes = bytemodel.recipes()
     for name, bpp in measured.items():
-        row: dict[str, Any] = {"recipe": name, "note": bytemodel.RECIPES.get(name, "")}
+        row: dict[str, Any] = {"recipe": name, "note": notes.get(name, "")}
         row.update({f"{k}_B": v for k, v in bpp.items() if k != "total"})
         row["total_B"] = bpp["total"]
         row["world_size"] = world_size
