@@ -14,12 +14,68 @@ import torch
 Tensor = torch.Tensor
 
 
+# The norm reduction (csrc/include/mpkern/norm.h): squares in fp64, lane sums in row order inside
+# blocks of 16 rows x 16 lanes, halves-trees over the lanes of a block and the 64 blocks of a
+# 16384-element chunk, then 128 row-order lanes of chunk partials and a halves-tree over them.
+NORM_LANES, NORM_ROWS, NORM_BLOCKS, NORM_TENSOR_LANES = 16, 16, 64, 128
+NORM_CHUNK = NORM_LANES * NORM_ROWS * NORM_BLOCKS
+_NORM_SLICE = 256  # chunks squared at once (bounds the fp64 temporary to 32 MB)
+
+
+def _halves(x: Tensor) -> Tensor:
+    """Halves-tree sum over the last dimension (a power of two): x[..., i] + x[..., i + n/2] first."""
+    while x.shape[-1] > 1:
+        w = x.shape[-1] // 2
+        x = x[..., :w] + x[..., w:]
+    return x[..., 0]
+
+
+def _rows_then_halves(x: Tensor) -> Tensor:
+    """x [rows, ..., lanes]: each lane summed over the rows in order, then the halves-tree over lanes."""
+    acc = x[0]
+    for r in range(1, x.shape[0]):
+        acc = acc + x[r]
+    return _halves(acc)
+
+
+def memory_order(g: Tensor) -> Tensor:
+    """The elements of a dense tensor (contiguous up to a permutation of its dims) as a 1-D view in
+    memory order, from its first element -- the order the kernels walk (they read data_ptr()
+    onwards). Other tensors: their logical order (the kernels refuse them)."""
+    if g.is_contiguous():
+        return g.reshape(-1)
+    perm = sorted(range(g.dim()), key=lambda d: g.stride(d), reverse=True)
+    return g.permute(perm).reshape(-1)
+
+
+def norm_sumsq(x: Tensor) -> Tensor:
+    """Sum of squares of the 1-D tensor ``x`` (0-dim float64), in the order of norm.h, on x's device."""
+    n = x.numel()
+    chunks = -(-n // NORM_CHUNK)
+    parts = []
+    for c0 in range(0, chunks, _NORM_SLICE):
+        c1 = min(chunks, c0 + _NORM_SLICE)
+        seg = x[c0 * NORM_CHUNK:min(n, c1 * NORM_CHUNK)].to(torch.float64)
+        q = torch.zeros((c1 - c0) * NORM_CHUNK, dtype=torch.float64, device=x.device)
+        q[:seg.numel()] = seg * seg  # exact squares; zero padding adds nothing
+        q = q.view(c1 - c0, NORM_BLOCKS, NORM_ROWS, NORM_LANES).permute(2, 0, 1, 3)  # [rows, chunk, block, lane]
+        parts.append(_halves(_rows_then_halves(q)))  # lanes, then blocks -> [chunk]
+    p = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=x.device)
+    lanes = torch.zeros(-(-chunks // NORM_TENSOR_LANES) * NORM_TENSOR_LANES, dtype=torch.float64, device=x.device)
+    lanes[:chunks] = p
+    return _rows_then_halves(lanes.view(-1, NORM_TENSOR_LANES)) if chunks else torch.zeros(
+        (), dtype=torch.float64, device=x.device)
+
+
 def grad_stats(grads: Sequence[Tensor], inv_scale: Tensor) -> tuple[Tensor, Tensor]:
     """Per-tensor statistics of a gradient list, in one read of each tensor.
 
     Returns ``(sumsq, amax)``, float32 tensors of ``len(grads)`` entries on ``inv_scale``'s device:
 
-    * ``sumsq[t] = sum((grads[t].float() * inv_scale) ** 2)`` -- squared L2 norm of the unscaled grad;
+    * ``sumsq[t] = sum((grads[t] * inv_scale) ** 2)`` -- squared L2 norm of the unscaled grad,
+      computed as ``float32(S * inv_scale**2)`` with ``S`` the sum of the squares ``x**2`` (exact in
+      float64) in the fixed order of :func:`norm_sumsq` (csrc/include/mpkern/norm.h) over the
+      elements in memory order: every backend gives these bits, for any work split;
     * ``amax[t] = max(|grads[t]|)`` (0 for an empty tensor), NaN if the tensor holds a NaN, else
       inf if it holds an inf -- so ``~isfinite(amax)`` is the non-finite flag.
     """
@@ -28,19 +84,17 @@ def grad_stats(grads: Sequence[Tensor], inv_scale: Tensor) -> tuple[Tensor, Tens
     if n == 0:
         z = torch.zeros(0, dtype=torch.float32, device=device)
         return z, z.clone()
-    inv = inv_scale.reshape(()).to(torch.float32)
+    inv = inv_scale.reshape(()).to(torch.float64)
     sums, maxs = [], []
     for g in grads:
-        x = g.reshape(-1).to(torch.float32)
+        x = memory_order(g)
         if x.numel() == 0:
             sums.append(torch.zeros((), dtype=torch.float32, device=device))
             maxs.append(torch.zeros((), dtype=torch.float32, device=device))
             continue
-        y = x * inv
-        sums.append(torch.sum(y * y, dtype=torch.float64).to(torch.float32))
-        a = x.abs()
+        sums.append((norm_sumsq(x).to(device) * (inv * inv)).to(torch.float32))
         # amax propagates NaN; an inf without NaN gives inf.
-        maxs.append(a.amax())
+        maxs.append(x.abs().amax().to(device=device, dtype=torch.float32))
     return torch.stack(sums), torch.stack(maxs)
 
 

@@ -5,9 +5,11 @@
 #include <torch/library.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "../common.h"
+#include "mpkern/norm.h"
 #include "simd.h"
 
 namespace mpkern {
@@ -52,84 +54,138 @@ int64_t grain_of(const std::vector<WorkItem>& items) {
   return std::max<int64_t>(1, std::min<int64_t>(n, (kMinPerThread * n + total - 1) / total));
 }
 
-// ---- statistics: scalar path (the shared math, element by element) ---------------------------
-// Sums of squares are accumulated in fp32 over short blocks (kSub elements, like one GPU thread's
-// share of a chunk) and the blocks are added in fp64, keeping the rounding error near PyTorch's.
-constexpr int64_t kSub = 256;
+// ---- statistics: the norm reduction of include/mpkern/norm.h ----------------------------------
+// Work items are whole norm chunks (kChunk is a multiple of norm::kChunk), each chunk partial goes
+// to its own slot, and each tensor's partials are combined once, in norm.h's order, after the
+// parallel loop: the same bits for any thread count, on the scalar and the AVX2 path alike.
+static_assert(kChunk % norm::kChunk == 0, "CPU work items must be whole norm chunks");
 // Software prefetch distance (elements) of the AVX2 loops: a few KB ahead of the loads.
 constexpr int64_t kPrefetch = 2048;
 
-void stats_scalar(const void* p, int32_t dt, int64_t begin, int64_t end, float inv, double* sum, uint32_t* amax) {
-  double total = 0.0;
-  uint32_t mx = 0u;
-  for (int64_t b = begin; b < end; b += kSub) {
-    StatAcc s{0.f, mx};
-    const int64_t e = std::min(end, b + kSub);
-    for (int64_t i = b; i < e; ++i) stat_update(s, load_as_f32(p, i, dt), inv);
-    total += s.sumsq;
-    mx = s.amax_bits;
+// One chunk's partial, element by element (the definition, norm::block_partial); amax updated.
+double chunk_scalar(const void* p, int32_t dt, int64_t begin, int64_t end, uint32_t* amax) {
+  double part[norm::kBlocks];
+  uint32_t mx = *amax;
+  for (int k = 0; k < norm::kBlocks; ++k) {
+    const int64_t b = begin + int64_t{k} * norm::kBlock;
+    const int count = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(norm::kBlock, end - b)));
+    part[k] = norm::block_partial(
+        [&](int i) {
+          const float x = load_as_f32(p, b + i, dt);
+          const uint32_t a = norm::abs_bits(x);
+          mx = a > mx ? a : mx;
+          return x;
+        },
+        count);
   }
-  *sum = total;
   *amax = mx;
+  return norm::tree_sum<norm::kBlocks>(part);
 }
 
 #if MPK_X86
-// ---- statistics: AVX2 path. Same quantities as stat_update, 32 elements per iteration with
-// four independent sum-of-squares accumulators; the tail goes through stat_update.
+// One row (16 elements from i) as four fp64 vectors, lanes 0-3, 4-7, 8-11, 12-15; the max of the
+// |x| bits goes to mx (u32 lanes for fp32, u16 lanes of the raw bits for the 16-bit types: the
+// order of |x| is the same, and the conversion to fp32 keeps it).
 template <int DT>
-MPK_AVX2 StatAcc stats_avx2(const void* p, int64_t begin, int64_t end, float inv, double* sum_out) {
-  const __m256 vinv = _mm256_set1_ps(inv);
-  const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
-  __m256i m0 = _mm256_setzero_si256(), m1 = m0;
-  double total = 0.0;
-  int64_t i = begin;
-  // blocks of 8 * kSub elements (64 per lane) in fp32, blocks added in fp64
-  for (; i + 32 <= end;) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  const int64_t block_end = std::min(end, i + 8 * kSub);
-  for (; i + 32 <= block_end; i += 32) {
-    _mm_prefetch(static_cast<const char*>(p) + (i + kPrefetch) * (DT == 0 ? 4 : 2), _MM_HINT_T0);
-    __m256 x0, x1, x2, x3;
-    if constexpr (DT == kBF16) {  // element order is irrelevant to the statistics
-      bf16x16_unpack(static_cast<const uint16_t*>(p) + i, x0, x1);
-      bf16x16_unpack(static_cast<const uint16_t*>(p) + i + 16, x2, x3);
+MPK_AVX2 inline void row_f64(const void* p, int64_t i, __m256d& a0, __m256d& a1, __m256d& a2, __m256d& a3,
+                             __m256i& mx) {
+  __m256 lo, hi;
+  if constexpr (DT == kF32) {
+    const float* f = static_cast<const float*>(p) + i;
+    lo = _mm256_loadu_ps(f);
+    hi = _mm256_loadu_ps(f + 8);
+    const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
+    mx = _mm256_max_epu32(mx, _mm256_and_si256(_mm256_castps_si256(lo), absmask));
+    mx = _mm256_max_epu32(mx, _mm256_and_si256(_mm256_castps_si256(hi), absmask));
+  } else {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
+    mx = _mm256_max_epu16(mx, _mm256_and_si256(raw, _mm256_set1_epi16(0x7fff)));
+    const __m128i r0 = _mm256_castsi256_si128(raw), r1 = _mm256_extracti128_si256(raw, 1);
+    if constexpr (DT == kF16) {
+      lo = _mm256_cvtph_ps(r0);
+      hi = _mm256_cvtph_ps(r1);
     } else {
-      x0 = load8<DT>(p, i), x1 = load8<DT>(p, i + 8), x2 = load8<DT>(p, i + 16), x3 = load8<DT>(p, i + 24);
+      lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(r0), 16));
+      hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(r1), 16));
     }
-    m0 = _mm256_max_epu32(m0, _mm256_and_si256(_mm256_castps_si256(x0), absmask));
-    m1 = _mm256_max_epu32(m1, _mm256_and_si256(_mm256_castps_si256(x1), absmask));
-    m0 = _mm256_max_epu32(m0, _mm256_and_si256(_mm256_castps_si256(x2), absmask));
-    m1 = _mm256_max_epu32(m1, _mm256_and_si256(_mm256_castps_si256(x3), absmask));
-    const __m256 y0 = _mm256_mul_ps(x0, vinv), y1 = _mm256_mul_ps(x1, vinv);
-    const __m256 y2 = _mm256_mul_ps(x2, vinv), y3 = _mm256_mul_ps(x3, vinv);
-    a0 = _mm256_fmadd_ps(y0, y0, a0);
-    a1 = _mm256_fmadd_ps(y1, y1, a1);
-    a2 = _mm256_fmadd_ps(y2, y2, a2);
-    a3 = _mm256_fmadd_ps(y3, y3, a3);
   }
-  total += hsum_f64(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  a0 = _mm256_cvtps_pd(_mm256_castps256_ps128(lo));
+  a1 = _mm256_cvtps_pd(_mm256_extractf128_ps(lo, 1));
+  a2 = _mm256_cvtps_pd(_mm256_castps256_ps128(hi));
+  a3 = _mm256_cvtps_pd(_mm256_extractf128_ps(hi, 1));
+}
+
+// One full block (256 elements from b): lane sums in row order in four fp64 registers (one lane
+// per element of a register; fma(x, x, s) == s + x*x exactly, the square being exact), then the
+// halves-tree: lanes l + l+8 (s0+s2, s1+s3), l + l+4, then l + l+2 and l + l+1 inside a register.
+template <int DT>
+MPK_AVX2 inline double block_avx2(const void* p, int64_t b, __m256i& mx) {
+  __m256d s0 = _mm256_setzero_pd(), s1 = s0, s2 = s0, s3 = s0;
+  for (int r = 0; r < norm::kRows; ++r) {
+    const int64_t i = b + int64_t{r} * norm::kLanes;
+    _mm_prefetch(static_cast<const char*>(p) + (i + kPrefetch) * (DT == kF32 ? 4 : 2), _MM_HINT_T0);
+    __m256d a0, a1, a2, a3;
+    row_f64<DT>(p, i, a0, a1, a2, a3, mx);
+    s0 = _mm256_fmadd_pd(a0, a0, s0);
+    s1 = _mm256_fmadd_pd(a1, a1, s1);
+    s2 = _mm256_fmadd_pd(a2, a2, s2);
+    s3 = _mm256_fmadd_pd(a3, a3, s3);
   }
-  StatAcc s{0.f, hmax_u32(_mm256_max_epu32(m0, m1))};
-  for (; i < end; ++i) stat_update(s, load_as_f32(p, i, DT), inv);
-  *sum_out = total + static_cast<double>(s.sumsq);
-  return s;
+  const __m256d t = _mm256_add_pd(_mm256_add_pd(s0, s2), _mm256_add_pd(s1, s3));
+  const __m128d u = _mm_add_pd(_mm256_castpd256_pd128(t), _mm256_extractf128_pd(t, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(u, _mm_unpackhi_pd(u, u)));
+}
+
+template <int DT>
+MPK_AVX2 uint32_t hmax_abs_bits(__m256i mx) {
+  if constexpr (DT == kF32) {
+    return hmax_u32(mx);
+  } else {
+    alignas(32) uint16_t h[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(h), mx);
+    uint16_t m = 0;
+    for (int k = 0; k < 16; ++k) m = h[k] > m ? h[k] : m;
+    return norm::abs_bits(DT == kBF16 ? bf16_to_f32(m) : f16_to_f32(m));
+  }
+}
+
+// One chunk's partial (elements [begin, end), end - begin <= norm::kChunk); amax updated. A block
+// cut by the end of the tensor is copied into a zeroed buffer (+0: adds nothing) and summed by
+// the same code.
+template <int DT>
+MPK_AVX2 double chunk_avx2(const void* p, int64_t begin, int64_t end, uint32_t* amax) {
+  constexpr int kEs = DT == kF32 ? 4 : 2;
+  double part[norm::kBlocks];
+  __m256i mx = _mm256_setzero_si256();
+  for (int k = 0; k < norm::kBlocks; ++k) {
+    const int64_t b = begin + int64_t{k} * norm::kBlock;
+    if (b + norm::kBlock <= end) {
+      part[k] = block_avx2<DT>(p, b, mx);
+    } else if (b < end) {
+      alignas(32) unsigned char buf[norm::kBlock * kEs] = {};
+      std::memcpy(buf, static_cast<const char*>(p) + b * kEs, static_cast<size_t>(end - b) * kEs);
+      part[k] = block_avx2<DT>(buf, 0, mx);
+    } else {
+      part[k] = 0.0;
+    }
+  }
+  const uint32_t m = hmax_abs_bits<DT>(mx);
+  *amax = std::max(*amax, m);
+  return norm::tree_sum<norm::kBlocks>(part);
 }
 #endif
 
-void stats_item(const void* p, int32_t dt, int64_t begin, int64_t end, float inv, double* sum, uint32_t* amax) {
+double chunk_stats(const void* p, int32_t dt, int64_t begin, int64_t end, uint32_t* amax) {
 #if MPK_X86
   if (use_avx2()) {
-    StatAcc s;
     switch (dt) {
-      case kF32: s = stats_avx2<0>(p, begin, end, inv, sum); break;
-      case kF16: s = stats_avx2<1>(p, begin, end, inv, sum); break;
-      default: s = stats_avx2<2>(p, begin, end, inv, sum); break;
+      case kF32: return chunk_avx2<kF32>(p, begin, end, amax);
+      case kF16: return chunk_avx2<kF16>(p, begin, end, amax);
+      default: return chunk_avx2<kBF16>(p, begin, end, amax);
     }
-    *amax = s.amax_bits;
-    return;
   }
 #endif
-  stats_scalar(p, dt, begin, end, inv, sum, amax);
+  return chunk_scalar(p, dt, begin, end, amax);
 }
 
 // ---- in-place scale ---------------------------------------------------------------------------
@@ -177,41 +233,45 @@ void scale_item(void* p, int32_t dt, int64_t begin, int64_t end, float s) {
 }  // namespace
 
 // grad_stats(grads, inv_scale) -> (sumsq[n], amax[n]), float32 on the CPU.
-//   sumsq[t] = sum_i (grads[t][i] * inv_scale)^2   (accumulated per chunk in fp32, chunks in fp64)
+//   sumsq[t] = sum_i (grads[t][i] * inv_scale)^2   (fp64, in the order of include/mpkern/norm.h)
 //   amax[t]  = max_i |grads[t][i]|                   (NaN if any NaN, else inf if any inf)
 std::tuple<at::Tensor, at::Tensor> grad_stats_cpu(at::TensorList grads, const at::Tensor& inv_scale) {
   check_list_op_on("mpkern::grad_stats", "grads", grads, "inv_scale", inv_scale, c10::DeviceType::CPU);
   const int64_t n = static_cast<int64_t>(grads.size());
   const float inv = inv_scale.data_ptr<float>()[0];
   const auto items = make_work(grads, kChunk);
-  std::vector<double> part_sum(items.size());
-  std::vector<uint32_t> part_max(items.size());
   std::vector<const void*> ptrs(n);
   std::vector<int32_t> dts(n);
+  std::vector<int64_t> slot0(n + 1, 0);  // tensor t's chunk partials: slots [slot0[t], slot0[t + 1])
   for (int64_t t = 0; t < n; ++t) {
     ptrs[t] = grads[t].data_ptr();
     dts[t] = dtype_code(grads[t].scalar_type());
+    slot0[t + 1] = slot0[t] + (grads[t].numel() + norm::kChunk - 1) / norm::kChunk;
   }
+  std::vector<double> part_sum(slot0[n]);
+  std::vector<uint32_t> part_max(slot0[n]);
   at::parallel_for(0, static_cast<int64_t>(items.size()), grain_of(items), [&](int64_t lo, int64_t hi) {
     for (int64_t k = lo; k < hi; ++k) {
       const WorkItem& w = items[k];
-      stats_item(ptrs[w.tensor], dts[w.tensor], w.begin, w.end, inv, &part_sum[k], &part_max[k]);
+      for (int64_t b = w.begin; b < w.end; b += norm::kChunk) {
+        const int64_t slot = slot0[w.tensor] + b / norm::kChunk;
+        uint32_t mx = 0u;
+        part_sum[slot] = chunk_stats(ptrs[w.tensor], dts[w.tensor], b, std::min(w.end, b + norm::kChunk), &mx);
+        part_max[slot] = mx;
+      }
     }
   });
-  std::vector<double> tsum(n, 0.0);
-  std::vector<uint32_t> tmax(n, 0u);
-  for (size_t k = 0; k < items.size(); ++k) {  // fixed order: deterministic for any thread count
-    tsum[items[k].tensor] += part_sum[k];
-    tmax[items[k].tensor] = std::max(tmax[items[k].tensor], part_max[k]);
-  }
   at::Tensor sumsq = at::empty({n}, at::TensorOptions().dtype(at::kFloat));
   at::Tensor amax = at::empty({n}, at::TensorOptions().dtype(at::kFloat));
   float* ps = sumsq.data_ptr<float>();
   float* pm = amax.data_ptr<float>();
   for (int64_t t = 0; t < n; ++t) {
-    // A NaN sum means "a NaN was seen"; keep the inf/NaN the per-element math produced.
-    ps[t] = static_cast<float>(tsum[t]);
-    pm[t] = f32_from_bits(tmax[t]);
+    const int64_t count = slot0[t + 1] - slot0[t];
+    uint32_t mx = 0u;
+    for (int64_t s = slot0[t]; s < slot0[t + 1]; ++s) mx = std::max(mx, part_max[s]);
+    // an empty tensor: 0 (not 0 * inv^2, NaN for an infinite inv_scale)
+    ps[t] = count ? norm::finish_sumsq(norm::tensor_sum(part_sum.data() + slot0[t], count), inv) : 0.0f;
+    pm[t] = f32_from_bits(mx);
   }
   return {sumsq, amax};
 }
