@@ -17,6 +17,7 @@ import torch
 
 import mpkern
 from mpkern import FusedAdamWMP, plan
+from mpkern import cli as mpkern_cli
 from mpkern.optim import storage
 
 V_SCALE = 2.0**10
@@ -187,7 +188,7 @@ def test_plan_lists_it_with_its_bytes(kind):
     assert row["total_B"] == 2 + 2 + 4 + 4  # bf16 weight + grad, fp32 master, two fp16 moments
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert mpkern.cli.main(["plan", "--params", "7e9"]) == 0
+        assert mpkern_cli.main(["plan", "--params", "7e9"]) == 0
     assert "fp16 moments" in out.getvalue()
 
 

@@ -108,28 +108,41 @@ class Prepared(NamedTuple):
 def prepare(opt: Any, bucket: Bucket, check_writes: bool) -> tuple[KernelLists, list[tuple[Tensor, Tensor]]]:
     """Kernel argument lists for one bucket: flat views of dense params/grads/state, and each
     param's random stream (id, offset of its local shard in the whole tensor); plus the
-    (param, contiguous copy) pairs of params that are not one dense block."""
+    (param, contiguous copy) pairs of params that are not one dense block. (The loop runs per
+    param on the full path: list appends are bound once, the common case is tested first.)"""
     group, kind = bucket.group, bucket.kind
-    out = KernelLists([], [], [], [], [], [], [], [], [], None, None, [])
+    params, grads, ms, vs, vmaxs, masters, steps, sids, offsets = [], [], [], [], [], [], [], [], []
+    mscales: list[Tensor] = []
+    vscales: list[Tensor] = []
+    write_backs: list[tuple[Any, Tensor, dict, Any]] = []
     copies: list[tuple[Tensor, Tensor]] = []
     amsgrad = group["amsgrad"]
     mkey = kind.key
     moments = storage.moment_kind(group["state_dtype"])
-    versions = opt._versions
+    kernel_tensors, write_back = moments.kernel_tensors, moments.needs_write_back
+    versions, state = opt._versions, opt.state
     for p, g, sid in bucket.pairs:
-        out.stream_ids.append(sid)
-        st = _state_for(opt, group, kind, p, check_writes, versions)
+        sids.append(sid)
+        st = state.get(p)
+        if st is None or "step" not in st:
+            st = init_state(opt, group, p)
+            if check_writes:
+                versions[id(p)] = _stamp(p)
+        elif check_writes and versions.get(id(p), -1) != (
+                (p._version, p.data_ptr()) if type(p) is Parameter else _stamp(p)):
+            opt._conform(kind, p, st)  # written or replaced: records the stamp
+        elif mkey not in st if mkey is not None else storage.stored_kinds(st):
+            opt._conform(kind, p, st)  # a converted checkpoint or a new param dtype
         if amsgrad and "max_exp_avg_sq" not in st:
             st["max_exp_avg_sq"] = storage.like(p, torch.float32).zero_()
-        km = moments.kernel_tensors(st)
-        if km.exp_avg_scale is not None:
-            if out.exp_avg_scales is None:
-                out = out._replace(exp_avg_scales=[], exp_avg_sq_scales=[])
-            out.exp_avg_scales.append(km.exp_avg_scale)
-            out.exp_avg_sq_scales.append(km.exp_avg_sq_scale)
-        if moments.needs_write_back:
-            out.write_backs.append((moments, p, st, km))
-        ts = [km.exp_avg, km.exp_avg_sq]
+        km = kernel_tensors(st)
+        m, v, m_scale, v_scale = km
+        if m_scale is not None:
+            mscales.append(m_scale)
+            vscales.append(v_scale)
+        if write_back:
+            write_backs.append((moments, p, st, km))
+        ts = [m, v]
         if amsgrad:
             ts.append(st["max_exp_avg_sq"])
         if mkey is not None:
@@ -140,21 +153,27 @@ def prepare(opt: Any, bucket: Bucket, check_writes: bool) -> tuple[KernelLists, 
             off = opt._offsets.get(id(p))
             if off is None:
                 off = opt._offsets[id(p)] = distributed.shard_offset(p)
-            out.elem_offsets.append(off)
+            offsets.append(off)
             p, g, ts = _local(p), _local(g), [_local(t) for t in ts]
         else:
-            out.elem_offsets.append(0)
-        pp, gg, ts = _dense(p, g, ts, copies)
-        out.params.append(pp)
-        out.grads.append(gg)
-        out.exp_avgs.append(ts[0])
-        out.exp_avg_sqs.append(ts[1])
+            offsets.append(0)
+        if p.is_contiguous():
+            if not g.is_contiguous():
+                g = g.contiguous()
+        else:
+            p, g, ts = _dense(p, g, ts, copies)
+        params.append(p)
+        grads.append(g)
+        ms.append(ts[0])
+        vs.append(ts[1])
         if amsgrad:
-            out.max_exp_avg_sqs.append(ts[2])
+            vmaxs.append(ts[2])
         if mkey is not None:
-            out.masters.append(ts[-1])
-        out.steps.append(st["step"])
-    return out, copies
+            masters.append(ts[-1])
+        steps.append(st["step"])
+    scaled = bool(mscales)
+    return KernelLists(params, grads, ms, vs, vmaxs, masters, steps, sids, offsets, mscales if scaled else None,
+                       vscales if scaled else None, write_backs), copies
 
 
 def init_state(opt: Any, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
@@ -171,27 +190,9 @@ def init_state(opt: Any, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
     return state
 
 
-def _state_for(opt: Any, group: dict[str, Any], kind: storage.MasterKind, p: Tensor, check_writes: bool,
-               versions: dict[int, Any]) -> dict[str, Any]:
-    """``p``'s state, created on the first step, made to fit the param when it was written."""
-    st = opt.state.get(p)
-    if st is None or "step" not in st:
-        st = init_state(opt, group, p)
-        if check_writes:
-            versions[id(p)] = _stamp(p)
-    elif check_writes and versions.get(id(p), -1) != (
-            (p._version, p.data_ptr()) if type(p) is Parameter else _stamp(p)):
-        opt._conform(kind, p, st)  # written or replaced: records the stamp
-    elif kind.key not in st if kind.key is not None else storage.stored_kinds(st):
-        opt._conform(kind, p, st)  # a converted checkpoint or a new param dtype
-    return st
-
-
 def _dense(p: Tensor, g: Tensor, ts: list[Tensor], copies: list[tuple[Tensor, Tensor]]
            ) -> tuple[Tensor, Tensor, list[Tensor]]:
-    """(param, grad, state tensors) as flat dense buffers of one memory order."""
-    if p.is_contiguous():
-        return p, (g if g.is_contiguous() else g.contiguous()), ts
+    """(param, grad, state tensors) of a non-contiguous param as flat dense buffers of one memory order."""
     if _grads.is_flat(p):  # dense in another memory format: flat views, state laid out like p
         if g.stride() != p.stride():
             g = storage.like(p, g.dtype).copy_(g)

@@ -182,8 +182,9 @@ class MomentKind:
         return {k: laid(p, src[k], src[k].dtype) for k in self.keys}
 
     def kernel_tensors(self, st: State) -> KernelMoments:
-        """The tensors the kernel updates. Without a kernel variant: fp32 copies, stored back by
-        :meth:`write_back` after the reference step."""
+        """The tensors the kernel updates, in :class:`KernelMoments`' order (kinds with a kernel
+        variant may return a plain tuple: this runs per param per step). Without a kernel variant:
+        fp32 copies, stored back by :meth:`write_back` after the reference step."""
         return KernelMoments(self.to_fp32(st, "exp_avg"), self.to_fp32(st, "exp_avg_sq"))
 
     def write_back(self, p: Tensor, st: State, moments: KernelMoments, found_inf: Tensor) -> None:

@@ -50,7 +50,7 @@ class DenseMoments(MomentKind):
         return out
 
     def kernel_tensors(self, st: State) -> KernelMoments:
-        return KernelMoments(st["exp_avg"], st["exp_avg_sq"])
+        return st["exp_avg"], st["exp_avg_sq"], None, None  # a plain tuple: this runs per param per step
 
     def to_fp32(self, st: State, key: str) -> Tensor:
         return st[key].to(torch.float32, copy=True)
@@ -119,7 +119,7 @@ class Int8Moments(MomentKind):
                 "exp_avg_sq_scale": src["exp_avg_sq_scale"].to(dev, torch.bfloat16).reshape(-1).clone()}
 
     def kernel_tensors(self, st: State) -> KernelMoments:
-        return KernelMoments(st["exp_avg_code"], st["exp_avg_sq_code"], st["exp_avg_scale"], st["exp_avg_sq_scale"])
+        return st["exp_avg_code"], st["exp_avg_sq_code"], st["exp_avg_scale"], st["exp_avg_sq_scale"]
 
     def to_fp32(self, st: State, key: str) -> Tensor:
         ck, sk = self._CODE[key]
