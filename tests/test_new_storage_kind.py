@@ -15,7 +15,6 @@ import io
 import pytest
 import torch
 
-import mpkern
 from mpkern import FusedAdamWMP, plan
 from mpkern import cli as mpkern_cli
 from mpkern.optim import storage
