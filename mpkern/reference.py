@@ -108,8 +108,10 @@ def scale_(tensors: Sequence[Tensor], scale: Tensor) -> None:
 
 MASTER_NONE, MASTER_F32, MASTER_REMAINDER, MASTER_8BIT = 0, 1, 2, 3
 
-# Purposes of the random bits (math.h RandPurpose): which 16 bits of which 32-bit word.
+# Purposes of the random bits (math.h RandPurpose): which field of the element's one 32-bit word.
 RAND_PARAM, RAND_EXP_AVG, RAND_EXP_AVG_SQ, RAND_MASTER8 = 0, 1, 2, 3
+# (lowest bit, width) of each purpose's field (math.h rand_shift / rand_width).
+RAND_FIELDS = {RAND_PARAM: (0, 10), RAND_MASTER8: (0, 10), RAND_EXP_AVG: (10, 11), RAND_EXP_AVG_SQ: (21, 11)}
 
 _M32 = 0xFFFFFFFF
 
@@ -132,18 +134,27 @@ def mix32(x):
     return x ^ (x >> 16)
 
 
-def rand16(seed: int, stream: int, elem: Tensor, step, purpose: int) -> Tensor:
-    """The 16 random bits of math.h's ``rand16``: int64 tensor of values in [0, 2^16).
-
-    ``elem``: int64 tensor of global element indices (elem_offset + i); ``step``: the step after the
-    increment (an int or an int64 tensor). The bits are a pure function of
-    (seed, stream, element, step, purpose), identical on every backend."""
-    word = 1 if purpose in (RAND_EXP_AVG, RAND_EXP_AVG_SQ) else 0
-    shift = 16 if purpose >= RAND_EXP_AVG_SQ else 0
+def rand_word(seed: int, stream: int, elem: Tensor, step) -> Tensor:
+    """The element's one random word of a step (math.h ``rng_key`` / ``rng_bits``): int64 tensor of
+    values in [0, 2^32). ``elem``: int64 tensor of global element indices (elem_offset + i);
+    ``step``: the step after the increment (an int or an int64 tensor). A pure function of
+    (seed, stream, element, step), identical on every backend."""
     h = mix32((int(seed) & _M32) ^ mix32((_mul32(int(stream) & _M32, 0x9E3779B9) + step) & _M32))
-    salt = (word * 0xC2B2AE35 + 0x632BE5AB) & _M32
-    key = mix32(h ^ mix32((_mul32(elem >> 32, 0x85EBCA6B) + salt) & _M32))
-    return (mix32(key ^ (elem & _M32)) >> shift) & 0xFFFF
+    key = mix32(h ^ mix32((_mul32(elem >> 32, 0x85EBCA6B) + 0x632BE5AB) & _M32))
+    return mix32(key ^ (elem & _M32))
+
+
+def rand_field16(word: Tensor, purpose: int) -> Tensor:
+    """math.h ``rand_field16``: the purpose's w-bit field f of the word as the 16-bit value
+    (f << (16 - w)) | (1 << (15 - w)) the codecs take (the centre of the f-th of 2^w cells)."""
+    shift, width = RAND_FIELDS[purpose]
+    return (((word >> shift) & ((1 << width) - 1)) << (16 - width)) | (1 << (15 - width))
+
+
+def rand16(seed: int, stream: int, elem: Tensor, step, purpose: int) -> Tensor:
+    """The 16-bit codec input of math.h's ``rand16``: int64 tensor of values in [0, 2^16), the
+    purpose's field of :func:`rand_word` (see :func:`rand_field16`)."""
+    return rand_field16(rand_word(seed, stream, elem, step), purpose)
 
 
 def bf16_sr(x: Tensor, r16: Tensor) -> Tensor:
@@ -326,7 +337,7 @@ def adamw_step_(
     Nothing is written when ``found_inf`` is non-zero: every update is computed and then committed
     with ``torch.where(found_inf == 0, new, old)``, so no host sync is needed. The random bits
     (param stochastic rounding, bf16 moments, 8-bit master corrections) are the kernels' own
-    stream (:func:`rand16`), computed with integer tensor ops: element i of tensor t draws the
+    stream (one :func:`rand_word` per element, split into fields by :func:`rand_field16`), computed with integer tensor ops: element i of tensor t draws the
     bits of element ``elem_offsets[t] + i`` of stream ``stream_ids[t]`` (defaults: t and 0).
     8-bit moments (int8 exp_avgs, uint8 exp_avg_sqs, bf16 scales per 32 elements) are decoded with
     :func:`moment8_decode` and re-encoded as :func:`moment8_encode` with the kernels' random bits.
@@ -346,8 +357,10 @@ def adamw_step_(
         elem = elem + (int(elem_offsets[i]) if elem_offsets else 0)
         step_i = step.to(torch.int64)
 
-        def bits(purpose: int, elem=elem, stream=stream, step_i=step_i) -> Tensor:
-            return rand16(seed, stream, elem, step_i, purpose)
+        word = rand_word(seed, stream, elem, step_i)  # one word per element serves every rounding
+
+        def bits(purpose: int, word=word) -> Tensor:
+            return rand_field16(word, purpose)
 
         step_size = (lr_d / (1 - beta1**step)).float()
         inv_bc2 = (1 / torch.sqrt(1 - beta2**step)).float()

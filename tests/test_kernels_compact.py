@@ -281,8 +281,10 @@ def test_streams_differ_and_shards_agree(backend):
         _ops.adamw_step_(name, *_args(both, mode, sr, [1, 2], [0, 0]))
         # (in mode 3 the param is the master rounded to nearest: the random part is the correction)
         for k in ((5, 2, 3) if mode == 3 else (0, 2, 3)):
+            # identical bits would give 0; independent streams give E[2 q (1 - q)] over the
+            # elements' round-up probabilities q (about 0.19-0.3 for these updates)
             differ = (_bits(both[k][0]) != _bits(both[k][1])).float().mean().item()
-            assert differ > 0.2, (mode, k, differ)
+            assert differ > 0.1, (mode, k, differ)
         # the defaults are stream = index in the list, offset 0
         c1, c2 = _clone(half2), _clone(half2)
         l1 = [c1[0] * 2, c1[1] * 2, c1[2] * 2, c1[3] * 2, [], masters(c1) * 2,

@@ -52,14 +52,28 @@ def _mix32(x):
 
 
 @triton.jit
-def _rng_key(seed, stream, step, SALT: tl.constexpr, hi):
-    """rng_key of math.h; SALT = word * 0xc2b2ae35 + 0x632be5ab (mod 2^32)."""
+def _rng_key(seed, stream, step, hi):
+    """rng_key of math.h (one key: one random word per element)."""
     h = _mix32(seed ^ _mix32(stream * 0x9E3779B9 + step))
-    return _mix32(h ^ _mix32(hi * 0x85EBCA6B + SALT))
+    return _mix32(h ^ _mix32(hi * 0x85EBCA6B + 0x632BE5AB))
 
 
-_SALT0 = tl.constexpr(0x632BE5AB)
-_SALT1 = tl.constexpr((0xC2B2AE35 + 0x632BE5AB) & 0xFFFFFFFF)
+@triton.jit
+def _rand_a16(r):
+    """math.h rand_a16: field A (bits 0..9: param SR / 8-bit master) as the codecs' 16-bit value."""
+    return ((r << 6) & 0xFFC0) | 0x20
+
+
+@triton.jit
+def _rand_b16(r):
+    """math.h rand_b16: field B (bits 10..20: exp_avg)."""
+    return ((r >> 5) & 0xFFE0) | 0x10
+
+
+@triton.jit
+def _rand_c16(r):
+    """math.h rand_c16: field C (bits 21..31: exp_avg_sq)."""
+    return ((r >> 16) & 0xFFE0) | 0x10
 
 
 @triton.jit
@@ -239,18 +253,16 @@ def _adamw_kernel(
         if ALIGNED:
             begin = tl.multiple_of(begin, 16)
             end = tl.multiple_of(end, 8)
-        # random keys of this row (math.h rng_keys): word 0 for param SR / the 8-bit master, word 1 for
-        # bf16 moments; gbase = global index of idx 0 in the tensor's stream
+        # random keys of this row (math.h rng_keys): one word per element, its fields A (param SR /
+        # the 8-bit master), B (exp_avg), C (exp_avg_sq); gbase = global index of idx 0 in the stream
         if MODE == 3 or SR or SDT == 2 or SDT == 8:
             step = tl.load(steps_ptr + t).to(tl.uint32)
             stream = (tl.load(base + 10) & 0xFFFFFFFF).to(tl.uint32)
             gbase = tl.load(base + 11) + tl.load(base + 9)
             hi0 = ((gbase + begin) >> 32).to(tl.uint32)
             useed = seed.to(tl.uint32)
-            k0a = _rng_key(useed, stream, step, _SALT0, hi0)
-            k0b = _rng_key(useed, stream, step, _SALT0, hi0 + 1)
-            k1a = _rng_key(useed, stream, step, _SALT1, hi0)
-            k1b = _rng_key(useed, stream, step, _SALT1, hi0 + 1)
+            ka = _rng_key(useed, stream, step, hi0)
+            kb = _rng_key(useed, stream, step, hi0 + 1)
         step_size = tl.load(consts_ptr + t * 3)
         inv_bc2 = tl.load(consts_ptr + t * 3 + 1)
         decay = tl.load(consts_ptr + t * 3 + 2)
@@ -314,21 +326,19 @@ def _adamw_kernel(
             denom = tl.sqrt_rn(vv) * inv_bc2 + eps
             w = w - tl.div_rn(step_size * m, denom)
             if MODE == 3 or SR or SDT == 2 or SDT == 8:
-                gidx = gbase + idx
+                rw = _rng_word(ka, kb, hi0, gbase + idx)  # the element's one random word
             if SDT == 8:
-                r1 = _rng_word(k1a, k1b, hi0, gidx)  # exp_avg: low half, exp_avg_sq: high half
                 am = tl.max(tl.where(mask, m.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0), axis=1)
                 av = tl.max(tl.where(mask, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0), axis=1)
                 bm = _mom8_scale_bits(am, _KM)
                 bv = _mom8_scale_bits(av, _KV)
-                tl.store(cm_ptr + idx, _mom8_encode_m(m, _mom8_inv(bm)[:, None], r1 & 0xFFFF), mask=mask)
-                tl.store(cv_ptr + idx, _mom8_encode_v(v, _mom8_inv(bv)[:, None], r1 >> 16), mask=mask)
+                tl.store(cm_ptr + idx, _mom8_encode_m(m, _mom8_inv(bm)[:, None], _rand_b16(rw)), mask=mask)
+                tl.store(cv_ptr + idx, _mom8_encode_v(v, _mom8_inv(bv)[:, None], _rand_c16(rw)), mask=mask)
                 tl.store(sm_ptr + gi, bm.to(tl.uint16), mask=gmask)
                 tl.store(sv_ptr + gi, bv.to(tl.uint16), mask=gmask)
             elif SDT == 2:
-                r1 = _rng_word(k1a, k1b, hi0, gidx)  # exp_avg: low half, exp_avg_sq: high half
-                tl.store(m_ptr + idx, _bf16_sr(m, r1 & 0xFFFF), mask=mask)
-                tl.store(v_ptr + idx, _bf16_sr(v, r1 >> 16), mask=mask)
+                tl.store(m_ptr + idx, _bf16_sr(m, _rand_b16(rw)), mask=mask)
+                tl.store(v_ptr + idx, _bf16_sr(v, _rand_c16(rw)), mask=mask)
             else:
                 _store_f32(m_ptr, idx, m, mask, SDT)
                 _store_f32(v_ptr, idx, v, mask, SDT)
@@ -340,13 +350,11 @@ def _adamw_kernel(
                 tl.store(p_ptr + idx, ((u + 0x8000) >> 16).to(tl.uint16), mask=mask)
                 tl.store(r_ptr + idx, (u & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
             elif MODE == 3:
-                r0 = _rng_word(k0a, k0b, hi0, gidx)  # the correction: high half of word 0
-                h, c = _master8_encode(w, r0 >> 16, PDT)
+                h, c = _master8_encode(w, _rand_a16(rw), PDT)
                 tl.store(h_ptr + idx, h, mask=mask)
                 tl.store(c_ptr + idx, c, mask=mask)
             elif SR:
-                r0 = _rng_word(k0a, k0b, hi0, gidx)  # the param: low half of word 0
-                tl.store(p_ptr + idx, _bf16_sr(w, r0 & 0xFFFF), mask=mask)
+                tl.store(p_ptr + idx, _bf16_sr(w, _rand_a16(rw)), mask=mask)
             else:
                 _store_f32(p_ptr, idx, w, mask, PDT)
 

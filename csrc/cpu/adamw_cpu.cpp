@@ -54,10 +54,12 @@ struct Flags {
   float factor;
 };
 
-// Which random words a tensor needs: word 0 for param SR or the 8-bit master, word 1 for bf16 moments.
+// Whether a tensor's param/master store draws on the random word (field A: param SR or the 8-bit
+// master); its moments do when they are bf16 or 8-bit (fields B, C). One word per element serves all.
 inline bool needs_word0(const TensorPtrs& t, const Flags& f) {
   return f.mode == kMaster8bit || (f.mode == kMasterNone && f.sr && t.pdt == kBF16);
 }
+inline bool needs_word(const TensorPtrs& t, const Flags& f) { return needs_word0(t, f) || t.sdt != kF32; }
 
 // ---- scalar path: the shared math, element by element --------------------------------------------
 // The fp32 master value of element i (the param itself in mode 0).
@@ -70,7 +72,7 @@ inline float load_w(const TensorPtrs& t, const Flags& f, int64_t i) {
   return load_as_f32(t.p, i, t.pdt);
 }
 
-// Store the updated master p of element i (and the param); r0 = random word 0 when needed.
+// Store the updated master p of element i (and the param); r0 = the element's random word when needed.
 inline void store_w(const TensorPtrs& t, const Flags& f, int64_t i, float p, uint32_t r0, bool w0) {
   if (f.mode == kMasterF32) {
     static_cast<float*>(t.master)[i] = p;
@@ -84,23 +86,22 @@ inline void store_w(const TensorPtrs& t, const Flags& f, int64_t i, float p, uin
   } else if (f.mode == kMaster8bit) {
     uint16_t h;
     int8_t c;
-    master8_encode(p, t.pdt, (r0 >> rand_shift(kRandMaster8)) & 0xffffu, h, c);
+    master8_encode(p, t.pdt, rand_a16(r0), h, c);
     static_cast<uint16_t*>(t.p)[i] = h;
     static_cast<int8_t*>(t.master)[i] = c;
   } else if (w0) {
-    static_cast<uint16_t*>(t.p)[i] = f32_to_bf16_sr(p, (r0 >> rand_shift(kRandParam)) & 0xffffu);
+    static_cast<uint16_t*>(t.p)[i] = f32_to_bf16_sr(p, rand_a16(r0));
   } else {
     store_from_f32(t.p, i, t.pdt, p);
   }
 }
 
 void adamw_scalar(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f) {
-  const bool w0 = needs_word0(t, f), w1 = t.sdt == kBF16;
+  const bool w0 = needs_word0(t, f), w1 = t.sdt == kBF16, w = needs_word(t, f);
   const RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));
   for (int64_t i = begin; i < end; ++i) {
     const uint64_t e = t.offset + static_cast<uint64_t>(i);
-    const uint32_t r0 = w0 ? rng_word(keys, 0, e) : 0u;
-    const uint32_t r1 = w1 ? rng_word(keys, 1, e) : 0u;
+    const uint32_t r = w ? rng_word(keys, e) : 0u;
     float g = load_as_f32(t.g, i, t.gdt) * f.factor;
     if (f.maximize) g = -g;
     float p = load_w(t, f, i);
@@ -108,13 +109,13 @@ void adamw_scalar(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& 
     float v = load_as_f32(t.v, i, t.sdt);
     p = adamw_update(p, g, m, v, t.vmax ? t.vmax + i : nullptr, t.c);
     if (w1) {
-      static_cast<uint16_t*>(t.m)[i] = f32_to_bf16_sr(m, (r1 >> rand_shift(kRandExpAvg)) & 0xffffu);
-      static_cast<uint16_t*>(t.v)[i] = f32_to_bf16_sr(v, (r1 >> rand_shift(kRandExpAvgSq)) & 0xffffu);
+      static_cast<uint16_t*>(t.m)[i] = f32_to_bf16_sr(m, rand_b16(r));
+      static_cast<uint16_t*>(t.v)[i] = f32_to_bf16_sr(v, rand_c16(r));
     } else {
       static_cast<float*>(t.m)[i] = m;
       static_cast<float*>(t.v)[i] = v;
     }
-    store_w(t, f, i, p, r0, w0);
+    store_w(t, f, i, p, r, w0);
   }
 }
 
@@ -130,20 +131,19 @@ void adamw_scalar_mom8(const TensorPtrs& t, int64_t begin, int64_t end, const Fl
     const int64_t j = gb / kMom8Group;
     const float sm = bf16_to_f32(t.sm[j]), sv = bf16_to_f32(t.sv[j]);
     float m[kMom8Group], v[kMom8Group];
-    uint32_t r1[kMom8Group];
+    uint32_t r[kMom8Group];
     uint32_t am = 0u, av = 0u;
     for (int k = 0; k < cnt; ++k) {
       const int64_t i = gb + k;
       const uint64_t e = t.offset + static_cast<uint64_t>(i);
-      const uint32_t r0 = w0 ? rng_word(keys, 0, e) : 0u;
-      r1[k] = rng_word(keys, 1, e);
+      r[k] = rng_word(keys, e);
       float g = load_as_f32(t.g, i, t.gdt) * f.factor;
       if (f.maximize) g = -g;
       float p = load_w(t, f, i);
       float mm = mom8_decode_m(cm[i], sm);
       float vv = mom8_decode_v(cv[i], sv);
       p = adamw_update(p, g, mm, vv, nullptr, t.c);
-      store_w(t, f, i, p, r0, w0);
+      store_w(t, f, i, p, r[k], w0);
       m[k] = mm;
       v[k] = vv;
       const uint32_t a = f32_bits(mm) & 0x7fffffffu, b = f32_bits(vv) & 0x7fffffffu;
@@ -153,8 +153,8 @@ void adamw_scalar_mom8(const TensorPtrs& t, int64_t begin, int64_t end, const Fl
     const uint32_t bm = mom8_scale_bits(am, kMom8KM), bv = mom8_scale_bits(av, kMom8KV);
     const float im = mom8_inv_scale(bm), iv = mom8_inv_scale(bv);
     for (int k = 0; k < cnt; ++k) {
-      cm[gb + k] = mom8_encode_m(m[k], im, (r1[k] >> rand_shift(kRandExpAvg)) & 0xffffu);
-      cv[gb + k] = mom8_encode_v(v[k], iv, (r1[k] >> rand_shift(kRandExpAvgSq)) & 0xffffu);
+      cm[gb + k] = mom8_encode_m(m[k], im, rand_b16(r[k]));
+      cv[gb + k] = mom8_encode_v(v[k], iv, rand_c16(r[k]));
     }
     t.sm[j] = static_cast<uint16_t>(bm);
     t.sv[j] = static_cast<uint16_t>(bv);
@@ -249,11 +249,11 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256 load_w8(const TensorPtrs& 
   return p;
 }
 
-// Store the updated masters p of elements [i, i + 8) and the params; r0 = random word 0 (used in
-// mode 3 and for param SR).
+// Store the updated masters p of elements [i, i + 8) and the params; rw = the elements' random
+// words (field A used in mode 3 and for param SR).
 template <int PDT>
 MPK_AVX2 __attribute__((always_inline)) inline void store_w8(const TensorPtrs& t, const Flags& f, int64_t i, __m256 p,
-                                                             bool need0, __m256i key0, __m256i elo) {
+                                                             bool need0, __m256i rw) {
   if (f.mode == kMasterF32) {
     _mm256_storeu_ps(static_cast<float*>(t.master) + i, p);
     store8<PDT>(t.p, i, p);
@@ -266,12 +266,10 @@ MPK_AVX2 __attribute__((always_inline)) inline void store_w8(const TensorPtrs& t
     _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.p) + i), _mm256_castsi256_si128(hp));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<int16_t*>(t.master) + i), _mm256_castsi256_si128(lp));
   } else if (PDT != kF32 && f.mode == kMaster8bit) {
-    // the correction uses the high half of word 0
-    if constexpr (PDT != kF32) encode8<PDT>(t, i, p, _mm256_srli_epi32(mix32x8(_mm256_xor_si256(key0, elo)), 16));
+    if constexpr (PDT != kF32) encode8<PDT>(t, i, p, rand_a16x8(rw));
   } else if (PDT == kBF16 && need0) {
-    const __m256i r0 = mix32x8(_mm256_xor_si256(key0, elo));  // param: low half of word 0
     _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.p) + i),
-                     pack_u16x8(bf16_sr_bits32(p, _mm256_and_si256(r0, _mm256_set1_epi32(0xffff)))));
+                     pack_u16x8(bf16_sr_bits32(p, rand_a16x8(rw))));
   } else {
     store8<PDT>(t.p, i, p);
   }
@@ -287,16 +285,15 @@ MPK_AVX2 void adamw_avx2(const TensorPtrs& t, int64_t begin, int64_t end, const 
   const __m256 b2 = _mm256_set1_ps(t.c.beta2), omb2 = _mm256_set1_ps(t.c.one_m_b2);
   const __m256 ss = _mm256_set1_ps(t.c.step_size), ibc2 = _mm256_set1_ps(t.c.inv_bc2);
   const __m256 eps = _mm256_set1_ps(t.c.eps);
-  const bool need0 = needs_word0(t, f);
+  const bool need0 = needs_word0(t, f), needw = need0 || SDT == kBF16;
   const RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));
-  const __m256i key0 = _mm256_set1_epi32(static_cast<int>(keys.key[0]));
-  const __m256i key1 = _mm256_set1_epi32(static_cast<int>(keys.key[1]));
+  const __m256i key = _mm256_set1_epi32(static_cast<int>(keys.key));
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i lo16 = _mm256_set1_epi32(0xffff);
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
     const uint32_t elo0 = static_cast<uint32_t>(t.offset + static_cast<uint64_t>(i));  // low index half
     const __m256i elo = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(elo0)), lanes);
+    const __m256i rw = needw ? mix32x8(_mm256_xor_si256(key, elo)) : elo;  // the one random word
     const __m256 g = _mm256_xor_ps(_mm256_mul_ps(load8<GDT>(t.g, i), factor), gsign);
     __m256 p = load_w8<PDT>(t, f, i);
     __m256 m = load8<SDT>(t.m, i);
@@ -314,45 +311,45 @@ MPK_AVX2 void adamw_avx2(const TensorPtrs& t, int64_t begin, int64_t end, const 
     const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vv), ibc2), eps);
     p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(ss, m), denom));
     if constexpr (SDT == kBF16) {
-      const __m256i r1 = mix32x8(_mm256_xor_si256(key1, elo));  // exp_avg: low half, exp_avg_sq: high half
       _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.m) + i),
-                       pack_u16x8(bf16_sr_bits32(m, _mm256_and_si256(r1, lo16))));
+                       pack_u16x8(bf16_sr_bits32(m, rand_b16x8(rw))));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.v) + i),
-                       pack_u16x8(bf16_sr_bits32(v, _mm256_srli_epi32(r1, 16))));
+                       pack_u16x8(bf16_sr_bits32(v, rand_c16x8(rw))));
     } else {
       _mm256_storeu_ps(static_cast<float*>(t.m) + i, m);
       _mm256_storeu_ps(static_cast<float*>(t.v) + i, v);
     }
-    store_w8<PDT>(t, f, i, p, need0, key0, elo);
+    store_w8<PDT>(t, f, i, p, need0, rw);
   }
   if (i < end) adamw_scalar(t, i, end, f);
 }
 
 // ---- 8-bit moments, AVX2: one group of 32 = 4 x 8 lanes in registers -----------------------------
-MPK_AVX2 inline __m256 mask1(__m256 cmp, __m256 one) { return _mm256_and_ps(cmp, one); }
 
-// mom8_encode_m on 8 lanes (same operations, same order); returns int32 codes.
+// mom8_encode_m on 8 lanes; returns int32 codes, bit-identical to the scalar code:
+// * y = min(|m| * inv, 127^2) (min keeps a NaN y: inv 0 with a NaN m): a y >= 127^2 then gives
+//   k = 127, d = 0, so the code 127 of the scalar's y >= 16129 branch without a select;
+// * k, the integer with k^2 <= y < (k + 1)^2 (the scalar's floor(sqrt(y)) after its fix-ups), from
+//   the estimate (y * (1 - 2^-9)) * rsqrt(y): rsqrt's relative error is below 1.5 * 2^-12, so the
+//   estimate is below sqrt(y) and less than 0.3 under it (sqrt(y) <= 127): floor(estimate) is k or
+//   k - 1, and ONE fix-up (k + 1 when (k + 1)^2 <= y, exact integers) gives k; y < 1 (and a NaN,
+//   zero or subnormal y, where rsqrt is inf) gives k = 0;
+// * the scalar's r16 * w < d * 2^16 decision, added as an integer (the compare mask is -1);
+// * the sign of m with vpsignd (a negative m negates the code; a code 0 stays 0).
 MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_m8(__m256 m, __m256 inv, __m256i r16) {
   const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
-  const __m256 y = _mm256_mul_ps(_mm256_andnot_ps(sign, m), inv);
-  // k: the estimate floor(y * rsqrt(y)) (rsqrt: relative error < 2^-11, so within 1 of
-  // floor(sqrt(y)) for y < 127^2; 0 for y < 1), then the exact one-step fix-ups of the scalar
-  // code give the same k (the one with k^2 <= y < (k + 1)^2) without a slow sqrt
-  __m256 k = _mm256_and_ps(_mm256_floor_ps(_mm256_mul_ps(y, _mm256_rsqrt_ps(y))),
-                           _mm256_cmp_ps(y, one, _CMP_GE_OQ));
-  k = _mm256_sub_ps(k, mask1(_mm256_cmp_ps(_mm256_mul_ps(k, k), y, _CMP_GT_OQ), one));
+  const __m256 absm = _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(m), _mm256_set1_epi32(0x7fffffff)));
+  const __m256 y = _mm256_min_ps(_mm256_set1_ps(16129.0f), _mm256_mul_ps(absm, inv));
+  const __m256 est = _mm256_mul_ps(_mm256_mul_ps(y, _mm256_set1_ps(1.0f - 0x1p-9f)), _mm256_rsqrt_ps(y));
+  __m256 k = _mm256_and_ps(_mm256_floor_ps(est), _mm256_cmp_ps(y, one, _CMP_GE_OQ));
   const __m256 kp = _mm256_add_ps(k, one);
-  k = _mm256_add_ps(k, mask1(_mm256_cmp_ps(_mm256_mul_ps(kp, kp), y, _CMP_LE_OQ), one));
+  k = _mm256_blendv_ps(k, kp, _mm256_cmp_ps(_mm256_mul_ps(kp, kp), y, _CMP_LE_OQ));
   const __m256 d = _mm256_sub_ps(y, _mm256_mul_ps(k, k));
-  const __m256 w = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(2.0f), k), one);
+  const __m256 w = _mm256_add_ps(_mm256_add_ps(k, k), one);  // 2k + 1 (k + k == 2 * k exactly)
   const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(r16), w),
                                   _mm256_mul_ps(d, _mm256_set1_ps(65536.0f)), _CMP_LT_OQ);
-  __m256 c = _mm256_add_ps(k, mask1(up, one));
-  c = _mm256_blendv_ps(c, _mm256_set1_ps(127.0f), _mm256_cmp_ps(y, _mm256_set1_ps(16129.0f), _CMP_GE_OQ));
-  c = _mm256_and_ps(c, _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ));
-  c = _mm256_or_ps(c, _mm256_and_ps(m, sign));
-  return _mm256_cvttps_epi32(c);
+  const __m256i c = _mm256_sub_epi32(_mm256_cvttps_epi32(k), _mm256_castps_si256(up));
+  return _mm256_sign_epi32(c, _mm256_castps_si256(m));
 }
 
 MPK_AVX2 __attribute__((always_inline)) inline __m256 q4x8(__m256 k) {
@@ -360,23 +357,29 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256 q4x8(__m256 k) {
   return _mm256_mul_ps(k2, k2);
 }
 
-// mom8_encode_v on 8 lanes; returns int32 codes.
+// mom8_encode_v on 8 lanes; returns int32 codes, bit-identical to the scalar code:
+// * y = min(v * inv, q4(255)) (a NaN y stays NaN): y >= q4(255) gives k = 255, d = 0, code 255;
+// * k, the integer with q4(k) <= y < q4(k + 1) (q4 the fp32 k^4 of the scalar code), from the
+//   estimate rsqrt(rsqrt(y)) * (1 - 2^-9): relative error below 2.5e-3, never above y^(1/4) and
+//   less than 0.64 under it (y^(1/4) <= 255; a q4 rounded up moves the boundary by < 2^-26
+//   relative), so floor(estimate) is k or k - 1 and ONE fix-up (k + 1 when q4(k + 1) <= y) gives k;
+// * codes >= 1 for y > 0, 0 for y == 0 or NaN (the scalar's early return).
 MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_v8(__m256 v, __m256 inv, __m256i r16) {
   const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256 y = _mm256_mul_ps(v, inv);
-  // estimate y^(1/4) = rsqrt(rsqrt(y)) (within 0.15 of it for y < 255^4), exact fix-ups below
-  __m256 k = _mm256_and_ps(_mm256_floor_ps(_mm256_rsqrt_ps(_mm256_rsqrt_ps(y))), _mm256_cmp_ps(y, one, _CMP_GE_OQ));
-  k = _mm256_sub_ps(k, mask1(_mm256_cmp_ps(q4x8(k), y, _CMP_GT_OQ), one));
-  k = _mm256_add_ps(k, mask1(_mm256_cmp_ps(q4x8(_mm256_add_ps(k, one)), y, _CMP_LE_OQ), one));
+  const __m256 yr = _mm256_mul_ps(v, inv);
+  const __m256 y = _mm256_min_ps(_mm256_set1_ps(mom8_q4(255.0f)), yr);
+  const __m256 est = _mm256_mul_ps(_mm256_rsqrt_ps(_mm256_rsqrt_ps(y)), _mm256_set1_ps(1.0f - 0x1p-9f));
+  __m256 k = _mm256_and_ps(_mm256_floor_ps(est), _mm256_cmp_ps(y, one, _CMP_GE_OQ));
+  const __m256 kp = _mm256_add_ps(k, one);
+  k = _mm256_blendv_ps(k, kp, _mm256_cmp_ps(q4x8(kp), y, _CMP_LE_OQ));
   const __m256 q = q4x8(k);
   const __m256 d = _mm256_sub_ps(y, q);
   const __m256 w = _mm256_sub_ps(q4x8(_mm256_add_ps(k, one)), q);
   const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(r16), w),
                                   _mm256_mul_ps(d, _mm256_set1_ps(65536.0f)), _CMP_LT_OQ);
-  __m256 c = _mm256_max_ps(_mm256_add_ps(k, mask1(up, one)), one);
-  c = _mm256_blendv_ps(c, _mm256_set1_ps(255.0f), _mm256_cmp_ps(y, _mm256_set1_ps(mom8_q4(255.0f)), _CMP_GE_OQ));
-  c = _mm256_and_ps(c, _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ));
-  return _mm256_cvttps_epi32(c);
+  const __m256i c = _mm256_max_epi32(_mm256_sub_epi32(_mm256_cvttps_epi32(k), _mm256_castps_si256(up)),
+                                     _mm256_set1_epi32(1));
+  return _mm256_and_si256(c, _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ)));
 }
 
 // mom8_scale_bits and mom8_inv_scale in vector registers: the unsigned max over the 8 lanes of
@@ -397,16 +400,15 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256i scale_bits8(__m256i x, __
   return b;
 }
 
-// 4 x 8 int32 codes -> 32 bytes in element order (signed or unsigned saturation; the codes fit).
-template <bool SIGNED>
-MPK_AVX2 inline __m256i pack_codes32(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
-  const __m256i ab = _mm256_packs_epi32(c0, c1), cd = _mm256_packs_epi32(c2, c3);
-  const __m256i b = SIGNED ? _mm256_packs_epi16(ab, cd) : _mm256_packus_epi16(ab, cd);
-  return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
-template <int PDT, int GDT>
-MPK_AVX2 void adamw_avx2_mom8(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f) {
+// One master mode's loop. AVX2 has 16 vector registers: a group's 32 updated moments and random
+// words go through an L1-resident buffer between the update pass and the encode pass (keeping them
+// in registers made the compiler spill and rebuild constants: ~1050 instructions per group,
+// measured with callgrind), and the update pass is a loop of 8 lanes, so its constants stay in
+// registers across iterations.
+template <int PDT, int GDT, int MODE>
+MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f_in) {
+  Flags f = f_in;
+  f.mode = MODE;  // a compile-time constant in load_w8 / store_w8
   // g = -(grad * factor) when maximizing, as the scalar code: a sign flip after the multiply
   // (g * (-factor) differs from it in the sign of a NaN)
   const __m256 factor = _mm256_set1_ps(f.factor);
@@ -416,11 +418,12 @@ MPK_AVX2 void adamw_avx2_mom8(const TensorPtrs& t, int64_t begin, int64_t end, c
   const __m256 ss = _mm256_set1_ps(t.c.step_size), ibc2 = _mm256_set1_ps(t.c.inv_bc2);
   const __m256 eps = _mm256_set1_ps(t.c.eps);
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
-  const __m256i lo16 = _mm256_set1_epi32(0xffff);
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const bool need0 = needs_word0(t, f);
   int8_t* cmp = static_cast<int8_t*>(t.m);
   uint8_t* cvp = static_cast<uint8_t*>(t.v);
+  alignas(32) float mb[kMom8Group], vb[kMom8Group];
+  alignas(32) uint32_t rb[kMom8Group];
   RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));
   int64_t gb = begin;
   for (; gb + kMom8Group <= end; gb += kMom8Group) {
@@ -431,14 +434,11 @@ MPK_AVX2 void adamw_avx2_mom8(const TensorPtrs& t, int64_t begin, int64_t end, c
       continue;
     }
     if (hi0 != keys.hi) keys = rng_keys(f.seed, t.stream, t.step, e0);
-    const __m256i key0 = _mm256_set1_epi32(static_cast<int>(keys.key[0]));
-    const __m256i key1 = _mm256_set1_epi32(static_cast<int>(keys.key[1]));
+    const __m256i key = _mm256_set1_epi32(static_cast<int>(keys.key));
     const int64_t j = gb / kMom8Group;
     const __m256 sm = _mm256_set1_ps(bf16_to_f32(t.sm[j])), sv = _mm256_set1_ps(bf16_to_f32(t.sv[j]));
-    __m256 m[4], v[4];
-    __m256i r1[4];
     __m256i am = _mm256_setzero_si256(), av = _mm256_setzero_si256();
-#pragma GCC unroll 4
+#pragma GCC unroll 1
     for (int q = 0; q < 4; ++q) {
       const int64_t i = gb + 8 * q;
       const __m256i elo = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(e0) + 8u * q)),
@@ -456,30 +456,51 @@ MPK_AVX2 void adamw_avx2_mom8(const TensorPtrs& t, int64_t begin, int64_t end, c
       vv = _mm256_add_ps(_mm256_mul_ps(vv, b2), _mm256_mul_ps(_mm256_mul_ps(omb2, g), g));
       const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vv), ibc2), eps);
       p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(ss, mm), denom));
-      store_w8<PDT>(t, f, i, p, need0, key0, elo);
-      r1[q] = mix32x8(_mm256_xor_si256(key1, elo));
-      m[q] = mm;
-      v[q] = vv;
+      const __m256i rw = mix32x8(_mm256_xor_si256(key, elo));  // the one random word of each element
+      store_w8<PDT>(t, f, i, p, need0, rw);
+      _mm256_store_ps(mb + 8 * q, mm);
+      _mm256_store_ps(vb + 8 * q, vv);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(rb + 8 * q), rw);
       am = _mm256_max_epu32(am, _mm256_and_si256(_mm256_castps_si256(mm), abs_mask));
       av = _mm256_max_epu32(av, _mm256_and_si256(_mm256_castps_si256(vv), abs_mask));
     }
     __m256 im, iv;
     const __m256i bmv = scale_bits8(am, _mm256_set1_ps(kMom8KM), im);
     const __m256i bvv = scale_bits8(av, _mm256_set1_ps(kMom8KV), iv);
-    const uint32_t bm = static_cast<uint32_t>(_mm256_cvtsi256_si32(bmv));
-    const uint32_t bv = static_cast<uint32_t>(_mm256_cvtsi256_si32(bvv));
-    __m256i c[4], d[4];
-#pragma GCC unroll 4
-    for (int q = 0; q < 4; ++q) {
-      c[q] = enc_m8(m[q], im, _mm256_and_si256(r1[q], lo16));
-      d[q] = enc_v8(v[q], iv, _mm256_srli_epi32(r1[q], 16));
+    t.sm[j] = static_cast<uint16_t>(_mm256_cvtsi256_si32(bmv));
+    t.sv[j] = static_cast<uint16_t>(_mm256_cvtsi256_si32(bvv));
+    // codes, two vectors of 8 at a time packed to int16 (packs: exact, |codes| <= 255)
+    __m256i pm[2], pv[2];
+#pragma GCC unroll 1
+    for (int h = 0; h < 2; ++h) {
+      const __m256i r0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(rb + 16 * h));
+      const __m256i r1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(rb + 16 * h + 8));
+      const __m256i c0 = enc_m8(_mm256_load_ps(mb + 16 * h), im, rand_b16x8(r0));
+      const __m256i c1 = enc_m8(_mm256_load_ps(mb + 16 * h + 8), im, rand_b16x8(r1));
+      pm[h] = _mm256_packs_epi32(c0, c1);
+      const __m256i d0 = enc_v8(_mm256_load_ps(vb + 16 * h), iv, rand_c16x8(r0));
+      const __m256i d1 = enc_v8(_mm256_load_ps(vb + 16 * h + 8), iv, rand_c16x8(r1));
+      pv[h] = _mm256_packs_epi32(d0, d1);
     }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(cmp + gb), pack_codes32<true>(c[0], c[1], c[2], c[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(cvp + gb), pack_codes32<false>(d[0], d[1], d[2], d[3]));
-    t.sm[j] = static_cast<uint16_t>(bm);
-    t.sv[j] = static_cast<uint16_t>(bv);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(cmp + gb),
+                        _mm256_permutevar8x32_epi32(_mm256_packs_epi16(pm[0], pm[1]), order));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(cvp + gb),
+                        _mm256_permutevar8x32_epi32(_mm256_packus_epi16(pv[0], pv[1]), order));
   }
   if (gb < end) adamw_scalar_mom8(t, gb, end, f);
+}
+
+template <int PDT, int GDT>
+MPK_AVX2 void adamw_avx2_mom8(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f) {
+  switch (f.mode) {
+    case kMasterF32: return adamw_avx2_mom8_mode<PDT, GDT, kMasterF32>(t, begin, end, f);
+    case kMasterRemainder: return adamw_avx2_mom8_mode<PDT, GDT, kMasterRemainder>(t, begin, end, f);
+    case kMaster8bit:
+      if constexpr (PDT != kF32) return adamw_avx2_mom8_mode<PDT, GDT, kMaster8bit>(t, begin, end, f);
+      [[fallthrough]];
+    default: return adamw_avx2_mom8_mode<PDT, GDT, kMasterNone>(t, begin, end, f);
+  }
 }
 
 using AvxFn = void (*)(const TensorPtrs&, int64_t, int64_t, const Flags&);
@@ -602,7 +623,7 @@ MPK_AVX512 __attribute__((always_inline)) inline __m512 load_w16(const TensorPtr
 
 template <int PDT>
 MPK_AVX512 __attribute__((always_inline)) inline void store_w16(const TensorPtrs& t, const Flags& f, int64_t i,
-                                                                __m512 p, bool need0, __m512i key0, __m512i elo) {
+                                                                __m512 p, bool need0, __m512i rw) {
   if (f.mode == kMasterF32) {
     _mm512_storeu_ps(static_cast<float*>(t.master) + i, p);
     store16<PDT>(t.p, i, p);
@@ -611,10 +632,9 @@ MPK_AVX512 __attribute__((always_inline)) inline void store_w16(const TensorPtrs
     store_u16x16(static_cast<uint16_t*>(t.p) + i, _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x8000)), 16));
     store_u16x16(static_cast<int16_t*>(t.master) + i, u);  // vpmovdw truncates: the low half
   } else if (PDT != kF32 && f.mode == kMaster8bit) {
-    if constexpr (PDT != kF32) encode16<PDT>(t, i, p, _mm512_srli_epi32(mix32x16(_mm512_xor_si512(key0, elo)), 16));
+    if constexpr (PDT != kF32) encode16<PDT>(t, i, p, rand_a16x16(rw));
   } else if (PDT == kBF16 && need0) {
-    const __m512i r0 = mix32x16(_mm512_xor_si512(key0, elo));  // param: low half of word 0
-    store_u16x16(static_cast<uint16_t*>(t.p) + i, bf16_sr_bits(p, _mm512_and_si512(r0, _mm512_set1_epi32(0xffff))));
+    store_u16x16(static_cast<uint16_t*>(t.p) + i, bf16_sr_bits(p, rand_a16x16(rw)));
   } else {
     store16<PDT>(t.p, i, p);
   }
@@ -632,13 +652,14 @@ MPK_AVX512 void adamw_avx512(const TensorPtrs& t_in, int64_t begin, int64_t end,
   const __m512 eps = _mm512_set1_ps(t.c.eps);
   const bool need0 = needs_word0(t, f);
   const RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));
-  const __m512i key0 = _mm512_set1_epi32(static_cast<int>(keys.key[0]));
-  const __m512i key1 = _mm512_set1_epi32(static_cast<int>(keys.key[1]));
+  const bool needw = need0 || SDT == kBF16;
+  const __m512i key = _mm512_set1_epi32(static_cast<int>(keys.key));
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   int64_t i = begin;
   for (; i + 16 <= end; i += 16) {
     const uint32_t elo0 = static_cast<uint32_t>(t.offset + static_cast<uint64_t>(i));
     const __m512i elo = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(elo0)), lanes);
+    const __m512i rw = needw ? mix32x16(_mm512_xor_si512(key, elo)) : elo;  // the one random word
     const __m512 g = _mm512_xor_ps(_mm512_mul_ps(load16<GDT>(t.g, i), factor), gsign);
     __m512 p = load_w16<PDT>(t, f, i);
     __m512 m = load16<SDT>(t.m, i);
@@ -655,14 +676,13 @@ MPK_AVX512 void adamw_avx512(const TensorPtrs& t_in, int64_t begin, int64_t end,
     const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vv), ibc2), eps);
     p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(ss, m), denom));
     if constexpr (SDT == kBF16) {
-      const __m512i r1 = mix32x16(_mm512_xor_si512(key1, elo));  // exp_avg: low half, exp_avg_sq: high half
-      store_u16x16(static_cast<uint16_t*>(t.m) + i, bf16_sr_bits(m, _mm512_and_si512(r1, _mm512_set1_epi32(0xffff))));
-      store_u16x16(static_cast<uint16_t*>(t.v) + i, bf16_sr_bits(v, _mm512_srli_epi32(r1, 16)));
+      store_u16x16(static_cast<uint16_t*>(t.m) + i, bf16_sr_bits(m, rand_b16x16(rw)));
+      store_u16x16(static_cast<uint16_t*>(t.v) + i, bf16_sr_bits(v, rand_c16x16(rw)));
     } else {
       _mm512_storeu_ps(static_cast<float*>(t.m) + i, m);
       _mm512_storeu_ps(static_cast<float*>(t.v) + i, v);
     }
-    store_w16<PDT>(t, f, i, p, need0, key0, elo);
+    store_w16<PDT>(t, f, i, p, need0, rw);
   }
   if (i < end) adamw_scalar(t, i, end, f);
 }
@@ -742,13 +762,13 @@ MPK_AVX512 inline Consts512 consts512(const TensorPtrs& t, const Flags& f) {
 template <int PDT, int GDT, int NG>
 MPK_AVX512 __attribute__((always_inline)) inline void mom8_groups512(const TensorPtrs& t, const Flags& f,
                                                                      const Consts512& k, int64_t gb, uint32_t elo0,
-                                                                     bool need0, __m512i key0, __m512i key1) {
+                                                                     bool need0, __m512i key) {
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   int8_t* cmp = static_cast<int8_t*>(t.m);
   uint8_t* cvp = static_cast<uint8_t*>(t.v);
   __m512 m[2 * NG], v[2 * NG];
-  __m512i r1[2 * NG];
+  __m512i rw[2 * NG];
   uint32_t bm[NG], bv[NG];
   __m512 im[NG], iv[NG];
 #pragma GCC unroll 4
@@ -769,8 +789,8 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_groups512(const Tenso
     vv = _mm512_add_ps(_mm512_mul_ps(vv, k.b2), _mm512_mul_ps(_mm512_mul_ps(k.omb2, g), g));
     const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vv), k.ibc2), k.eps);
     p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(k.ss, mm), denom));
-    store_w16<PDT>(t, f, i, p, need0, key0, elo);
-    r1[q] = mix32x16(_mm512_xor_si512(key1, elo));
+    rw[q] = mix32x16(_mm512_xor_si512(key, elo));  // the one random word of each element
+    store_w16<PDT>(t, f, i, p, need0, rw[q]);
     m[q] = mm;
     v[q] = vv;
   }
@@ -788,8 +808,8 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_groups512(const Tenso
   }
 #pragma GCC unroll 4
   for (int q = 0; q < 2 * NG; ++q) {
-    const __m512i c = enc_m16(m[q], im[q >> 1], _mm512_and_si512(r1[q], _mm512_set1_epi32(0xffff)));
-    const __m512i d = enc_v16(v[q], iv[q >> 1], _mm512_srli_epi32(r1[q], 16));
+    const __m512i c = enc_m16(m[q], im[q >> 1], rand_b16x16(rw[q]));
+    const __m512i d = enc_v16(v[q], iv[q >> 1], rand_c16x16(rw[q]));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(cmp + gb + 16 * q), _mm512_cvtepi32_epi8(c));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(cvp + gb + 16 * q), _mm512_cvtepi32_epi8(d));
   }
@@ -819,13 +839,12 @@ MPK_AVX512 void adamw_avx512_mom8(const TensorPtrs& t_in, int64_t begin, int64_t
       continue;
     }
     if (hi0 != keys.hi) keys = rng_keys(f.seed, t.stream, t.step, e0);
-    const __m512i key0 = _mm512_set1_epi32(static_cast<int>(keys.key[0]));
-    const __m512i key1 = _mm512_set1_epi32(static_cast<int>(keys.key[1]));
+    const __m512i key = _mm512_set1_epi32(static_cast<int>(keys.key));
     if (gb + kBlock <= end && static_cast<uint32_t>((e0 + kBlock - 1) >> 32) == hi0) {
-      mom8_groups512<PDT, GDT, kNG>(t, f, k, gb, static_cast<uint32_t>(e0), need0, key0, key1);
+      mom8_groups512<PDT, GDT, kNG>(t, f, k, gb, static_cast<uint32_t>(e0), need0, key);
       gb += kBlock;
     } else {
-      mom8_groups512<PDT, GDT, 1>(t, f, k, gb, static_cast<uint32_t>(e0), need0, key0, key1);
+      mom8_groups512<PDT, GDT, 1>(t, f, k, gb, static_cast<uint32_t>(e0), need0, key);
       gb += kMom8Group;
     }
   }

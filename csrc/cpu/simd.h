@@ -138,6 +138,17 @@ MPK_AVX2 inline __m256i mix32x8(__m256i x) {
   return x;
 }
 
+// The codecs' 16-bit values of the three fields of the random words r (math.h rand_a16 / b16 / c16).
+MPK_AVX2 inline __m256i rand_a16x8(__m256i r) {
+  return _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(r, 6), _mm256_set1_epi32(0xffc0)), _mm256_set1_epi32(0x20));
+}
+MPK_AVX2 inline __m256i rand_b16x8(__m256i r) {
+  return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(r, 5), _mm256_set1_epi32(0xffe0)), _mm256_set1_epi32(0x10));
+}
+MPK_AVX2 inline __m256i rand_c16x8(__m256i r) {
+  return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(r, 16), _mm256_set1_epi32(0xffe0)), _mm256_set1_epi32(0x10));
+}
+
 // ---- AVX-512: 16 lanes, same arithmetic as the AVX2 helpers above ----------------------------
 // True when the CPU has AVX-512 F/BW/VL/DQ (checked once).
 inline bool cpu_has_avx512() {
@@ -207,6 +218,17 @@ MPK_AVX512 inline __m512i mix32x16(__m512i x) {
   x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846ca68bu)));
   x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
   return x;
+}
+
+// The three fields on 16 lanes.
+MPK_AVX512 inline __m512i rand_a16x16(__m512i r) {
+  return _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(r, 6), _mm512_set1_epi32(0xffc0)), _mm512_set1_epi32(0x20));
+}
+MPK_AVX512 inline __m512i rand_b16x16(__m512i r) {
+  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(r, 5), _mm512_set1_epi32(0xffe0)), _mm512_set1_epi32(0x10));
+}
+MPK_AVX512 inline __m512i rand_c16x16(__m512i r) {
+  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(r, 16), _mm512_set1_epi32(0xffe0)), _mm512_set1_epi32(0x10));
 }
 
 MPK_AVX2 inline double hsum_f64(__m256 v) {

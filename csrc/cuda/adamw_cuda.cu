@@ -45,8 +45,9 @@ struct AdamScalars {
   uint32_t seed;
 };
 
-// Which random words an element needs: word 0 for param SR or the 8-bit master correction,
-// word 1 for bf16 moments (math.h, rng_key).
+// Whether the param/master store draws on the element's random word (field A: param SR or the
+// 8-bit master correction); bf16 / 8-bit moments use its fields B and C (math.h, rng_key): one
+// word per element per step serves every rounding.
 template <int PDT, int SDT, int MODE>
 __device__ __forceinline__ bool needs_word0(bool sr) {
   return MODE == kMaster8bit || (MODE == kMasterNone && PDT == kBF16 && sr);
@@ -67,7 +68,7 @@ __device__ __forceinline__ float load_w(const AdamMeta& t, int64_t i) {
   }
 }
 
-// Store the updated master p of element i and the param; r0 = random word 0 (when w0).
+// Store the updated master p of element i and the param; r0 = the element's random word (when w0).
 template <int PDT, int MODE>
 __device__ __forceinline__ void store_w(const AdamMeta& t, int64_t i, float p, uint32_t r0, bool w0) {
   void* P = reinterpret_cast<void*>(t.p);
@@ -83,11 +84,11 @@ __device__ __forceinline__ void store_w(const AdamMeta& t, int64_t i, float p, u
   } else if constexpr (MODE == kMaster8bit) {
     uint16_t h;
     int8_t c;
-    master8_encode(p, PDT, (r0 >> rand_shift(kRandMaster8)) & 0xffffu, h, c);
+    master8_encode(p, PDT, rand_a16(r0), h, c);
     static_cast<uint16_t*>(P)[i] = h;
     reinterpret_cast<int8_t*>(t.master)[i] = c;
   } else if (w0) {
-    static_cast<uint16_t*>(P)[i] = f32_to_bf16_sr(p, (r0 >> rand_shift(kRandParam)) & 0xffffu);
+    static_cast<uint16_t*>(P)[i] = f32_to_bf16_sr(p, rand_a16(r0));
   } else {
     store_from_f32(P, i, PDT, p);
   }
@@ -102,16 +103,15 @@ __device__ __forceinline__ void adam_scalar(const AdamMeta& t, int64_t i, const 
   float* VMAX = reinterpret_cast<float*>(t.vmax);
   const uint64_t e = static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i);
   const bool w0 = needs_word0<PDT, SDT, MODE>(sr);
-  const uint32_t r0 = w0 ? rng_word(keys, 0, e) : 0u;
-  const uint32_t r1 = SDT == kBF16 ? rng_word(keys, 1, e) : 0u;
+  const uint32_t r0 = (w0 || SDT == kBF16) ? rng_word(keys, e) : 0u;
   const float g = load_as_f32(reinterpret_cast<const void*>(t.g), i, GDT) * factor;
   float p = load_w<PDT, MODE>(t, i);
   float m = load_as_f32(M, i, SDT);
   float v = load_as_f32(V, i, SDT);
   p = adamw_update(p, g, m, v, VMAX ? VMAX + i : nullptr, cs);
   if constexpr (SDT == kBF16) {
-    static_cast<uint16_t*>(M)[i] = f32_to_bf16_sr(m, (r1 >> rand_shift(kRandExpAvg)) & 0xffffu);
-    static_cast<uint16_t*>(V)[i] = f32_to_bf16_sr(v, (r1 >> rand_shift(kRandExpAvgSq)) & 0xffffu);
+    static_cast<uint16_t*>(M)[i] = f32_to_bf16_sr(m, rand_b16(r0));
+    static_cast<uint16_t*>(V)[i] = f32_to_bf16_sr(v, rand_c16(r0));
   } else {
     static_cast<float*>(M)[i] = m;
     static_cast<float*>(V)[i] = v;
@@ -137,8 +137,8 @@ __device__ __forceinline__ void adam_mom8_group(const AdamMeta& t, int64_t gb, i
   if (act) {
     const uint64_t e = static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i);
     const bool w0 = needs_word0<PDT, kMom8, MODE>(sr);
-    const uint32_t r0 = w0 ? rng_word(keys, 0, e) : 0u;
-    r1 = rng_word(keys, 1, e);
+    r1 = rng_word(keys, e);
+    const uint32_t r0 = r1;
     const float g = load_as_f32(reinterpret_cast<const void*>(t.g), i, GDT) * factor;
     float p = load_w<PDT, MODE>(t, i);
     m = mom8_decode_m(CM[i], bf16_to_f32(SM[j]));
@@ -155,8 +155,8 @@ __device__ __forceinline__ void adam_mom8_group(const AdamMeta& t, int64_t gb, i
   }
   const uint32_t bm = mom8_scale_bits(am, kMom8KM), bv = mom8_scale_bits(av, kMom8KV);
   if (act) {
-    CM[i] = mom8_encode_m(m, mom8_inv_scale(bm), (r1 >> rand_shift(kRandExpAvg)) & 0xffffu);
-    CV[i] = mom8_encode_v(v, mom8_inv_scale(bv), (r1 >> rand_shift(kRandExpAvgSq)) & 0xffffu);
+    CM[i] = mom8_encode_m(m, mom8_inv_scale(bm), rand_b16(r1));
+    CV[i] = mom8_encode_v(v, mom8_inv_scale(bv), rand_c16(r1));
   }
   __syncwarp();  // every lane has read the old scales (they are in registers) before lane 0 writes
   if (lane == 0) {
@@ -207,13 +207,18 @@ __device__ __forceinline__ void adam_vec(const AdamMeta& t, int64_t i, const Ada
     for (int k = 0; k < kVE; ++k) p[k] = adamw_update(p[k], g[k] * factor, m[k], v[k], nullptr, cs);
   }
   const uint64_t e = static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i);
+  // the elements' random words, one each, for every rounding below
+  uint32_t rw[kVE];
+  if (SDT == kBF16 || needs_word0<PDT, SDT, MODE>(sr)) {
+#pragma unroll
+    for (int k = 0; k < kVE; ++k) rw[k] = rng_word(keys, e + k);
+  }
   if constexpr (SDT == kBF16) {
     uint16_t hm[kVE], hv[kVE];
 #pragma unroll
     for (int k = 0; k < kVE; ++k) {
-      const uint32_t r1 = rng_word(keys, 1, e + k);
-      hm[k] = f32_to_bf16_sr(m[k], (r1 >> rand_shift(kRandExpAvg)) & 0xffffu);
-      hv[k] = f32_to_bf16_sr(v[k], (r1 >> rand_shift(kRandExpAvgSq)) & 0xffffu);
+      hm[k] = f32_to_bf16_sr(m[k], rand_b16(rw[k]));
+      hv[k] = f32_to_bf16_sr(v[k], rand_c16(rw[k]));
     }
     store8_u16(M, i, hm);
     store8_u16(V, i, hv);
@@ -239,7 +244,7 @@ __device__ __forceinline__ void adam_vec(const AdamMeta& t, int64_t i, const Ada
 #pragma unroll
     for (int k = 0; k < kVE; ++k) {
       int8_t c;
-      master8_encode(p[k], PDT, (rng_word(keys, 0, e + k) >> rand_shift(kRandMaster8)) & 0xffffu, hi[k], c);
+      master8_encode(p[k], PDT, rand_a16(rw[k]), hi[k], c);
       cw[k >> 2] |= static_cast<uint32_t>(static_cast<uint8_t>(c)) << (8 * (k & 3));
     }
     store8_u16(P, i, hi);
@@ -247,7 +252,7 @@ __device__ __forceinline__ void adam_vec(const AdamMeta& t, int64_t i, const Ada
   } else if (needs_word0<PDT, SDT, MODE>(sr)) {
 #pragma unroll
     for (int k = 0; k < kVE; ++k)
-      hi[k] = f32_to_bf16_sr(p[k], (rng_word(keys, 0, e + k) >> rand_shift(kRandParam)) & 0xffffu);
+      hi[k] = f32_to_bf16_sr(p[k], rand_a16(rw[k]));
     store8_u16(P, i, hi);
   } else {
     store8<PDT>(P, i, p);

@@ -238,22 +238,47 @@ MPK_HD float adamw_update(float p, float g, float& m, float& v, float* vmax, con
 }
 
 // ----------------------------------------------------------------------------------------------
-// Counter-based random bits: a pure function of (seed, stream, element, step, purpose), so a run
-// is reproducible and resumable, and every backend draws the same bits.
+// Counter-based random bits: ONE 32-bit word per element per step, a pure function of
+// (seed, stream, element, step), so a run is reproducible and resumable and every backend draws
+// the same bits.
 //   stream  : the caller's stream id of the tensor (default: its index in the list);
 //   element : elem_offset + i, 64-bit (a shard passes its global flat offset, so it draws the bits
 //             the unsharded tensor would);
-//   step    : the tensor's step count after the increment;
-//   purpose : kRandParam (param SR), kRandExpAvg, kRandExpAvgSq (bf16 moment SR), kRandMaster8
-//             (the 8-bit master correction).
-// Each purpose takes 16 bits. One 32-bit word per (element, word index) carries two purposes:
-// word 0 = param (low half) + master correction (high half) -- never both used in one mode --
-// word 1 = exp_avg (low) + exp_avg_sq (high). The word is
+//   step    : the tensor's step count after the increment.
+// The word is
 //   key  = mix32(mix32(seed ^ mix32(stream * 0x9e3779b9 + step))
-//                ^ mix32(element_hi * 0x85ebca6b + word * 0xc2b2ae35 + 0x632be5ab))
-//   bits = mix32(key ^ element_lo)
-// key depends only on (seed, stream, step, word, element >> 32): kernels compute it once per
-// chunk, so an element costs one mix32 (two 32-bit multiplies) per word it needs.
+//                ^ mix32(element_hi * 0x85ebca6b + 0x632be5ab))
+//   word = mix32(key ^ element_lo)
+// key depends only on (seed, stream, step, element >> 32): kernels compute it once per chunk, so
+// an element costs one mix32 (two 32-bit multiplies) for all its stochastic roundings.
+//
+// The word is split into three disjoint fields, one per rounding an element can need in a step
+// (bit 0 = least significant):
+//   A  bits  0..9  (10 bits): kRandParam (bf16 param SR, no master) or kRandMaster8 (the 8-bit
+//                              master correction) -- never both in one mode;
+//   B  bits 10..20 (11 bits): kRandExpAvg   (bf16 exp_avg SR, or the 8-bit exp_avg code);
+//   C  bits 21..31 (11 bits): kRandExpAvgSq (bf16 exp_avg_sq SR, or the 8-bit exp_avg_sq code).
+// The bits of a mix32 output are (to the hash's quality) independent, so the three roundings of
+// an element are independent. A w-bit field f is handed to the codecs as a 16-bit value
+//   r16 = (f << (16 - w)) | (1 << (15 - w))      (rand16 below)
+// i.e. the centre of the f-th of 2^w equal cells of [0, 2^16): every codec keeps its 16-bit
+// interface, and the rounding is decided by comparing a probability p against (f + 1/2) / 2^w.
+// Bias bound of each use, in units of the format's step (the distance between the two values
+// the rounding chooses between): P(round up) = round(p * 2^w) / 2^w, so |bias| <= 2^-(w+1) step,
+// and it averages to zero over the fractions p a value passes through:
+//   * bf16 SR (param, 10 bits): |bias| <= 2^-11 bf16 ulp; (exp_avg / exp_avg_sq, 11 bits): 2^-12 ulp
+//     (an fp32 value has 16 bits below the bf16 ulp; fractions finer than the field are rounded to
+//     the nearest cell centre instead of truncated, so the bound is symmetric);
+//   * 8-bit moment codes (11 bits): |bias| <= 2^-12 of the gap between the two neighbouring code
+//     values (plus the fp32 rounding of r16 * w, relative 2^-24);
+//   * 8-bit master correction (10 bits): exact, no bias, for normal bf16/fp16 params: the error x
+//     it rounds has at most 9 bits below 1 (math.h master8_*), so floor(x + u) with u = r16 / 2^16
+//     (11 significant bits below 1) goes up with probability exactly frac(x). Below fp16's smallest
+//     normal (an fp16 param under 6.1e-5) |bias| <= 2^-11 code unit = 2^-43 absolute.
+// The widths: the bias of a w-bit field is at most 2^-(w+1) of a step while the rounding's own
+// noise is up to step / 2 per element and step; over the 1 / (1 - beta2) ~ 1000 steps an EMA
+// remembers, a systematic 2^-12 step stays below a quarter step, and it is not systematic:
+// the fraction p of a moment moves every step.
 // ----------------------------------------------------------------------------------------------
 MPK_HD uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
@@ -266,22 +291,34 @@ MPK_HD uint32_t mix32(uint32_t x) {
 
 enum RandPurpose : int { kRandParam = 0, kRandExpAvg = 1, kRandExpAvgSq = 2, kRandMaster8 = 3 };
 
-// Word index and bit shift of a purpose's 16 bits.
-MPK_HD int rand_word(int purpose) { return (purpose == kRandExpAvg || purpose == kRandExpAvgSq) ? 1 : 0; }
-MPK_HD int rand_shift(int purpose) { return purpose >= kRandExpAvgSq ? 16 : 0; }
+// Field of a purpose: its lowest bit in the word and its width.
+MPK_HD int rand_shift(int purpose) {
+  return purpose == kRandExpAvg ? 10 : (purpose == kRandExpAvgSq ? 21 : 0);
+}
+MPK_HD int rand_width(int purpose) { return (purpose == kRandExpAvg || purpose == kRandExpAvgSq) ? 11 : 10; }
 
-MPK_HD uint32_t rng_key(uint32_t seed, uint32_t stream, uint32_t step, uint32_t word, uint32_t elem_hi) {
+// The codecs' 16-bit value of a purpose's field of random word `word` (cell centre, see above).
+MPK_HD uint32_t rand_field16(uint32_t word, int purpose) {
+  const int w = rand_width(purpose);
+  return (((word >> rand_shift(purpose)) & ((1u << w) - 1u)) << (16 - w)) | (1u << (15 - w));
+}
+// The same per field with constant shifts (what the vector paths compute):
+MPK_HD uint32_t rand_a16(uint32_t word) { return ((word << 6) & 0xffc0u) | 0x20u; }   // param / master8
+MPK_HD uint32_t rand_b16(uint32_t word) { return ((word >> 5) & 0xffe0u) | 0x10u; }   // exp_avg
+MPK_HD uint32_t rand_c16(uint32_t word) { return ((word >> 16) & 0xffe0u) | 0x10u; }  // exp_avg_sq
+
+MPK_HD uint32_t rng_key(uint32_t seed, uint32_t stream, uint32_t step, uint32_t elem_hi) {
   const uint32_t h = mix32(seed ^ mix32(stream * 0x9e3779b9u + step));
-  return mix32(h ^ mix32(elem_hi * 0x85ebca6bu + word * 0xc2b2ae35u + 0x632be5abu));
+  return mix32(h ^ mix32(elem_hi * 0x85ebca6bu + 0x632be5abu));
 }
 
 MPK_HD uint32_t rng_bits(uint32_t key, uint32_t elem_lo) { return mix32(key ^ elem_lo); }
 
-// The keys of one tensor at one step, for the elements whose high index half is `hi`; other
+// The key of one tensor at one step, for the elements whose high index half is `hi`; other
 // elements (a chunk that crosses a multiple of 2^32) get their key computed on the fly.
 struct RngKeys {
   uint32_t seed, stream, step, hi;
-  uint32_t key[2];
+  uint32_t key;
 };
 
 MPK_HD RngKeys rng_keys(uint32_t seed, uint32_t stream, uint32_t step, uint64_t elem) {
@@ -290,28 +327,26 @@ MPK_HD RngKeys rng_keys(uint32_t seed, uint32_t stream, uint32_t step, uint64_t 
   k.stream = stream;
   k.step = step;
   k.hi = static_cast<uint32_t>(elem >> 32);
-  k.key[0] = rng_key(seed, stream, step, 0u, k.hi);
-  k.key[1] = rng_key(seed, stream, step, 1u, k.hi);
+  k.key = rng_key(seed, stream, step, k.hi);
   return k;
 }
 
-// The 32-bit word `word` of global element `elem`.
-MPK_HD uint32_t rng_word(const RngKeys& k, int word, uint64_t elem) {
+// The random word of global element `elem`.
+MPK_HD uint32_t rng_word(const RngKeys& k, uint64_t elem) {
   const uint32_t hi = static_cast<uint32_t>(elem >> 32);
-  const uint32_t key = hi == k.hi ? k.key[word] : rng_key(k.seed, k.stream, k.step, static_cast<uint32_t>(word), hi);
+  const uint32_t key = hi == k.hi ? k.key : rng_key(k.seed, k.stream, k.step, hi);
   return rng_bits(key, static_cast<uint32_t>(elem));
 }
 
-// 16 random bits of `purpose` for global element `elem`.
+// The codecs' 16-bit value of `purpose` for global element `elem`.
 MPK_HD uint32_t rand16(const RngKeys& k, int purpose, uint64_t elem) {
-  return (rng_word(k, rand_word(purpose), elem) >> rand_shift(purpose)) & 0xffffu;
+  return rand_field16(rng_word(k, elem), purpose);
 }
 
 // The same without precomputed keys (reference formula).
 MPK_HD uint32_t rand16(uint32_t seed, uint32_t stream, uint64_t elem, uint32_t step, int purpose) {
-  const uint32_t key = rng_key(seed, stream, step, static_cast<uint32_t>(rand_word(purpose)),
-                               static_cast<uint32_t>(elem >> 32));
-  return (rng_bits(key, static_cast<uint32_t>(elem)) >> rand_shift(purpose)) & 0xffffu;
+  const uint32_t key = rng_key(seed, stream, step, static_cast<uint32_t>(elem >> 32));
+  return rand_field16(rng_bits(key, static_cast<uint32_t>(elem)), purpose);
 }
 
 // ----------------------------------------------------------------------------------------------
