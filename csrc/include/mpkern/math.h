@@ -153,24 +153,8 @@ MPK_HD void store_from_f32(void* base, int64_t i, int32_t dt, float v) {
   }
 }
 
-// ----------------------------------------------------------------------------------------------
-// Gradient statistics (the unscale_ pass). Two accumulators per tensor, from one read:
-//  * sumsq: sum of (x * inv_scale)^2 -- the squared L2 norm of the unscaled gradient;
-//  * amax: max of |x| as raw bits. For IEEE floats, (bits & 0x7fffffff) orders like |x| and puts
-//    inf (0x7f800000) above every finite value and NaN above inf, so one unsigned max gives the
-//    inf-norm (amax * inv_scale), the non-finite flag (amax >= inf) and NaN-vs-inf, for free.
-// ----------------------------------------------------------------------------------------------
-struct StatAcc {
-  float sumsq;
-  uint32_t amax_bits;
-};
-
-MPK_HD void stat_update(StatAcc& s, float x, float inv_scale) {
-  const uint32_t a = f32_bits(x) & 0x7fffffffu;
-  s.amax_bits = a > s.amax_bits ? a : s.amax_bits;
-  const float y = x * inv_scale;
-  s.sumsq += y * y;
-}
+// (The gradient statistics -- sum of squares, max |x| -- are in norm.h: one reduction order on
+// every backend.)
 
 // ----------------------------------------------------------------------------------------------
 // bf16 master remainder ("remainder" master weights). The fp32 master m is stored as a bf16
