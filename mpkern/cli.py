@@ -273,7 +273,9 @@ def _add_compare_parser(sub: Any) -> None:
                     help="Linear layers of the 16-bit-param runs: mpkern.nn.Linear or torch.nn.Linear "
                          "(auto: whichever is faster on this device, measured before the runs -- both accumulate "
                          "in fp32; the table's GEMM column says which ran)")
-    pc.add_argument("--threads", type=_positive_int, help="torch intra-op threads (default: torch's choice)")
+    pc.add_argument("--threads", type=_positive_int,
+                    help="torch intra-op threads (default: the cores other processes leave free, by the 1-minute load "
+                         "average, when a probe GEMM gains from them; else one)")
     pc.add_argument("--out", default="mpkern-compare", help="output directory (default ./mpkern-compare)")
     pc.add_argument("--no-plot", action="store_true", help="do not write compare.png")
     pc.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -106,16 +106,63 @@ def _validate(op: str, a: Tensor, b: Tensor, bias: Optional[Tensor], out_dtype: 
 
 
 # ---- compute --------------------------------------------------------------------------------------
+#: Callables told, at every CPU (ATen fp32) GEMM of these ops, the peak bytes of the fp32 temporaries
+#: the call held at once (operand copies, fp32 product, and the rounded output while the product is
+#: alive). A ``TorchDispatchMode`` sees these ops but not the tensors inside them, so a memory meter
+#: (``mpkern.compare``'s ``LiveBytes``) adds them here.
+_temp_meters: list = []
+
+
+def _note_temps(*groups: int) -> None:
+    peak = max(groups)
+    for meter in _temp_meters:
+        meter(peak)
+
+
 def _mm2d(a: Tensor, b: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
     """2-D ``a (M, K) @ b (K, N) (+ bias)`` in a new (M, N) tensor of ``out_dtype``."""
     if backend_for(a.device) == "triton":
         from mpkern.triton_kernels import matmul as tk
 
         return tk.matmul(a, b, bias, out_dtype)
-    r = a.float() @ b.float()
-    if bias is not None:
-        r += bias.float()
-    return r.to(out_dtype)
+    return _mm2d_fp32(a, b, bias, out_dtype)
+
+
+#: The ATen path upcasts row blocks of ``a`` of about this many bytes (fp32 copy + fp32 product) at a
+#: time, so its temporaries do not grow with the batch: the fp32 copy of ``b`` (a weight) and one block.
+_CPU_BLOCK_BYTES = 4 << 20
+
+
+def _mm2d_fp32(a: Tensor, b: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
+    """``_mm2d`` through ATen: an fp32 GEMM of the upcast operands in row blocks, one rounding each."""
+    m, k = a.shape
+    n = b.shape[1]
+    b32 = b.float()
+    bias32 = None if bias is None else bias.float()
+    rows = max(64, _CPU_BLOCK_BYTES // (4 * (k + n)))
+    if rows >= m:
+        a32 = a.float()
+        r = a32 @ b32
+        copies = (a32.nbytes if a32 is not a else 0) + (b32.nbytes if b32 is not b else 0)
+        del a32, b32
+        if bias32 is not None:
+            r += bias32
+        out = r.to(out_dtype)
+        if _temp_meters:
+            _note_temps(copies + r.nbytes, r.nbytes + (out.nbytes if out is not r else 0))
+        return out
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    block = 0
+    for i in range(0, m, rows):
+        a32 = a[i:i + rows].float()
+        r = a32 @ b32
+        if bias32 is not None:
+            r += bias32
+        out[i:i + rows].copy_(r)  # the one rounding of this block
+        block = max(block, a32.nbytes + r.nbytes)
+    if _temp_meters:
+        _note_temps((b32.nbytes if b32 is not b else 0) + out.nbytes + block)
+    return out
 
 
 def _fold(a: Tensor) -> Tensor:
@@ -160,7 +207,12 @@ def _matmul_accumulate_op(a: Tensor, b: Tensor, out: Tensor) -> None:
 
         tk.matmul_into(a, b, out, accumulate=True)
     else:
-        out.add_(a.float() @ b.float())
+        a32, b32 = a.float(), b.float()
+        r = a32 @ b32
+        if _temp_meters:
+            _note_temps(a32.nbytes + b32.nbytes + r.nbytes)
+        del a32, b32
+        out.add_(r)
 
 
 @_matmul_op.register_fake

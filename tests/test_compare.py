@@ -303,19 +303,74 @@ def test_linear_shapes_of_the_classifier():
     assert shapes == block * cfg.layers + [(2, d, cfg.classes, True)]  # the head sees the pooled rows
 
 
-@pytest.mark.parametrize("faster", ["torch", "mpkern"])
-def test_choose_linear_takes_the_measured_faster(faster):
+@pytest.mark.parametrize("ms, chosen", [
+    ({"torch": 2.0, "mpkern": 3.0}, "torch"),
+    ({"torch": 3.0, "mpkern": 2.0}, "mpkern"),    # 1.5x faster: past the margin
+    ({"torch": 2.2, "mpkern": 2.0}, "torch"),     # 1.1x: within the margin ATen's GEMM stays (no fp32 copies)
+])
+def test_choose_linear_takes_the_measured_faster_with_a_margin(ms, chosen):
     shapes = [(8, 16, 32, True), (8, 32, 16, False)]
-    ms = {"torch": 2.0, "mpkern": 3.0} if faster == "torch" else {"torch": 3.0, "mpkern": 2.0}
-    res = compare.choose_linear(shapes, torch.bfloat16, "cpu", timer=_fake_timer(ms))
-    assert res["chosen"] == faster and res["ms"] == ms and "measured" in res["why"]
+    native = {"native": True, "speed_vs_fp32": 2.0}
+    res = compare.choose_linear(shapes, torch.bfloat16, "cpu", native=native, timer=_fake_timer(ms))
+    assert res["chosen"] == chosen and res["ms"] == ms and "measured" in res["why"]
     assert compare.choose_linear([], torch.bfloat16, "cpu")["chosen"] == "torch"
+
+
+def test_choose_linear_follows_the_native_probe_without_timing_an_emulated_gemm():
+    """A CPU the probe found emulating bf16 (0.04x fp32) takes mpkern's fp32 GEMM path whatever a
+    (possibly load-disturbed) timing would say: the timer is not even called."""
+    def timer(fns, device, reps):
+        raise AssertionError("timed although the probe decided")
+
+    res = compare.choose_linear([(8, 16, 32, True)], torch.bfloat16, "cpu",
+                                native={"native": False, "speed_vs_fp32": 0.04}, timer=timer)
+    assert res["chosen"] == "mpkern" and "0.04x" in res["why"] and res["ms"] == {}
+
+
+def test_probe_timers_run_on_one_thread_and_interleave():
+    """The GEMM probe and the Linear timing run on one torch thread (restored after), and the
+    interleaved timer calls the candidates in turn."""
+    seen, order = [], []
+
+    def timer(fns, device, reps):
+        seen.append(torch.get_num_threads())
+        return dict.fromkeys(fns, 1.0)
+
+    before = torch.get_num_threads()
+    compare.compute_support("cpu", 8, 8, 8, flags=set(), timer=timer)
+    compare.choose_linear([(8, 16, 32, True)], torch.bfloat16, "cpu", native={"native": True}, timer=timer)
+    assert seen == [1, 1] and torch.get_num_threads() == before
+    compare.probe._interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+                               torch.device("cpu"), 3)
+    assert order == ["a", "b"] * 4  # one untimed call each, then three timed rounds in turn
+
+
+@pytest.mark.parametrize("ms, threads", [({"1": 1.0, "2": 0.55}, 2), ({"1": 1.0, "2": 0.9}, 1),
+                                         ({"1": 0.45, "2": 7.8}, 1)])
+def test_choose_threads_keeps_all_threads_only_when_they_help(ms, threads, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    got = []
+    monkeypatch.setattr(torch, "set_num_threads", got.append)
+    monkeypatch.setattr(compare.probe.os, "cpu_count", lambda: 2)
+    res = compare.probe.choose_threads(torch.device("cpu"), 0, 8, 8, 8, load=0.1, timer=_fake_timer(ms))
+    assert res["threads"] == threads and got[-1] == threads and f"{ms['1'] / ms['2']:.2f}x" in res["why"]
+    assert compare.probe.choose_threads(torch.device("cpu"), 3, 8, 8, 8)["threads"] == 3 and got[-1] == 3
+    # another process busy over the last minute on 2 cores: one thread, without timing
+    busy = compare.probe.choose_threads(torch.device("cpu"), 0, 8, 8, 8, load=1.2, timer=None)
+    assert busy["threads"] == 1 and got[-1] == 1 and "load average is 1.20" in busy["why"]
+
+
+def test_run_restores_torch_threads():
+    before = torch.get_num_threads()
+    res = _run("fp32", threads=1)
+    assert res["config"]["threads"] == 1 and res["native_compute"]["threads"]["why"] == "--threads 1"
+    assert torch.get_num_threads() == before
 
 
 def test_auto_linear_follows_the_measurement(monkeypatch):
     """The 16-bit-param runs use what choose_linear picked, and the table says which ran."""
     for pick in ("mpkern", "torch"):
-        monkeypatch.setattr(compare.probe, "choose_linear", lambda shapes, dt, dev, pick=pick: {
+        monkeypatch.setattr(compare.probe, "choose_linear", lambda shapes, dt, dev, pick=pick, **kw: {
             "chosen": pick, "dtype": compare._DTYPE_NAME[dt], "why": "test", "ms": {}})
         res = _run("bf16-naive,mpkern-bf16")
         assert set(res["linear_choice"]) == {"bfloat16"}
@@ -365,7 +420,8 @@ def test_real_probe_times_every_run():
                               cfg.heads, cfg.classes)
     before = [p.detach().clone() for p in base.parameters()]
     step_s = compare.probe_step_seconds(cfg, base)
-    assert set(step_s) == {"fp32", "mpkern-bf16"} and all(v > 0 for v in step_s.values())
+    assert set(step_s) == {"fp32", "mpkern-bf16"}
+    assert all(0 < v["min"] <= v["median"] for v in step_s.values())
     assert all(torch.equal(a, b) for a, b in zip(before, base.parameters()))  # the base model is untouched
 
 
@@ -451,10 +507,55 @@ def test_live_bytes_counts_each_tensor_from_creation_to_free():
     assert live_peak(step)[1] == 8000
 
 
+@pytest.mark.parametrize("rows, block_bytes", [(24, 1 << 30), (200, 64 * 4 * (24 + 40))])
+def test_live_bytes_counts_mpkern_linear_cpu_temporaries(monkeypatch, rows, block_bytes):
+    """The fp32 temporaries inside mpkern.linear's CPU path (which a dispatch mode cannot see) are in
+    the peak: one shot -- x and w copies + fp32 product; in row blocks (64 rows here) -- the w copy,
+    the output and one block. The blocked result matches float64 within bf16 rounding."""
+    import importlib
+
+    mm = importlib.import_module("mpkern.matmul")  # the module (mpkern.matmul is also the function)
+    monkeypatch.setattr(mm, "_CPU_BLOCK_BYTES", block_bytes)
+    if mm.backend_for("cpu") != "torch":
+        pytest.skip("the CPU GEMM path is not ATen's here")
+    g = torch.Generator().manual_seed(3)
+    k, n = 24, 40
+    x = (torch.randn(rows, k, generator=g) + 0.5).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) - 0.25).to(torch.bfloat16)
+    from mpkern.compare.memory import LiveBytes
+
+    with LiveBytes() as meter:
+        out = mpkern.linear(x, w)
+    if block_bytes >= 1 << 30:
+        temps = 4 * rows * k + 4 * n * k + 4 * rows * n  # x32, w32, fp32 product (then product + output < that)
+    else:
+        temps = 4 * n * k + 2 * rows * n + 64 * 4 * (k + n)  # w32, output, one 64-row block (copy + product)
+    assert meter.gemm_temp_peak == temps and meter.peak == temps
+    ref = x.double() @ w.double().t()
+    assert (out.double() - ref).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * ref.abs().max()
+
+
 def test_time_boxes_pick_the_runs_many_times_slower_than_fp32():
     boxes = compare.budget.time_boxes({"fp32": 0.01, "bf16": 0.039, "mpkern-bf16": 0.04})
     assert set(boxes) == {"mpkern-bf16"} and boxes["mpkern-bf16"]["slower"] == pytest.approx(4.0)
     assert compare.budget.time_boxes({"fp32": 0.01}) == {}
+    # a run the native probe found emulated is boxed even when load made its probed step look fast
+    boxes = compare.budget.time_boxes({"fp32": 0.01, "bf16": 0.012}, {"bf16": "emulated here"})
+    assert set(boxes) == {"bf16"} and boxes["bf16"]["why"].startswith("emulated here; the probe measured")
+
+
+@pytest.mark.parametrize("native, linear, boxed", [
+    (False, "mpkern", {"bf16"}),                                  # AVX2-only CPU: autocast bf16 boxed
+    (False, "torch", {"bf16", "bf16-naive", "mpkern-bf16"}),      # forced ATen bf16 GEMMs: all boxed
+    (True, "torch", set()),                                       # native bf16: nothing boxed
+])
+def test_emulated_runs_come_from_the_native_probe(native, linear, boxed):
+    cfg = compare.Config(**TINY, precisions=("fp32", "bf16", "bf16-naive", "mpkern-bf16"), linear=linear)
+    support = {"bfloat16": {"native": native, "speed_vs_fp32": 2.0 if native else 0.05},
+               "float16": {"native": False, "speed_vs_fp32": 0.02}}
+    got = compare.budget.emulated_runs(cfg, support)
+    assert set(got) == boxed and all("0.05x" in why for why in got.values())
+    assert compare.budget.emulated_runs(replace(cfg, device="cuda"), support) == {}
 
 
 def test_a_slow_run_is_time_boxed_and_the_report_says_so(monkeypatch):
@@ -512,3 +613,21 @@ def test_batch_search_doubles_then_bisects():
     tried.clear()
     assert compare.batch.search(fits, 512)[0] == 96 and tried[:4] == [512, 256, 128, 64]
     assert compare.batch.search(lambda b: False, 4) == (0, 1)
+
+
+def test_find_batch_counts_an_out_of_memory_error_as_not_fitting(monkeypatch):
+    """The CUDA path: an OutOfMemoryError at a batch size is caught and that size does not fit (faked
+    here -- no GPU needed to check that the search stops below it)."""
+    def train_one(name, c, task, base, **kw):
+        if c.batch_size > 24:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return {"status": "ok", "peak_mem_bytes": 1000 * c.batch_size, "tokens_per_s": 1.0, "val_acc": 0.5,
+                "skipped_steps": 0, "final_loss": 1.0}
+
+    monkeypatch.setattr(compare.batch, "train_one", train_one)
+    cfg = compare.Config(**TINY, precisions=("fp32",))
+    res = compare.batch.find_batch(cfg, None, 10**9, log=lambda s: None)["fp32"]
+    pts = {p["batch_size"]: p for p in res["points"]}
+    assert res["max_batch_size"] == 24 and pts[24]["status"] == "ok"
+    assert res["first_not_fitting"] == 26 and pts[26]["status"] == "oom" and pts[26]["peak_mem_bytes"] is None
+    assert all(p["status"] == "oom" for b, p in pts.items() if b > 24)

@@ -107,16 +107,18 @@ class _OthersCpu:
 class LiveBytes:
     """Peak bytes of the tensors created while it is active (a ``TorchDispatchMode``): every storage
     an op returns is counted from its creation until it is freed, so activations, grads and the
-    temporaries of each op (e.g. the fp32 copies of an upcasting GEMM path) are all in ``peak``.
-    Allocator-independent and exact for what goes through the dispatcher (scratch memory a kernel
-    allocates internally is not seen). Works for real and meta tensors."""
+    temporaries between ops are all in ``peak``. Inside a custom op the mode sees no tensors: the
+    fp32 temporaries of ``mpkern.linear``'s CPU GEMM path (operand copies, fp32 product) are told
+    to it by :mod:`mpkern.matmul` at each call (``gemm_temp_peak``: the largest of them, a part of
+    ``peak``). Allocator-independent and exact for what goes through the dispatcher (scratch memory
+    a kernel allocates internally is not seen). Works for real and meta tensors."""
 
     def __init__(self) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_flatten
 
         meter = self
-        self.live = self.peak = 0
+        self.live = self.peak = self.gemm_temp_peak = 0
         self._seen: set[int] = set()
 
         class _Mode(TorchDispatchMode):
@@ -144,12 +146,23 @@ class LiveBytes:
         self._seen.discard(key)
         self.live -= n
 
+    def _temps(self, n: int) -> None:
+        """A GEMM inside a custom op held ``n`` bytes of temporaries on top of what is live now."""
+        self.gemm_temp_peak = max(self.gemm_temp_peak, n)
+        self.peak = max(self.peak, self.live + n)
+
     def __enter__(self) -> LiveBytes:
+        from ..matmul import _temp_meters
+
+        _temp_meters.append(self._temps)
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        from ..matmul import _temp_meters
+
         self._mode.__exit__(*exc)
+        _temp_meters.remove(self._temps)
 
 
 def live_peak(fn: Callable[[], Any]) -> tuple[Any, int]:

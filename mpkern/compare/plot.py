@@ -45,7 +45,8 @@ def plot_results(results: dict[str, Any], path: str) -> bool:
     ax[0, 1].axhline(100 * results["task"]["chance_acc"], color="gray", ls=":", lw=1)
     bars(ax[1, 0], [r["tokens_per_s"] for r in runs], "tokens/s (steady state)", lambda v: f"{v:,.0f}")
     mem = [None if r["peak_mem_bytes"] is None else r["peak_mem_bytes"] / 2**20 for r in runs]
-    bars(ax[1, 1], mem, "peak memory (MiB): " + runs[0]["peak_mem_kind"] if runs else "", lambda v: f"{v:.0f}")
+    kind = runs[0]["peak_mem_kind"].split(":")[0] if runs else ""  # "tensor bytes" / "cuda.max_memory_allocated ..."
+    bars(ax[1, 1], mem, f"peak memory (MiB, {kind.split(' - ')[0]})", lambda v: f"{v:.1f}")
     d = results["device"]
     fig.suptitle(f"mpkern compare: {d['name']} ({d['type']}), torch {results['versions']['torch']}", fontsize=10)
     fig.tight_layout()

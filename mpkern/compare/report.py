@@ -118,9 +118,10 @@ def _time_box_lessons(results: dict[str, Any]) -> list[str]:
 
 _MEMORY_NOTE = {
     False: ("CPU peak mem = tensor bytes of the run: its weights, masters and moments plus the peak of the tensors "
-            "one steady training step creates (activations, grads and the temporaries of each op -- e.g. the fp32 "
-            "copies of mpkern.linear's CPU GEMM path -- counted from creation to free through the dispatcher; "
-            "allocator-independent). RSS peak = growth of the process's peak resident set size during the run "
+            "one steady training step creates (activations, grads and the temporaries of each op, counted from "
+            "creation to free through the dispatcher; allocator-independent), including the fp32 temporaries inside "
+            "mpkern.linear's CPU GEMM path (the fp32 weight copy and one row block of the upcast input and product: "
+            "'GEMM temps' below, the largest at once). RSS peak = growth of the process's peak resident set size during the run "
             "(Linux VmHWM, reset per run; includes what the allocator keeps after frees and oneDNN scratch). "
             "act. saved counts the distinct tensors autograd saved for backward in one step."),
     True: "CUDA peak memory = torch.cuda.max_memory_allocated during the run minus what was allocated before it.",
@@ -187,6 +188,10 @@ def format_details(results: dict[str, Any]) -> str:
             hist = ", ".join(f"{s:g}@{i}" for i, s in r["loss_scale_history"][:12])
             more = " ..." if len(r["loss_scale_history"]) > 12 else ""
             out.append(f"\n{r['name']} loss scale (value@step): {hist}{more}")
+    temps = [f"{r['name']} {_fmt_bytes(r['gemm_temp_bytes'])}" for r in results["runs"] if r.get("gemm_temp_bytes")]
+    if temps:
+        out.append("\nGEMM temps (fp32 temporaries inside mpkern.linear's CPU path, the largest at once; part of peak "
+                   "mem): " + ", ".join(temps) + ".")
     out.append("")
     out.append(results["memory_note"])
     if results.get("plan"):
@@ -203,6 +208,9 @@ def _header(results: dict[str, Any]) -> str:
     nat = results.get("native_compute") or {}
     native = "; ".join(f"{k} {'yes' if nat[k]['native'] else 'NO'} ({nat[k]['why']})"
                        for k in ("bfloat16", "float16") if k in nat) or "not measured"
+    th = nat.get("threads") or {}
+    if th.get("why"):
+        native += f"\nthreads: {th['threads']} ({th['why']})"
     b = results.get("budget") or {}
     budget = f"; time budget {b['time_budget_s']:g} s: {b['why']}" if b.get("time_budget_s") else ""
     if "memory_budget_bytes" in results:
@@ -210,6 +218,7 @@ def _header(results: dict[str, Any]) -> str:
 
         budget = (f"; --find-batch: batch grown from {c['batch_size']} (doubling, then bisecting) within "
                   f"{fmt_size(results['memory_budget_bytes'])}, {c['steps']} steps per size")
+    warm = min(c["warmup"], 2) if "memory_budget_bytes" in results else c["warmup"]  # batch.measure_point's
     if c.get("hf_model"):
         model = f"transformers {results['model']['class']} from {c['hf_model']}"
     else:
@@ -217,7 +226,7 @@ def _header(results: dict[str, Any]) -> str:
     return (f"mpkern compare -- {d['name']} ({d['type']}), torch {results['versions']['torch']}, "
             f"{results['timestamp']}\n"
             f"model: {model} ({results['model']['params']:,} params), seq {c['seq_len']}, "
-            f"batch {c['batch_size']}, {c['steps']} steps (first {c['warmup']} untimed), lr {c['lr']:g}, "
+            f"batch {c['batch_size']}, {c['steps']} steps (first {warm} untimed), lr {c['lr']:g}, "
             f"clip {c['max_grad_norm']:g}, seed {c['seed']}{budget}\n"
             f"native 16-bit compute: {native}\n"
             f"task: {t['name']}, {t['classes']} classes (chance {100 * t['chance_acc']:.1f} %, ignoring the "

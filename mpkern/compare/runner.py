@@ -52,10 +52,7 @@ def _resolve(precisions: Sequence[str] | str | None, device: str | torch.device 
         for p in chosen:
             if p in BF16_RUNS and not bf16_supported(dev):
                 raise ValueError(f"precision {p}: {_no_bf16_message(dev)}")
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    cfg = replace(cfg, precisions=chosen, skipped_precisions=skipped, device=str(dev),
-                  threads=torch.get_num_threads())
+    cfg = replace(cfg, precisions=chosen, skipped_precisions=skipped, device=str(dev))
     _check(cfg)
     return cfg
 
@@ -145,21 +142,34 @@ def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.de
         _batch.default_budget(dev)  # raises: CPU needs a budget
     if memory_budget is not None:
         parse_size(memory_budget)  # a bad size fails before any training
+    threads_before = torch.get_num_threads()
+    try:
+        return _run(cfg, precisions is not None, find_batch, memory_budget, out, progress, plot)
+    finally:
+        torch.set_num_threads(threads_before)  # choose_threads / --threads set it for the runs only
+
+
+def _run(cfg: Config, explicit: bool, find_batch: bool, memory_budget: str | int | None, out: str | None,
+         progress: bool, plot: bool) -> dict[str, Any]:
     t_all = time.perf_counter()
-    dev_info = device_info(dev)
+    dev = torch.device(cfg.device)
     base = _base_model(cfg)
     for p, why in cfg.skipped_precisions.items():
         print(f"[compare] skipping {p}: {why}", flush=True)
     support, linear_choice = _probe.measure_device(cfg, base)
+    cfg = replace(cfg, threads=torch.get_num_threads())
+    dev_info = device_info(dev)
+    if dev.type == "cpu":
+        print(f"[compare] threads: {support['threads']['threads']} ({support['threads']['why']})", flush=True)
     for info in linear_choice.values():
         print(f"[compare] --linear auto, {info['dtype']}: {info['chosen']} ({info['why']})", flush=True)
     others = _OthersCpu()
     if find_batch:
-        cfg, scaling = _find_batch(cfg, base, support, linear_choice, memory_budget, precisions is not None)
+        cfg, scaling = _find_batch(cfg, base, support, linear_choice, memory_budget, explicit)
         _load(dev_info, others)
         results = _common(cfg, base, dev_info, support, linear_choice) | scaling | {"runs": []}
     else:
-        cfg, budget = _budget.fit_budget(cfg, base, linear_choice)
+        cfg, budget = _budget.fit_budget(cfg, base, linear_choice, support=support)
         if cfg.time_budget is not None:
             print(f"[compare] time budget: {budget['why']}", flush=True)
         task = make_task(cfg)

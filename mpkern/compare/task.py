@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import Config
 
@@ -53,6 +54,19 @@ def make_task(cfg: Config) -> Task:
 
 
 # ---- model --------------------------------------------------------------------------------------
+def _attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """``scaled_dot_product_attention``; for 16-bit CPU tensors through its math backend. PyTorch's CPU
+    flash-attention kernel (SDPA's choice there) takes 10.2 ms for one bf16 forward + backward at this
+    model's shape (batch 32, 4 heads, 16 tokens, head dim 32) on an AMX Xeon vs 0.9 ms in fp32 and
+    1.4 ms through the math backend: with it every bf16 run spent 60 % of its step in attention. The
+    math backend is the same attention (the product, softmax and product as separate ops), so all
+    runs compare their recipes, not that kernel."""
+    if q.device.type == "cpu" and q.dtype != torch.float32:
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v)
+
+
 class Block(nn.Module):
     """Pre-LN transformer block: self-attention (``scaled_dot_product_attention``) and a GELU MLP."""
 
@@ -69,7 +83,7 @@ class Block(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         b, n, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
+        a = _attention(q, k, v).transpose(1, 2).reshape(b, n, d)
         x = x + self.proj(a)
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 

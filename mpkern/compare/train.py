@@ -15,7 +15,7 @@ from .. import _progress, bytemodel
 from ..measure import sync
 from .config import Config
 from .budget import TIME_BOX_WARMUP
-from .memory import _CpuPeak, _saved_bytes, live_peak
+from .memory import LiveBytes, _CpuPeak, _saved_bytes
 from .recipes import _build, _Recipe
 from .task import Task
 
@@ -55,7 +55,7 @@ class _Loop:
         self.x_all, self.y_all = task.x_train.to(device), task.y_train.to(device)
         self.diverged_at: int | None = None
         self.stopped = self.over_budget = False
-        self.act_bytes = self.live_peak = 0
+        self.act_bytes = self.live_peak = self.gemm_temps = 0
         self.t0: float | None = None
         self.done = self.logged = 0
 
@@ -68,7 +68,9 @@ class _Loop:
         if i == 0:
             loss, self.act_bytes = _saved_bytes(partial(self.r.step, x, y))
         elif i == PROFILED_STEP and self.device.type == "cpu":
-            loss, self.live_peak = live_peak(partial(self.r.step, x, y))
+            with LiveBytes() as meter:
+                loss = self.r.step(x, y)
+            self.live_peak, self.gemm_temps = meter.peak, meter.gemm_temp_peak
             budget = self.cfg.memory_budget
             if budget is not None:  # --find-batch: a step over the budget ends the run here
                 st = bytemodel.count_state(self.r.params, self.r.opt)
@@ -140,6 +142,7 @@ def _peak(device: torch.device, cpu_peak: _CpuPeak, mem_base: int, loop: _Loop,
     return {"peak_mem_bytes": persistent + loop.live_peak if profiled else None,
             "peak_mem_kind": "tensor bytes: weights + masters + moments + peak of the tensors one steady step creates "
                              "(activations, grads, temporaries)",
+            "gemm_temp_bytes": loop.gemm_temps if profiled else None,
             "rss_peak_bytes": cpu_peak.peak()}
 
 
