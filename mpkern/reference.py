@@ -116,6 +116,13 @@ RAND_FIELDS = {RAND_PARAM: (0, 10), RAND_MASTER8: (0, 10), RAND_EXP_AVG: (10, 11
 _M32 = 0xFFFFFFFF
 
 
+def _sqrt32(x: Tensor) -> Tensor:
+    """Correctly rounded float32 sqrt, as the kernels' ``sqrtf``: via fp64 (53 >= 2*24 + 2 bits, so
+    rounding the fp64 root to float32 is the correctly rounded float32 root). torch 2.14's
+    vectorised CPU float32 ``sqrt`` is off by one ulp on some inputs (e.g. 0.004358131904155016)."""
+    return x.double().sqrt().float()
+
+
 def _bf16_rne_bits(x: Tensor) -> Tensor:
     return x.to(torch.bfloat16).view(torch.int16)
 
@@ -388,7 +395,7 @@ def adamw_step_(
         if max_exp_avg_sqs:
             vv = torch.where(max_exp_avg_sqs[i] > v, max_exp_avg_sqs[i], v)
             max_exp_avg_sqs[i].copy_(torch.where(ok, vv, max_exp_avg_sqs[i]))
-        denom = vv.sqrt() * inv_bc2 + eps
+        denom = _sqrt32(vv) * inv_bc2 + eps
         w = w - step_size * m / denom
         if mom8:
             m_new, sm = moment8_encode(m, "exp_avg", bits(RAND_EXP_AVG))
