@@ -34,6 +34,17 @@ _nonneg_int = _number(int, "a non-negative integer", allow_zero=True)
 _positive_float = _number(float, "a positive finite number")
 
 
+def _optimizer_state(s: str) -> str:
+    """``--optimizer-state``: a shorthand or ``MASTER:MOMENTS`` the storage registry reads."""
+    from .compare.config import optimizer_state_args
+
+    try:
+        optimizer_state_args(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+
 def _precisions(s: str) -> list[str]:
     from .compare import PRECISIONS
 
@@ -225,8 +236,6 @@ def _version() -> str:
 
 def _add_compare_parser(sub: Any) -> None:
     """The ``compare`` subcommand's flags."""
-    from .compare import OPTIMIZER_STATES
-
     pc = sub.add_parser(
         "compare", help="train the same small model in fp32 / bf16 / fp16 / mpkern and compare speed, memory, accuracy",
         description="Train one small transformer classifier several ways (same init, data, order and "
@@ -262,13 +271,14 @@ def _add_compare_parser(sub: Any) -> None:
     pc.add_argument("--warmup", type=_nonneg_int, help="untimed first steps (default 20)")
     pc.add_argument("--log-every", type=_positive_int, help="steps between progress updates / divergence checks")
     pc.add_argument("--max-grad-norm", type=_positive_float, help="gradient clipping norm (default 1.0)")
-    pc.add_argument("--optimizer-state", choices=OPTIMIZER_STATES, default=None,
+    pc.add_argument("--optimizer-state", type=_optimizer_state, default=None, metavar="STATE",
                     help="FusedAdamWMP state of the mpkern runs: fp32 masters+moments (default, 16 B/param with "
                          "param and grad), int16 remainder masters (14; mpkern-bf16 only, mpkern-fp16 keeps fp32 "
                          "masters), bf16 moments (12), remainder + bf16 moments (10), 8-bit master "
                          "corrections + bf16 moments (9), remainder + 8-bit moments (8.125) or 8-bit masters + "
                          "8-bit moments (7.125) -- bf16 / 8-bit moments and 8-bit masters are rounded "
-                         "stochastically (docs/storage.md)"),
+                         "stochastically (docs/storage.md); or any MASTER:MOMENTS of the storage registry, "
+                         "e.g. remainder:8bit"),
     pc.add_argument("--linear", choices=("auto", "mpkern", "torch"), default=None,
                     help="Linear layers of the 16-bit-param runs: mpkern.nn.Linear or torch.nn.Linear "
                          "(auto: whichever is faster on this device, measured before the runs -- both accumulate "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 
 import pytest
 import torch
@@ -201,3 +202,22 @@ def test_native_backend_has_no_kernel_for_it(kind, monkeypatch, native):
     with pytest.raises(NotImplementedError, match=f"'{native}' backend has no kernel for state_dtype='float16-test'"):
         opt.step()
     assert torch.equal(w, w0) and not opt.state  # refused before anything was touched
+
+
+def test_compare_and_bench_take_it_by_name(kind, torch_backend):
+    """``mpkern compare --optimizer-state MASTER:MOMENTS`` and ``bench --modes`` read the registry:
+    the new kind trains in compare with its bytes, without an edit to compare or bench."""
+    from mpkern import compare
+    from mpkern.bench.modes import adamw_modes
+
+    assert adamw_modes(f"remainder:{kind.name}") == [("remainder", kind.name)]
+    tiny = dict(steps=4, warmup=1, log_every=2, batch_size=4, seq_len=8, d_model=16, heads=2, layers=1, classes=5,
+                noise_vocab=7, val_size=40)
+    res = compare.run("mpkern-bf16", device="cpu", progress=False, plot=False, linear="torch",
+                      optimizer_state=f"fp32:{kind.name}", **tiny)
+    run = res["runs"][0]
+    assert f"state_dtype={kind.name}" in run["optimizer"]
+    assert run["state_bytes_per_param"]["moments"] == pytest.approx(4.0)
+    assert all(math.isfinite(x) for x in run["losses"])
+    with pytest.raises(ValueError, match="MASTER:MOMENTS"):
+        compare.run("mpkern-bf16", device="cpu", progress=False, plot=False, optimizer_state="fp32:nope", **tiny)

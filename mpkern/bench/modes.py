@@ -50,9 +50,8 @@ def adamw_modes(which: str | None = "default") -> list[tuple[Any, str]]:
         return every
     out = []
     for item in which.split(","):
-        mw, _, sd = item.strip().partition(":")
         try:
-            out.append((storage.parse_master(mw), storage.parse_moments(sd)))
+            out.append(storage.parse_mode(item))
         except ValueError as e:
             raise ValueError(f"adamw mode {item!r}: want master:moments ({e}), or 'default', 'all', 'none'") from None
     return out

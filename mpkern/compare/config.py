@@ -15,7 +15,12 @@ PRECISIONS = ("fp32", "bf16", "fp16", "bf16-naive", "mpkern-bf16", "mpkern-8bit"
 BF16_RUNS = ("bf16", "bf16-naive", "mpkern-bf16", "mpkern-8bit")
 #: the runs that keep their params in bfloat16 / float16
 SIXTEEN_BIT_PARAMS = ("bf16-naive", "mpkern-bf16", "mpkern-8bit", "mpkern-fp16")
-OPTIMIZER_STATES = ("fp32", "remainder", "bf16-moments", "remainder-bf16", "8bit", "remainder-8bit", "8bit-8bit")
+#: ``--optimizer-state`` shorthands -> the ``MASTER:MOMENTS`` words of the storage registry; any
+#: ``MASTER:MOMENTS`` the registry reads is accepted too (a newly registered kind without an edit here)
+STATE_SHORTHANDS: dict[str, str] = {
+    "fp32": "fp32:fp32", "remainder": "remainder:fp32", "bf16-moments": "fp32:bf16", "remainder-bf16": "remainder:bf16",
+    "8bit": "8bit:bf16", "remainder-8bit": "remainder:8bit", "8bit-8bit": "8bit:8bit"}
+OPTIMIZER_STATES = tuple(STATE_SHORTHANDS)
 LINEARS = ("auto", "mpkern", "torch")
 SCHEMA = "mpkern.compare/1"
 
@@ -25,6 +30,19 @@ _DTYPE_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 def _state_name(state_dtype: Any) -> str:
     """A ``state_dtype`` as FusedAdamWMP keeps it in its groups ("float32", "bfloat16", "8bit")."""
     return _DTYPE_NAME[state_dtype] if isinstance(state_dtype, torch.dtype) else str(state_dtype)
+def optimizer_state_args(word: str) -> dict[str, Any]:
+    """FusedAdamWMP's ``master_weights`` / ``state_dtype`` for an ``--optimizer-state`` word: a
+    shorthand of :data:`STATE_SHORTHANDS` or ``MASTER:MOMENTS`` (:func:`mpkern.optim.storage.parse_mode`)."""
+    from ..optim import storage
+
+    try:
+        mw, sd = storage.parse_mode(STATE_SHORTHANDS.get(word, word))
+    except ValueError as e:
+        raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATES} or MASTER:MOMENTS ({e}), "
+                         f"got {word!r}") from None
+    return {"master_weights": mw, "state_dtype": sd}
+
+
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -123,8 +141,7 @@ def _check(cfg: Config) -> None:
         raise ValueError(f"max_grad_norm must be positive and finite, got {cfg.max_grad_norm!r}")
     if not isinstance(cfg.warmup, int) or cfg.warmup < 0:
         raise ValueError(f"warmup must be a non-negative integer, got {cfg.warmup!r}")
-    if cfg.optimizer_state not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATES}, got {cfg.optimizer_state!r}")
+    optimizer_state_args(cfg.optimizer_state)  # ValueError naming the accepted words
     if cfg.linear not in LINEARS:
         raise ValueError(f"linear must be one of {LINEARS}, got {cfg.linear!r}")
     if cfg.time_budget is not None and not (isinstance(cfg.time_budget, (int, float)) and cfg.time_budget > 0):

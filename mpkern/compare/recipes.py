@@ -2,7 +2,7 @@
 
 Every run starts from a copy of the same base model; :func:`_build` returns its model, optimizer
 and one-step function. The 16-bit-param runs differ only in what the optimizer keeps
-(:data:`MPKERN_STATES`) and in the Linear path (:func:`_linear_path`).
+(``--optimizer-state``, :func:`~.config.optimizer_state_args`) and in the Linear path (:func:`_linear_path`).
 """
 
 from __future__ import annotations
@@ -17,21 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import _DTYPE_NAME, _SHORT, Config, _state_name
+from .config import _DTYPE_NAME, _SHORT, Config, _state_name, optimizer_state_args
 
 Tensor = torch.Tensor
 
-#: ``--optimizer-state`` -> FusedAdamWMP arguments of the mpkern-bf16 / mpkern-fp16 runs
-MPKERN_STATES: dict[str, dict[str, Any]] = {
-    "fp32": {}, "remainder": {"master_weights": "remainder"},
-    "bf16-moments": {"state_dtype": torch.bfloat16},
-    "remainder-bf16": {"master_weights": "remainder", "state_dtype": torch.bfloat16},
-    "8bit": {"master_weights": "8bit", "state_dtype": torch.bfloat16},
-    "remainder-8bit": {"master_weights": "remainder", "state_dtype": "8bit"},
-    "8bit-8bit": {"master_weights": "8bit", "state_dtype": "8bit"},
-}
 #: the compact run (``mpkern-8bit``): bf16 params, 8-bit master corrections, 8-bit moments
-COMPACT_STATE = "8bit-8bit"
+COMPACT_STATE = "8bit:8bit"
 
 
 @dataclass
@@ -113,7 +104,7 @@ def _torch_optimizer(name: str, cfg: Config, model: nn.Module, device: torch.dev
 
 def mpkern_state(name: str, cfg: Config) -> dict[str, Any]:
     """FusedAdamWMP's ``master_weights`` / ``state_dtype`` arguments of the mpkern run ``name``."""
-    state = dict(MPKERN_STATES[COMPACT_STATE if name == "mpkern-8bit" else cfg.optimizer_state])
+    state = optimizer_state_args(COMPACT_STATE if name == "mpkern-8bit" else cfg.optimizer_state)
     if name == "mpkern-fp16" and state.get("master_weights") == "remainder":
         del state["master_weights"]  # an int16 remainder completes a bf16 param only: fp16 keeps fp32 masters
     return state

@@ -151,6 +151,17 @@ def parse_moments(word: str) -> str:
     return name
 
 
+def parse_mode(word: str) -> tuple[Any, str]:
+    """``(master_weights, state_dtype)`` of a command-line ``MASTER:MOMENTS`` word (``remainder:bf16``,
+    ``8bit:8bit``, ``fp32:fp32``; ``-`` also separates); ValueError naming both halves' words."""
+    text = str(word).strip()
+    sep = ":" if ":" in text else "-"
+    mw, found, sd = text.partition(sep)
+    if not found:
+        raise ValueError(f"storage mode {word!r}: want MASTER:MOMENTS, e.g. remainder:8bit")
+    return parse_master(mw), parse_moments(sd)
+
+
 # ---- what plan / compare / bench print ----------------------------------------------------------
 def label(master_weights: Any, state_dtype: Any) -> str:
     """``"remainder + bf16 moments"`` for ``("remainder", "bfloat16")``."""
