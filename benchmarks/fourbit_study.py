@@ -16,7 +16,9 @@ byte) plus bf16 scales (rounded up, so every normalised value is <= 1). Codebook
 * ``de``   signed dynamic exponent (bitsandbytes' 4-bit dynamic map, Li et al.'s first-moment map);
 * ``lin0`` unsigned linear without zero (``(i + 1) / 16``, Li et al.'s second-moment map);
 * ``sq0``  unsigned c^2 companding (``c^2 / 15^2``, c in 0..15; a positive value at least code 1):
-  ``sqrt(v)`` linear in the code, finer near the group max than ``q4``.
+  ``sqrt(v)`` linear in the code, finer near the group max than ``q4``;
+* ``lt``   unsigned, zero-free: ``lin0``'s 1/16 steps from 5/16 to 1 (12 codes) and a tail of
+  halvings 5/32 ... 5/256 (4 codes): ``lin0`` near the max, 1.7 decades of range.
 
 Normalisation: a bf16 scale per group of G consecutive elements of the buffer (``gG``), or rank-1
 (``r1``: ``min(row max, column max)`` of a 2-D tensor, bf16 row and column maxima; other tensors fall
@@ -72,10 +74,12 @@ BOOKS = {
     "de": _bnb_dynamic_signed4(),
     "lin0": [(i + 1) / 16.0 for i in range(16)],
     "sq0": [c * c / 225.0 for c in range(16)],  # unsigned c^2: sqrt(v) linear in the code
+    # zero-free: linear steps of 1/16 from 5/16 to 1 (12 codes), then halvings down to 5/256 (4 codes)
+    "lt": [5.0 / 16 * 2.0**-k for k in (4, 3, 2, 1)] + [(i + 5) / 16.0 for i in range(12)],
 }
-SIGNED = {"sq": True, "q4": False, "de": True, "lin0": False, "sq0": False}
+SIGNED = {"sq": True, "q4": False, "de": True, "lin0": False, "sq0": False, "lt": False}
 #: a positive value never rounds to a zero code (q4: at least code 1; lin0 has no zero)
-FLOOR = {"q4": True, "lin0": True, "sq0": True, "sq": False, "de": False}
+FLOOR = {"q4": True, "lin0": True, "sq0": True, "lt": True, "sq": False, "de": False}
 
 
 def _book(name: str) -> Tensor:
@@ -276,6 +280,10 @@ def make_kinds(m_bits: int = 11, v_bits: int = 11) -> dict[str, FourBit]:
         "sq-r1/sq0-r1": (Codec("sq", "r1"), Codec("sq0", "r1")),
         "de-g128/sq0-r1": (Codec("de", "g128"), Codec("sq0", "r1")),
         "sq-r1/q4-r1": (Codec("sq", "r1"), Codec("q4", "r1")),
+        "comp-g32/lt-g32": (Codec("sq", "g32"), Codec("lt", "g32")),
+        "comp-g32/lin0-r1": (Codec("sq", "g32"), Codec("lin0", "r1")),  # isolating m's map / v's normalisation
+        "de-g128/lin0-g32": (Codec("de", "g128"), Codec("lin0", "g32")),
+        "comp-g32/lt-r1": (Codec("sq", "g32"), Codec("lt", "r1")),
         "comp-g32/v8": (Codec("sq", "g32"), Codec("v8", "g32")),  # fallback: 4-bit m + shipped 8-bit v
     }
     out = {}
@@ -407,36 +415,46 @@ def mixed_scale_test(state_dtype: str, kind, shape=(64, 64), steps=1000, decades
             "pass": abs(float(q[1]) - 1) < 0.10 and umax < 10.0}
 
 
-def bias_sim(book="q4", widths=(4, 6, 8, 11, 15), n=20000, steps=4000, beta=B2) -> dict:
-    """How many random bits a 4-bit code's stochastic rounding needs: a v pinned between two codes
-    (constant g^2 at a normalised value x0, the group scale fixed at 1, as when another element holds
-    the group max), iterated v <- SR(beta v + (1 - beta) x0). Each of n independent elements draws
-    fresh uniform bits every step. Reported: the stationary mean of the stored v / x0 - 1 per field
-    width (its standard error is ~1e-4), worst over x0 at the centres of the top code gaps and at
-    points one and two percent into them."""
+def bias_sim(book="q4", widths=(4, 6, 8, 11, 13, 15), n=2000, steps=6000, beta=B2) -> dict:
+    """(See below; ``beta`` = 0.9 with a signed book: the first moment.)"""
+    return _bias_sim(book, widths, n, steps if beta > 0.95 else 600, beta)
+
+
+def _bias_sim(book, widths, n, steps, beta) -> dict:
+    """How many random bits a 4-bit code's stochastic rounding needs. A v growing from 0 towards a
+    constant target x0 (normalised; the group scale held at 1, as when another element holds the
+    group max): v <- SR(beta v + (1 - beta) x0), ``n`` independent elements per x0, fresh uniform
+    w-bit fields each step, decided at the cell centre as the kernels do. Exact SR keeps the mean
+    of the stored v on the float64 recursion at every step; a w-bit field resolves P(up) only to
+    2^-w, while the per-step move is (1 - beta) (x0 - v) / gap of a code gap: for beta2 = 0.999 a
+    move of 1e-3 gap needs 2^-w well below 1e-3. Reported per w: the worst |mean stored / float64
+    - 1| over x0 and over the checkpoints t = 500, 1000, 2000, 4000, 6000 (standard error of the
+    mean ~0.3 %)."""
     bk = _book(book)
     gen = torch.Generator().manual_seed(9)
+    xs = [0.07, 0.13, 0.3, 0.55, 0.8, 0.97]
+    x0 = torch.tensor(xs, dtype=torch.float32).repeat_interleave(n)
+    checks = (500, 1000, 2000, 4000, 6000) if beta > 0.95 else (5, 10, 20, 50, 100, 300, 600)
     out = {}
-    xs = []
-    for c in (14, 12, 8, 4):
-        lo, hi = float(bk[c]), float(bk[c + 1])
-        xs += [lo + f * (hi - lo) for f in (0.01, 0.02, 0.1, 0.5, 0.9)]
-    x0 = torch.tensor(xs, dtype=torch.float32).repeat_interleave(n // len(xs))
     for w in widths:
-        v = x0.clone()
-        acc = torch.zeros_like(x0, dtype=torch.float64)
-        cnt = 0
-        for t in range(steps):
+        v = torch.zeros_like(x0)
+        v64 = 0.0 * x0.double()
+        worst, at = 0.0, None
+        for t in range(1, steps + 1):
             pre = beta * v + (1 - beta) * x0
+            v64 = beta * v64 + (1 - beta) * x0.double()
             f = torch.randint(0, 1 << w, x0.shape, generator=gen).to(torch.float64)
             r = ((f + 0.5) / (1 << w)).float()
             v = bk[sr_index(pre, bk, r, FLOOR[book])]
-            if t >= steps // 2:
-                acc += v.double()
-                cnt += 1
-        mean = (acc / cnt).reshape(len(xs), -1).mean(dim=1)
-        rel = mean / torch.tensor(xs, dtype=torch.float64) - 1
-        out[w] = {"worst": float(rel.abs().max()), "per_x": [round(float(e), 5) for e in rel]}
+            if t in checks:
+                rel = v.double().reshape(len(xs), -1).mean(1) / v64.reshape(len(xs), -1).mean(1) - 1
+                # only where float64's value is >= 2 codes' worth above a floored map's smallest code
+                # (below it a zero-free map is biased up by construction, whatever the bits)
+                rel = torch.where(v64.reshape(len(xs), -1).mean(1) >= 2 * float(bk[bk > 0][0]), rel, 0 * rel)
+                i = int(rel.abs().argmax())
+                if abs(float(rel[i])) > worst:
+                    worst, at = abs(float(rel[i])), (t, xs[i], round(float(rel[i]), 4))
+        out[w] = {"worst": worst, "at (t, x0, err)": at}
     return out
 
 
@@ -506,15 +524,46 @@ def run_fidelity(kinds: dict[str, FourBit], which: list[str], steps: int, ft_ste
             rows[name] = r
             ref = rows["fp32 AdamW"]
             r["ratio"] = r["loss"] / ref["loss"]
-            r["pass"] = r["ratio"] <= 1.01 and abs(r["val_acc"] - ref["val_acc"]) <= 0.005
+            # the issue: final loss within 1 % of fp32 AdamW's (either side), the same val accuracy
+            # (here: within half a percentage point of it)
+            r["pass"] = abs(r["ratio"] - 1) <= 0.01 and abs(r["val_acc"] - ref["val_acc"]) <= 0.005
             print(json.dumps({phase: {name: r}}), flush=True)
+        out[phase] = rows
+    return out
+
+
+def run_lrsweep(steps: int, ft_steps: int, phases) -> dict:
+    """fp32 AdamW alone at lr x 1.00 / 1.03 / 1.10 on the fidelity task: how much of a formulation's
+    lower loss an effective step-size overshoot of a few percent explains."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fidelity_compact as fc  # noqa: E402
+
+    from mpkern import compare  # noqa: E402
+
+    cfg = compare.Config(steps=max(steps, ft_steps) + 400)
+    task = compare.make_task(cfg)
+    torch.manual_seed(cfg.seed)
+    base = compare.Classifier(task.vocab, cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads, task.classes)
+    start = fc._train("fp32 AdamW", base, task, cfg, 1e-4, 400, 0)["model"] if "finetune" in phases else None
+    out = {}
+    for phase, (b, lr, n, offset) in {"pretrain": (base, 1e-4, steps, 0),
+                                      "finetune": (start, 3e-5, ft_steps, 400)}.items():
+        if phase not in phases:
+            continue
+        rows = {}
+        for f in (1.0, 1.03, 1.1):
+            r = fc._train("fp32 AdamW", b, task, cfg, lr * f, n, offset)
+            r.pop("model")
+            r["ratio"] = r["loss"] / rows[1.0]["loss"] if rows else 1.0
+            rows[f] = r
+            print(json.dumps({phase: {f"fp32 AdamW lr x {f}": r}}), flush=True)
         out[phase] = rows
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["tests", "fidelity", "bias", "bytes"])
+    ap.add_argument("what", choices=["tests", "fidelity", "bias", "bytes", "lrsweep"])
     ap.add_argument("--kinds", default="all", help="comma-separated formulation names (default: all)")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--finetune-steps", type=int, default=600)
@@ -538,11 +587,21 @@ def main() -> None:
     elif args.what == "fidelity":
         res = run_fidelity(kinds, which, args.steps, args.finetune_steps, args.master, args.phase.split(","),
                            args.ref8)
+    elif args.what == "lrsweep":
+        res = run_lrsweep(args.steps, args.finetune_steps, args.phase.split(","))
     elif args.what == "bias":
-        res = {b: bias_sim(b) for b in ("q4", "lin0")}
+        res = {f"v {b} beta2": bias_sim(b) for b in ("q4", "sq0", "lin0")}
+        res.update({f"m {b} beta1": bias_sim(b, beta=B1) for b in ("sq", "de")})
         print(json.dumps(res, indent=1))
     else:
-        res = {n: {"nominal": kinds[n].bytes_per_element(), "measured": measured_bytes(kinds[n])} for n in which}
+        from mpkern import compare  # noqa: E402
+
+        cfg = compare.Config()
+        task = compare.make_task(compare.Config(steps=1))
+        model = compare.Classifier(task.vocab, cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads, task.classes)
+        shapes = [p.shape for p in model.parameters()]
+        res = {n: {"nominal": kinds[n].bytes_per_element(), "measured": measured_bytes(kinds[n]),
+                   "compare model": measured_bytes(kinds[n], shapes)} for n in which}
         print(json.dumps(res, indent=1))
     if args.json:
         with open(args.json, "w") as f:
