@@ -15,6 +15,7 @@ is recorded and reported by ``mpkern.info()``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -190,6 +191,22 @@ def forced() -> str | None:
     if val not in BACKENDS:
         raise ValueError(f"{_ENV}={val!r} is not a backend; expected one of {', '.join(BACKENDS)}")
     return val
+
+
+@contextlib.contextmanager
+def forcing(name: str):
+    """Within the block, ``MPKERN_BACKEND=name`` (the previous value, or its absence, restored)."""
+    if name not in BACKENDS:
+        raise ValueError(f"forcing: {name!r} is not a backend; expected one of {', '.join(BACKENDS)}")
+    old = os.environ.get(_ENV)
+    os.environ[_ENV] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(_ENV, None)
+        else:
+            os.environ[_ENV] = old
 
 
 def _runs_on(name: str, device: torch.device) -> str:

@@ -15,7 +15,6 @@ Two kinds of numbers, used by ``mpkern bench``, ``mpkern plan`` and ``mpkern com
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -180,15 +179,8 @@ def _backend_with_kernel(kind: _storage.MomentKind):
     if _backend.select("cpu") in kind.kernel_backends:
         yield
         return
-    old = os.environ.get("MPKERN_BACKEND")
-    os.environ["MPKERN_BACKEND"] = "torch"
-    try:
+    with _backend.forcing("torch"):
         yield
-    finally:
-        if old is None:
-            del os.environ["MPKERN_BACKEND"]
-        else:
-            os.environ["MPKERN_BACKEND"] = old
 
 
 def recipes() -> dict[str, str]:

@@ -8,9 +8,6 @@ computation (plus a tiny floor); an fp32 result is within 1e-4 of the sum of |pr
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
@@ -26,17 +23,7 @@ DTYPES = [torch.bfloat16, torch.float16]
 HSET = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@contextlib.contextmanager
-def forced(backend: str):
-    old = os.environ.get("MPKERN_BACKEND")
-    os.environ["MPKERN_BACKEND"] = backend
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["MPKERN_BACKEND"]
-        else:
-            os.environ["MPKERN_BACKEND"] = old
+forced = _backend.forcing  # MPKERN_BACKEND within a block
 
 
 def rand(shape, dtype, gen, layout="contig", scale=1.0):
