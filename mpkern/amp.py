@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _backend, _handoff, _ops, distributed
+from . import _backend, _handoff, _ops, distributed, reference
 from ._grads import FLOATS as _FLOAT_DTYPES
 from ._grads import grad_of, raise_bad_grad
 from ._grads import is_flat as _flat
@@ -259,25 +259,6 @@ def _device_stats(grads: list[Tensor], inv: Tensor | float, out_device: torch.de
     return _DeviceStats(sumsq, amax, by_dev, flat, backend)
 
 
-def total_sumsq(sumsq: Tensor) -> Tensor:
-    """The sum of the per-tensor sums of squares in one order on every device (step 5 of
-    ``csrc/include/mpkern/norm.h``): fp64, a halves-tree over the tensors in the caller's order
-    (zero-padded to a power of two; ``x[i] + x[i + n/2]``, elementwise adds whose operands the
-    positions fix), rounded once to float32. ``torch.sum``'s order differs between CPU and CUDA,
-    and its float32 result with it; this one does not. ~log2(tensors) tiny device ops, no sync."""
-    n = sumsq.numel()
-    if n == 0:
-        return torch.zeros((), dtype=torch.float32, device=sumsq.device)
-    x = sumsq.reshape(-1).double()
-    width = 1 << (n - 1).bit_length()
-    if width > n:
-        x = torch.cat([x, x.new_zeros(width - n)])
-    while width > 1:
-        width //= 2
-        x = x[:width] + x[width:]
-    return x[0].float()
-
-
 class _Finished(NamedTuple):
     nonfinite: Tensor
     tensor_norm: Tensor
@@ -297,7 +278,7 @@ def _finish_stats(sumsq: Tensor, amax: Tensor, inv_out: Tensor, inf_norm: bool, 
         total_norm = tensor_norm.amax() if tensor_norm.numel() else torch.zeros((), device=out_device)
     else:
         tensor_norm = sumsq.sqrt()
-        total_norm = total_sumsq(sumsq).sqrt()
+        total_norm = reference.total_sumsq(sumsq).sqrt()
     found_inf = nonfinite.amax() if nonfinite.numel() else torch.zeros((), device=out_device)
     one = torch.ones((), dtype=torch.float32, device=out_device)
     if max_norm_f is None:

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from . import reference
+
 Tensor = torch.Tensor
 
 try:  # torch >= 2.5 has the public DTensor module; mpkern must import without it
@@ -173,7 +175,7 @@ def reduce_stats(sumsq: Tensor, amax: Tensor, inf_norm: bool, rp: ReducePlan,
         mask = _mask(rp.owned, sumsq.device)
         vals, nonfinite = torch.where(mask, vals, zero), torch.where(mask, nonfinite, zero)
     if not per_tensor:
-        vals = (vals.amax() if inf_norm else vals.sum()).reshape(1) if vals.numel() else zero.reshape(1)
+        vals = (vals.amax() if inf_norm else reference.total_sumsq(vals)).reshape(1) if vals.numel() else zero.reshape(1)
         nonfinite = nonfinite.amax().reshape(1) if nonfinite.numel() else zero.reshape(1)
     n = vals.numel()
     packed = torch.cat([vals, nonfinite])

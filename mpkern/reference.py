@@ -23,11 +23,15 @@ _NORM_SLICE = 256  # chunks squared at once (bounds the fp64 temporary to 32 MB)
 
 
 def _halves(x: Tensor) -> Tensor:
-    """Halves-tree sum over the last dimension (a power of two): x[..., i] + x[..., i + n/2] first."""
-    while x.shape[-1] > 1:
-        w = x.shape[-1] // 2
-        x = x[..., :w] + x[..., w:]
-    return x[..., 0]
+    """Halves-tree sum over the last dimension (a power of two): x[..., i] + x[..., i + n/2] first.
+    (Moved to the front once: first-dimension slices are the cheapest to dispatch, and this runs on
+    the optimizer's step path through :func:`total_sumsq`.)"""
+    x = x.movedim(-1, 0)
+    w = x.shape[0]
+    while w > 1:
+        w //= 2
+        x = x[:w] + x[w:]
+    return x[0]
 
 
 def _rows_then_halves(x: Tensor) -> Tensor:
@@ -65,6 +69,22 @@ def norm_sumsq(x: Tensor) -> Tensor:
     lanes[:chunks] = p
     return _rows_then_halves(lanes.view(-1, NORM_TENSOR_LANES)) if chunks else torch.zeros(
         (), dtype=torch.float64, device=x.device)
+
+
+def total_sumsq(sumsq: Tensor) -> Tensor:
+    """The sum over tensors of their sums of squares (step 5 of norm.h), the same bits on every
+    device: fp64, a halves-tree over the tensors in the caller's order (zero-padded to a power of
+    two), rounded once to float32 -- not ``torch.sum``, whose order differs between CPU and CUDA.
+    Every backend's statistics are combined by this one function (``mpkern.unscale_``, and each
+    rank's fold before the all-reduce); ~log2(tensors) tiny device ops, no sync."""
+    n = sumsq.numel()
+    if n == 0:
+        return torch.zeros((), dtype=torch.float32, device=sumsq.device)
+    x = sumsq.reshape(-1).double()
+    width = 1 << (n - 1).bit_length()
+    if width > n:
+        x = torch.cat([x, x.new_zeros(width - n)])
+    return _halves(x).float()
 
 
 def grad_stats(grads: Sequence[Tensor], inv_scale: Tensor) -> tuple[Tensor, Tensor]:

@@ -24,7 +24,7 @@
 //     c % 128 == f (0 when there is none), then the halves-tree over the 128 lanes: S.
 //  4. sumsq = (float)(S * ((double)inv_scale * (double)inv_scale)) (inv^2 is exact in fp64; the
 //     unscaled squares are never rounded one by one).
-//  5. Over tensors (mpkern/amp.py total_sumsq, one device op sequence for every backend): the
+//  5. Over tensors (mpkern/reference.py total_sumsq, one device op sequence for every backend): the
 //     per-tensor sumsq in fp64, a halves-tree over the tensors in the caller's order (zero-padded
 //     to a power of two), rounded once to float32. Across ranks the all-reduce's own order rules.
 //
