@@ -196,33 +196,55 @@ def _pow2n(k: Tensor) -> Tensor:
     return ((k + 127) << 23).view(torch.float32)
 
 
-def _binade(bits: Tensor, dtype: torch.dtype) -> Tensor:
-    """max(e, 1) of 16-bit param bit patterns (int32 tensor of values in [0, 2^16))."""
-    e = (bits >> 7) & 0xFF if dtype == torch.bfloat16 else (bits >> 10) & 0x1F
-    return e.clamp(min=1)
+def _f16_binade(bits: Tensor) -> Tensor:
+    """max(e, 1) of fp16 param bit patterns (int32 tensor of values in [0, 2^16))."""
+    return ((bits >> 10) & 0x1F).clamp(min=1)
+
+
+def _bits16(p: Tensor) -> Tensor:
+    """The 16-bit patterns of a bf16/fp16 tensor as int64 values in [0, 2^16)."""
+    return p.view(torch.int16).to(torch.int64) & 0xFFFF
 
 
 def master8_decode(p: Tensor, c: Tensor) -> Tensor:
-    """The fp32 master of a bf16/fp16 param and its int8 correction: p + c * ulp(p) / 256."""
-    bits = p.view(torch.int16).to(torch.int32) & 0xFFFF
-    b = _binade(bits, p.dtype)
-    if p.dtype == torch.bfloat16:  # c * 2^(b - 142) as two exact multiplies (see math.h)
-        return p.float() + (c.float() * (1.0 / 32768.0)) * _pow2n(b.clamp(max=254) - 127)
+    """The fp32 master of a bf16/fp16 param and its int8 correction (math.h ``master8_decode``):
+    bf16: the bit pattern (bits(p) << 16) + 256 c; fp16: p + c * ulp(p) / 256."""
+    if p.dtype == torch.bfloat16:
+        bits = (_bits16(p) << 16) + c.to(torch.int64) * 256
+        return _as_f32(bits)
+    b = _f16_binade(_bits16(p).to(torch.int32))
     return p.float() + c.float() * _pow2n(b - 33)
 
 
-def master8_encode(w: Tensor, dtype: torch.dtype, r16: Tensor) -> tuple[Tensor, Tensor]:
-    """(param, int8 correction) of fp32 master ``w``: the param is ``w`` rounded to nearest even,
-    the correction its remaining error in 1/256 of the param's ulp, rounded stochastically
-    (floor(x + r16 / 2^16)), clamped to [-128, 127]; 0 for a non-finite param."""
+def _as_f32(bits: Tensor) -> Tensor:
+    """float32 of int64 tensors holding bit patterns (taken mod 2^32)."""
+    return (bits & _M32).to(torch.int32).view(torch.float32)  # int64 -> int32 keeps the low bits
+
+
+def master8_encode(w: Tensor, dtype: torch.dtype, word: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(param, int8 correction) of fp32 master ``w`` (math.h ``master8_encode``). ``word``: the
+    elements' random words (int tensor of values in [0, 2^32)); ``None`` rounds to nearest.
+
+    bf16: t = bits(w) + (word & 0xff); param = (t + 0x8000) >> 16 (a NaN keeps its quiet NaN),
+    correction = the signed byte of t's bits 8..15 -- the master's bits rounded stochastically to a
+    multiple of 256. fp16: param = w rounded to nearest even; correction = floor(x + r16 / 2^16)
+    clamped to [-128, 127], x the remaining error in 1/256 of the param's ulp, r16 = rand_a16(word);
+    0 for a non-finite param."""
+    if dtype == torch.bfloat16:
+        u = w.view(torch.int32).to(torch.int64) & _M32
+        u8 = torch.full_like(u, 0x80) if word is None else word.to(torch.int64) & 0xFF
+        t = (u + u8) & _M32
+        h = (((t + 0x8000) & _M32) >> 16).to(torch.int32).to(torch.int16)  # int32 -> int16 keeps the low bits
+        h = torch.where(torch.isnan(w), ((u >> 16) | 0x40).to(torch.int32).to(torch.int16), h)
+        c = ((t >> 8) & 0xFF).to(torch.uint8).view(torch.int8)
+        return h.view(torch.bfloat16), c
     p = w.to(dtype)
     pf = p.float()
-    b = _binade(p.view(torch.int16).to(torch.int32) & 0xFFFF, dtype)
-    d = w - pf
-    x = (d * _pow2n(128 - b)) * 16384.0 if dtype == torch.bfloat16 else d * _pow2n(33 - b)
-    y = torch.floor(x + r16.to(torch.float32) * (1.0 / 65536.0)).clamp(-128.0, 127.0)
-    y = torch.where(torch.isfinite(pf), y, torch.zeros_like(y))
-    return p, y.to(torch.int8)
+    r16 = torch.full(w.shape, 0x8000, dtype=torch.int64) if word is None else rand_field16(word.to(torch.int64), RAND_MASTER8)
+    x = (w - pf) * _pow2n(33 - _f16_binade(_bits16(p).to(torch.int32)))
+    c = torch.floor(x + r16.to(device=w.device, dtype=torch.float32) * (1.0 / 65536.0)).clamp(-128.0, 127.0)
+    c = torch.where(torch.isfinite(pf), c, torch.zeros_like(c))
+    return p, c.to(torch.int8)
 
 
 # ---- 8-bit companded moments (math.h mom8_*) --------------------------------------------------------
@@ -437,7 +459,7 @@ def adamw_step_(
             new_p = hi.to(torch.int16).view(torch.bfloat16)  # int32 -> int16 keeps the low bits
             masters[i].copy_(torch.where(ok, (u & 0xFFFF).to(torch.int16), masters[i]))
         elif master_mode == MASTER_8BIT:
-            new_p, c = master8_encode(w, p.dtype, bits(RAND_MASTER8))
+            new_p, c = master8_encode(w, p.dtype, word)
             masters[i].copy_(torch.where(ok, c, masters[i]))
         elif stochastic_rounding and p.dtype == torch.bfloat16:
             new_p = bf16_sr(w, bits(RAND_PARAM))

@@ -390,31 +390,70 @@ def test_master8_edge_values_all_paths():
             finite = torch.isfinite(p.float())
             dec = reference.master8_decode(p, c)
             assert bool(torch.isfinite(dec[finite]).all())
-            assert bool((c[~finite] == 0).all())
+            assert bool(torch.isnan(dec[torch.isnan(p.float())]).all())  # a NaN param decodes to NaN
+            inf = torch.isinf(p.float())
+            if pdt == F16:
+                assert bool((c[~finite] == 0).all())
+            else:  # bf16: an inf param holds inf, or the finite master beyond bf16's range that rounds to it
+                assert bool(((dec[inf] == p.float()[inf]) | (dec[inf].abs() >= float.fromhex("0x1.ffp127"))).all())
         for p, c in outs[1:]:
             assert torch.equal(_bits(p), _bits(outs[0][0])) and torch.equal(c, outs[0][1])
 
 
 def test_master8_encode_decode_roundtrip_exact():
-    """Without an update, encode(decode(p, c)) gives back p and c: the scaling is exact and
-    floor(x + u) of an integer x is x for every u."""
+    """Without an update, encode(decode(p, c)) gives back p and c: bf16 masters are multiples of
+    256 in the bit domain (adding fewer than 256 random units never crosses the next one); fp16
+    scaling is exact and floor(x + u) of an integer x is x for every u."""
     gen = torch.Generator().manual_seed(4)
     for pdt in (BF16, F16):
         p = (torch.randn(4000, generator=gen) * 3).to(pdt)
         c = torch.randint(-128, 128, (4000,), generator=gen, dtype=torch.int8)
         w = reference.master8_decode(p, c)
-        r = reference.rand16(1, 2, torch.arange(4000), 3, reference.RAND_MASTER8)
+        r = reference.rand_word(1, 2, torch.arange(4000), 3)
         p2, c2 = reference.master8_encode(w, pdt, r)
-        # c = -128 is an exact tie (master = p - ulp/2): nearest-even may pick the neighbour below,
-        # whose correction would be +128, clamped to 127 (1/256 ulp off). Everything else is exact.
-        tie = c == -128
         w2 = reference.master8_decode(p2, c2)
+        if pdt == BF16:
+            assert torch.equal(p2.view(torch.int16), p.view(torch.int16)) and torch.equal(c2, c)
+            continue
+        # fp16: c = -128 is an exact tie (master = p - ulp/2): nearest-even may pick the neighbour
+        # below, whose correction would be +128, clamped to 127 (1/256 ulp off). Everything else is exact.
+        tie = c == -128
         assert torch.equal(w2[~tie], w[~tie])
-        ulp256 = reference.master8_decode(p, torch.ones_like(c)) - p.float()
+        ulp256 = (reference.master8_decode(p, torch.ones_like(c)) - p.float()).abs()
         assert bool(((w2 - w)[tie].abs() <= ulp256[tie]).all())
         # a correction at a power of two decodes into the binade below; elsewhere the bits come back
         same = (p2.view(torch.int16) == p.view(torch.int16)) & ~tie
         assert bool((c2[same] == c[same]).all())
+
+
+def test_master8_bf16_rounding_is_exactly_unbiased():
+    """bf16 8-bit master: over all 256 values of its 8 random bits, the decoded masters average to
+    the fp32 master exactly (float64 sums), also just below and above powers of two, for negative,
+    subnormal, zero and huge masters; every decoded master is within one code unit (256 fp32 ulps
+    of its binade) of the master, the param is the bf16 nearest to the decoded master, and without
+    randomness (to nearest) the error is at most half a code unit."""
+    gen = torch.Generator().manual_seed(7)
+    base = torch.randn(3000, generator=gen, dtype=torch.float64) * torch.logspace(-38, 37, 3000, dtype=torch.float64)
+    pow2 = torch.tensor([2.0**k for k in (-120, -3, 0, 1, 7, 100)], dtype=torch.float64)
+    below = pow2 * (1 - 2.0**-20)  # rounds up to the power of two
+    w = torch.cat([base, below, pow2, pow2 * (1 + 2.0**-12), -below, torch.tensor([1e-40, -2e-39, 0.0, 3.3e38])]).float()
+    wd = w.double()
+    ulp32 = (torch.nextafter(w.abs(), torch.full(w.shape, float("inf"))) - w.abs()).double()
+    acc = torch.zeros(w.shape, dtype=torch.float64)
+    for u8 in range(256):
+        p, c = reference.master8_encode(w, BF16, torch.full(w.shape, u8))
+        dec = reference.master8_decode(p, c).double()
+        assert bool(((dec - wd).abs() <= 256 * ulp32).all())
+        # the param: the bf16 nearest to the stored master (float64 distances; ties either way)
+        pb = p.view(torch.int16)
+        nz = (pb != 0) & (pb != -32768)  # the neighbours by bit pattern (of a zero: a NaN)
+        up, dn = (pb + 1).view(BF16).double(), (pb - 1).view(BF16).double()
+        near = (dec - p.double()).abs() <= torch.minimum((dec - up).abs(), (dec - dn).abs())
+        assert bool(near[nz].all())
+        acc += dec
+    assert torch.equal(acc / 256, wd)
+    p, c = reference.master8_encode(w, BF16)
+    assert bool(((reference.master8_decode(p, c).double() - wd).abs() <= 128 * ulp32).all())
 
 
 def test_master8_on_fp32_params_refused_everywhere():

@@ -100,45 +100,36 @@ def _pow2n(k):
 
 
 @triton.jit
-def _param_f32(h, PDT: tl.constexpr):
-    """(value, max(e, 1)) of 16-bit param bits h (uint16)."""
-    hu = h.to(tl.uint32)
-    if PDT == 2:
-        p = (hu << 16).to(tl.float32, bitcast=True)
-        e = ((hu >> 7) & 0xFF).to(tl.int32)
-    else:
-        p = h.to(tl.float16, bitcast=True).to(tl.float32)
-        e = ((hu >> 10) & 0x1F).to(tl.int32)
-    return p, tl.maximum(e, 1)
-
-
-@triton.jit
 def _master8_decode(h, c, PDT: tl.constexpr):
-    p, b = _param_f32(h, PDT)
+    """master8_decode of math.h: bf16 (bits(p) << 16) + 256 c; fp16 p + c * 2^(max(e, 1) - 33)."""
     if PDT == 2:
-        return p + (c.to(tl.float32) * (1.0 / 32768.0)) * _pow2n(tl.minimum(b, 254) - 127)
+        return ((h.to(tl.uint32) << 16) + (c.to(tl.int32) * 256).to(tl.uint32)).to(tl.float32, bitcast=True)
     else:
-        return p + c.to(tl.float32) * _pow2n(b - 33)
+        b = tl.maximum(((h.to(tl.uint32) >> 10) & 0x1F).to(tl.int32), 1)
+        return h.to(tl.float16, bitcast=True).to(tl.float32) + c.to(tl.float32) * _pow2n(b - 33)
 
 
 @triton.jit
-def _master8_encode(w, r16, PDT: tl.constexpr):
-    """(param bits uint16, correction int8) of master w: master8_encode of math.h."""
+def _master8_encode(w, rw, PDT: tl.constexpr):
+    """(param bits uint16, correction int8) of master w from the random words rw: master8_encode of
+    math.h (bf16: the master's bits rounded stochastically to a multiple of 256 and split)."""
     if PDT == 2:
-        h = _f32_to_bf16_bits(w)
+        u = w.to(tl.uint32, bitcast=True)
+        t = u + (rw & 0xFF)
+        h = ((t + 0x8000) >> 16).to(tl.uint16)
+        h = tl.where((u & 0x7FFFFFFF) > 0x7F800000, ((u >> 16) | 0x40).to(tl.uint16), h)
+        c = ((t >> 8) & 0xFF).to(tl.uint8).to(tl.int8, bitcast=True)
+        return h, c
     else:
         h = w.to(tl.float16).to(tl.uint16, bitcast=True)
-    p, b = _param_f32(h, PDT)
-    d = w - p
-    if PDT == 2:
-        x = (d * _pow2n(128 - b)) * 16384.0
-    else:
-        x = d * _pow2n(33 - b)
-    nonfinite = (p.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000
-    y = tl.floor(x + r16.to(tl.float32) * (1.0 / 65536.0))
-    y = tl.minimum(tl.maximum(y, -128.0), 127.0)
-    y = tl.where(nonfinite, 0.0, y)
-    return h, y.to(tl.int32).to(tl.int8)
+        p = h.to(tl.float16, bitcast=True).to(tl.float32)
+        b = tl.maximum(((h.to(tl.uint32) >> 10) & 0x1F).to(tl.int32), 1)
+        x = (w - p) * _pow2n(33 - b)
+        nonfinite = (p.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000
+        y = tl.floor(x + _rand_a16(rw).to(tl.float32) * (1.0 / 65536.0))
+        y = tl.minimum(tl.maximum(y, -128.0), 127.0)
+        y = tl.where(nonfinite, 0.0, y)
+        return h, y.to(tl.int32).to(tl.int8)
 
 
 @triton.jit
@@ -350,7 +341,7 @@ def _adamw_kernel(
                 tl.store(p_ptr + idx, ((u + 0x8000) >> 16).to(tl.uint16), mask=mask)
                 tl.store(r_ptr + idx, (u & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
             elif MODE == 3:
-                h, c = _master8_encode(w, _rand_a16(rw), PDT)
+                h, c = _master8_encode(w, rw, PDT)
                 tl.store(h_ptr + idx, h, mask=mask)
                 tl.store(c_ptr + idx, c, mask=mask)
             elif SR:

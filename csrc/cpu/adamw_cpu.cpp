@@ -86,7 +86,7 @@ inline void store_w(const TensorPtrs& t, const Flags& f, int64_t i, float p, uin
   } else if (f.mode == kMaster8bit) {
     uint16_t h;
     int8_t c;
-    master8_encode(p, t.pdt, rand_a16(r0), h, c);
+    master8_encode(p, t.pdt, r0, h, c);
     static_cast<uint16_t*>(t.p)[i] = h;
     static_cast<int8_t*>(t.master)[i] = c;
   } else if (w0) {
@@ -167,18 +167,15 @@ void adamw_scalar_mom8(const TensorPtrs& t, int64_t begin, int64_t end, const Fl
 // multiples of 2^32 of the global element index, so the high index half is the same in a call).
 template <int PDT>
 MPK_AVX2 __attribute__((always_inline)) inline void decode8(const TensorPtrs& t, int64_t i, __m256& p) {
-  // master = p + c * 2^(b - 142) (bf16: (c * 2^-15) * 2^(min(b, 254) - 127)) or c * 2^(b - 33)  (master8_decode)
+  // master8_decode: bf16 (bits(p) << 16) + 256 c; fp16 p + c * 2^(max(e, 1) - 33)
   const __m128i h16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(t.p) + i));
-  const __m256i h = _mm256_cvtepu16_epi32(h16);
   const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(t.master) + i));
-  const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c8));
   if constexpr (PDT == kBF16) {
-    const __m256 pv = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-    __m256i b = _mm256_and_si256(_mm256_srli_epi32(h, 7), _mm256_set1_epi32(0xff));
-    b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_set1_epi32(1)), _mm256_set1_epi32(254));
-    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(b, 23));  // 2^(b - 127)
-    p = _mm256_add_ps(pv, _mm256_mul_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.0f / 32768.0f)), scale));
+    const __m256i hs = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h16), 16);
+    p = _mm256_castsi256_ps(_mm256_add_epi32(hs, _mm256_slli_epi32(_mm256_cvtepi8_epi32(c8), 8)));
   } else {
+    const __m256i h = _mm256_cvtepu16_epi32(h16);
+    const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c8));
     const __m256 pv = _mm256_cvtph_ps(h16);
     __m256i b = _mm256_max_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 10), _mm256_set1_epi32(0x1f)),
                                  _mm256_set1_epi32(1));
@@ -187,46 +184,51 @@ MPK_AVX2 __attribute__((always_inline)) inline void decode8(const TensorPtrs& t,
   }
 }
 
+// 8 int32 lanes -> 8 int8 at dst, saturating (the bf16 correction's clamp to 127).
+MPK_AVX2 __attribute__((always_inline)) inline void store_i8x8_sat(void* dst, __m256i c) {
+  const __m256i w16 = _mm256_packs_epi32(c, c);      // [c0..c3 c0..c3 | c4..c7 c4..c7] int16
+  const __m256i b8 = _mm256_packs_epi16(w16, w16);   // bytes c0..c3 repeated | c4..c7 repeated
+  const __m256i packed = _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
+}
+
 template <int PDT>
-MPK_AVX2 __attribute__((always_inline)) inline void encode8(const TensorPtrs& t, int64_t i, __m256 w, __m256i r16) {
-  // master8_encode: param = RNE(w); c = clamp(floor(x + r / 2^16)), x = (w - param) * 256 / ulp
-  __m256i h;
-  __m128i h16;
-  __m256 p;
-  __m256i b;
+MPK_AVX2 __attribute__((always_inline)) inline void encode8(const TensorPtrs& t, int64_t i, __m256 w, __m256i rw) {
+  int8_t* cdst = static_cast<int8_t*>(t.master) + i;
+  uint16_t* hdst = static_cast<uint16_t*>(t.p) + i;
   if constexpr (PDT == kBF16) {
-    h = bf16_rne_bits32(w);
-    h16 = pack_u16x8(h);
-    p = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-    b = _mm256_max_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 7), _mm256_set1_epi32(0xff)), _mm256_set1_epi32(1));
-  } else {
-    h16 = _mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    h = _mm256_cvtepu16_epi32(h16);
-    p = _mm256_cvtph_ps(h16);
-    b = _mm256_max_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 10), _mm256_set1_epi32(0x1f)), _mm256_set1_epi32(1));
+    // master8_encode, bf16: t = bits(w) + (word & 0xff); param = (t + 0x8000) >> 16 (a NaN: its
+    // quiet NaN); c = byte 1 of t
+    const __m256i u = _mm256_castps_si256(w);
+    const __m256i tt = _mm256_add_epi32(u, _mm256_and_si256(rw, _mm256_set1_epi32(0xff)));
+    __m256i h = _mm256_srli_epi32(_mm256_add_epi32(tt, _mm256_set1_epi32(0x8000)), 16);
+    const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
+    h = _mm256_blendv_epi8(h, qnan, _mm256_castps_si256(_mm256_cmp_ps(w, w, _CMP_UNORD_Q)));
+    // byte 1 of every lane -> the low 4 bytes of each 128-bit half, then the two halves together
+    const __m256i bytes = _mm256_shuffle_epi8(tt, _mm256_setr_epi8(1, 5, 9, 13, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                   -1, -1, 1, 5, 9, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                   -1, -1, -1, -1));
+    const __m256i packed = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(cdst), _mm256_castsi256_si128(packed));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hdst), pack_u16x8(h));
+    return;
   }
-  const __m256 d = _mm256_sub_ps(w, p);
-  __m256 x;
-  if constexpr (PDT == kBF16) {  // (d * 2^(128 - b)) * 2^14
-    const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(255), b), 23));
-    x = _mm256_mul_ps(_mm256_mul_ps(d, f), _mm256_set1_ps(16384.0f));
-  } else {  // d * 2^(33 - b)
-    x = _mm256_mul_ps(d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(160), b), 23)));
-  }
-  const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(r16), _mm256_set1_ps(1.0f / 65536.0f));
+  // fp16: param = RNE(w); c = clamp(floor(x + r / 2^16)), x = (w - param) * 2^(33 - max(e, 1))
+  const __m128i h16 = _mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256i h = _mm256_cvtepu16_epi32(h16);
+  const __m256 p = _mm256_cvtph_ps(h16);
+  const __m256i b = _mm256_max_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 10), _mm256_set1_epi32(0x1f)),
+                                     _mm256_set1_epi32(1));
+  const __m256 x = _mm256_mul_ps(_mm256_sub_ps(w, p),
+                                 _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(160), b), 23)));
+  const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(rand_a16x8(rw)), _mm256_set1_ps(1.0f / 65536.0f));
   __m256 y = _mm256_floor_ps(_mm256_add_ps(x, u));
   y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-128.0f)), _mm256_set1_ps(127.0f));
   const __m256i pu = _mm256_castps_si256(p);
   const __m256i expo = _mm256_set1_epi32(0x7f800000);
   const __m256i nonfinite = _mm256_cmpeq_epi32(_mm256_and_si256(pu, expo), expo);
-  const __m256i c = _mm256_andnot_si256(nonfinite, _mm256_cvttps_epi32(y));
-  // byte 0 of every lane -> the low 4 bytes of each 128-bit half, then the two halves together
-  const __m256i bytes = _mm256_shuffle_epi8(c, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                                                 -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
-                                                                 -1, -1, -1, -1));
-  const __m256i packed = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(static_cast<int8_t*>(t.master) + i), _mm256_castsi256_si128(packed));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.p) + i), h16);
+  store_i8x8_sat(cdst, _mm256_andnot_si256(nonfinite, _mm256_cvttps_epi32(y)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(hdst), h16);
 }
 
 // The fp32 master of elements [i, i + 8) (the param itself in mode 0).
@@ -266,7 +268,7 @@ MPK_AVX2 __attribute__((always_inline)) inline void store_w8(const TensorPtrs& t
     _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.p) + i), _mm256_castsi256_si128(hp));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<int16_t*>(t.master) + i), _mm256_castsi256_si128(lp));
   } else if (PDT != kF32 && f.mode == kMaster8bit) {
-    if constexpr (PDT != kF32) encode8<PDT>(t, i, p, rand_a16x8(rw));
+    if constexpr (PDT != kF32) encode8<PDT>(t, i, p, rw);
   } else if (PDT == kBF16 && need0) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.p) + i),
                      pack_u16x8(bf16_sr_bits32(p, rand_a16x8(rw))));
@@ -326,6 +328,15 @@ MPK_AVX2 void adamw_avx2(const TensorPtrs& t, int64_t begin, int64_t end, const 
 
 // ---- 8-bit moments, AVX2: one group of 32 = 4 x 8 lanes in registers -----------------------------
 
+// The codecs' random value r16 / 2^16 of a field as a float (see rand_unit16 in the AVX-512 part):
+// the 11 field bits at mantissa bits 12..22, 1.0's exponent and the cell-centre bit 11 set, minus 1.
+MPK_AVX2 __attribute__((always_inline)) inline __m256 rand_unit8(__m256i field_at12) {
+  const __m256i bits = _mm256_or_si256(_mm256_and_si256(field_at12, _mm256_set1_epi32(0x7ff000)),
+                                       _mm256_set1_epi32(0x3f800800));
+  return _mm256_sub_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(1.0f));
+}
+
+
 // mom8_encode_m on 8 lanes; returns int32 codes, bit-identical to the scalar code:
 // * y = min(|m| * inv, 127^2) (min keeps a NaN y: inv 0 with a NaN m): a y >= 127^2 then gives
 //   k = 127, d = 0, so the code 127 of the scalar's y >= 16129 branch without a select;
@@ -334,9 +345,10 @@ MPK_AVX2 void adamw_avx2(const TensorPtrs& t, int64_t begin, int64_t end, const 
 //   estimate is below sqrt(y) and less than 0.3 under it (sqrt(y) <= 127): floor(estimate) is k or
 //   k - 1, and ONE fix-up (k + 1 when (k + 1)^2 <= y, exact integers) gives k; y < 1 (and a NaN,
 //   zero or subnormal y, where rsqrt is inf) gives k = 0;
-// * the scalar's r16 * w < d * 2^16 decision, added as an integer (the compare mask is -1);
+// * the scalar's r16 * w < d * 2^16 decision as rf * w < d (rand_unit8), added as an integer (the
+//   compare mask is -1);
 // * the sign of m with vpsignd (a negative m negates the code; a code 0 stays 0).
-MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_m8(__m256 m, __m256 inv, __m256i r16) {
+MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_m8(__m256 m, __m256 inv, __m256 rf) {
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 absm = _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(m), _mm256_set1_epi32(0x7fffffff)));
   const __m256 y = _mm256_min_ps(_mm256_set1_ps(16129.0f), _mm256_mul_ps(absm, inv));
@@ -346,8 +358,7 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_m8(__m256 m, __m256 i
   k = _mm256_blendv_ps(k, kp, _mm256_cmp_ps(_mm256_mul_ps(kp, kp), y, _CMP_LE_OQ));
   const __m256 d = _mm256_sub_ps(y, _mm256_mul_ps(k, k));
   const __m256 w = _mm256_add_ps(_mm256_add_ps(k, k), one);  // 2k + 1 (k + k == 2 * k exactly)
-  const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(r16), w),
-                                  _mm256_mul_ps(d, _mm256_set1_ps(65536.0f)), _CMP_LT_OQ);
+  const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(rf, w), d, _CMP_LT_OQ);
   const __m256i c = _mm256_sub_epi32(_mm256_cvttps_epi32(k), _mm256_castps_si256(up));
   return _mm256_sign_epi32(c, _mm256_castps_si256(m));
 }
@@ -364,7 +375,7 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256 q4x8(__m256 k) {
 //   less than 0.64 under it (y^(1/4) <= 255; a q4 rounded up moves the boundary by < 2^-26
 //   relative), so floor(estimate) is k or k - 1 and ONE fix-up (k + 1 when q4(k + 1) <= y) gives k;
 // * codes >= 1 for y > 0, 0 for y == 0 or NaN (the scalar's early return).
-MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_v8(__m256 v, __m256 inv, __m256i r16) {
+MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_v8(__m256 v, __m256 inv, __m256 rf) {
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 yr = _mm256_mul_ps(v, inv);
   const __m256 y = _mm256_min_ps(_mm256_set1_ps(mom8_q4(255.0f)), yr);
@@ -375,8 +386,7 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_v8(__m256 v, __m256 i
   const __m256 q = q4x8(k);
   const __m256 d = _mm256_sub_ps(y, q);
   const __m256 w = _mm256_sub_ps(q4x8(_mm256_add_ps(k, one)), q);
-  const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(r16), w),
-                                  _mm256_mul_ps(d, _mm256_set1_ps(65536.0f)), _CMP_LT_OQ);
+  const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(rf, w), d, _CMP_LT_OQ);
   const __m256i c = _mm256_max_epi32(_mm256_sub_epi32(_mm256_cvttps_epi32(k), _mm256_castps_si256(up)),
                                      _mm256_set1_epi32(1));
   return _mm256_and_si256(c, _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ)));
@@ -475,11 +485,12 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
     for (int h = 0; h < 2; ++h) {
       const __m256i r0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(rb + 16 * h));
       const __m256i r1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(rb + 16 * h + 8));
-      const __m256i c0 = enc_m8(_mm256_load_ps(mb + 16 * h), im, rand_b16x8(r0));
-      const __m256i c1 = enc_m8(_mm256_load_ps(mb + 16 * h + 8), im, rand_b16x8(r1));
+      // fields B (bits 10..20) and C (bits 21..31) moved to mantissa bits 12..22
+      const __m256i c0 = enc_m8(_mm256_load_ps(mb + 16 * h), im, rand_unit8(_mm256_slli_epi32(r0, 2)));
+      const __m256i c1 = enc_m8(_mm256_load_ps(mb + 16 * h + 8), im, rand_unit8(_mm256_slli_epi32(r1, 2)));
       pm[h] = _mm256_packs_epi32(c0, c1);
-      const __m256i d0 = enc_v8(_mm256_load_ps(vb + 16 * h), iv, rand_c16x8(r0));
-      const __m256i d1 = enc_v8(_mm256_load_ps(vb + 16 * h + 8), iv, rand_c16x8(r1));
+      const __m256i d0 = enc_v8(_mm256_load_ps(vb + 16 * h), iv, rand_unit8(_mm256_srli_epi32(r0, 9)));
+      const __m256i d1 = enc_v8(_mm256_load_ps(vb + 16 * h + 8), iv, rand_unit8(_mm256_srli_epi32(r1, 9)));
       pv[h] = _mm256_packs_epi32(d0, d1);
     }
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -536,16 +547,13 @@ MPK_AVX512 __attribute__((always_inline)) inline __m512 floor16(__m512 x) {
 template <int PDT>
 MPK_AVX512 __attribute__((always_inline)) inline __m512 decode16(const TensorPtrs& t, int64_t i) {
   const __m256i h16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(t.p) + i));
-  const __m512i h = _mm512_cvtepu16_epi32(h16);
   const __m128i c8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(t.master) + i));
-  const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c8));
   if constexpr (PDT == kBF16) {
-    const __m512 pv = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-    __m512i b = _mm512_and_si512(_mm512_srli_epi32(h, 7), _mm512_set1_epi32(0xff));
-    b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_set1_epi32(1)), _mm512_set1_epi32(254));
-    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(b, 23));  // 2^(b - 127)
-    return _mm512_add_ps(pv, _mm512_mul_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.0f / 32768.0f)), scale));
+    const __m512i hs = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h16), 16);
+    return _mm512_castsi512_ps(_mm512_add_epi32(hs, _mm512_slli_epi32(_mm512_cvtepi8_epi32(c8), 8)));
   } else {
+    const __m512i h = _mm512_cvtepu16_epi32(h16);
+    const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c8));
     const __m512 pv = _mm512_cvtph_ps(h16);
     const __m512i b = _mm512_max_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 10), _mm512_set1_epi32(0x1f)),
                                        _mm512_set1_epi32(1));
@@ -554,54 +562,35 @@ MPK_AVX512 __attribute__((always_inline)) inline __m512 decode16(const TensorPtr
   }
 }
 
-// master8_encode on 16 lanes (see encode8); r16 = the random bits in the low halves.
+// master8_encode on 16 lanes (see encode8); rw = the random words.
 template <int PDT>
-MPK_AVX512 __attribute__((always_inline)) inline void encode16(const TensorPtrs& t, int64_t i, __m512 w, __m512i r16) {
+MPK_AVX512 __attribute__((always_inline)) inline void encode16(const TensorPtrs& t, int64_t i, __m512 w, __m512i rw) {
+  int8_t* cdst = static_cast<int8_t*>(t.master) + i;
   if constexpr (PDT == kBF16) {
-    // bf16: x = (w - param) * 256 / ulp has at most 8 bits below 1 (a multiple of 2^-149 over
-    // ulp >= 2^-133), so x * 2^16 = scalef(d, 158 - b) is an exact integer and
-    // floor(x + r / 2^16) = (x * 2^16 + r) >> 16 exactly; vpmovsdb saturates to [-128, 127],
-    // the clamp of the scalar code
-    const __m512i h = bf16_rne_bits(w);
-    const __m512 p = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-    const __m512i e = _mm512_and_si512(_mm512_srli_epi32(h, 7), _mm512_set1_epi32(0xff));
-    const __mmask16 finite = _mm512_cmpneq_epi32_mask(e, _mm512_set1_epi32(0xff));
-    const __m512i b = _mm512_max_epi32(e, _mm512_set1_epi32(1));
-    const __m512 x16 = _mm512_scalef_ps(_mm512_sub_ps(w, p), _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_set1_epi32(158), b)));
-    const __m512i c = _mm512_srai_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(x16), r16), 16);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<int8_t*>(t.master) + i), _mm512_maskz_cvtsepi32_epi8(finite, c));
+    // t = bits(w) + (word & 0xff); param = (t + 0x8000) >> 16 (a NaN: its quiet NaN); c = byte 1 of t
+    const __m512i u = _mm512_castps_si512(w);
+    const __m512i tt = _mm512_add_epi32(u, _mm512_and_si512(rw, _mm512_set1_epi32(0xff)));
+    const __m512i h = _mm512_mask_or_epi32(_mm512_srli_epi32(_mm512_add_epi32(tt, _mm512_set1_epi32(0x8000)), 16),
+                                           _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q), _mm512_srli_epi32(u, 16),
+                                           _mm512_set1_epi32(0x0040));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(cdst), _mm512_cvtepi32_epi8(_mm512_srli_epi32(tt, 8)));
     store_u16x16(static_cast<uint16_t*>(t.p) + i, h);
     return;
   }
-  __m512i h, b;
-  __m256i h16;
-  __m512 p;
-  if constexpr (PDT == kBF16) {
-    h = bf16_rne_bits(w);
-    h16 = _mm512_cvtepi32_epi16(h);
-    p = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-    b = _mm512_max_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 7), _mm512_set1_epi32(0xff)), _mm512_set1_epi32(1));
-  } else {
-    h16 = _mm512_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    h = _mm512_cvtepu16_epi32(h16);
-    p = _mm512_cvtph_ps(h16);
-    b = _mm512_max_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 10), _mm512_set1_epi32(0x1f)), _mm512_set1_epi32(1));
-  }
-  const __m512 d = _mm512_sub_ps(w, p);
-  __m512 x;
-  if constexpr (PDT == kBF16) {  // (d * 2^(128 - b)) * 2^14
-    const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(255), b), 23));
-    x = _mm512_mul_ps(_mm512_mul_ps(d, f), _mm512_set1_ps(16384.0f));
-  } else {  // d * 2^(33 - b)
-    x = _mm512_mul_ps(d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(160), b), 23)));
-  }
-  const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(r16), _mm512_set1_ps(1.0f / 65536.0f));
+  const __m256i h16 = _mm512_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512i h = _mm512_cvtepu16_epi32(h16);
+  const __m512 p = _mm512_cvtph_ps(h16);
+  const __m512i b = _mm512_max_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 10), _mm512_set1_epi32(0x1f)),
+                                     _mm512_set1_epi32(1));
+  const __m512 x = _mm512_mul_ps(_mm512_sub_ps(w, p),
+                                 _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(160), b), 23)));
+  const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(rand_a16x16(rw)), _mm512_set1_ps(1.0f / 65536.0f));
   __m512 y = floor16(_mm512_add_ps(x, u));
   y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-128.0f)), _mm512_set1_ps(127.0f));
   const __m512i expo = _mm512_set1_epi32(0x7f800000);
   const __mmask16 finite = _mm512_cmpneq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(p), expo), expo);
   const __m512i c = _mm512_maskz_cvttps_epi32(finite, y);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<int8_t*>(t.master) + i), _mm512_cvtepi32_epi8(c));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(cdst), _mm512_cvtepi32_epi8(c));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(t.p) + i), h16);
 }
 
@@ -632,7 +621,7 @@ MPK_AVX512 __attribute__((always_inline)) inline void store_w16(const TensorPtrs
     store_u16x16(static_cast<uint16_t*>(t.p) + i, _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x8000)), 16));
     store_u16x16(static_cast<int16_t*>(t.master) + i, u);  // vpmovdw truncates: the low half
   } else if (PDT != kF32 && f.mode == kMaster8bit) {
-    if constexpr (PDT != kF32) encode16<PDT>(t, i, p, rand_a16x16(rw));
+    if constexpr (PDT != kF32) encode16<PDT>(t, i, p, rw);
   } else if (PDT == kBF16 && need0) {
     store_u16x16(static_cast<uint16_t*>(t.p) + i, bf16_sr_bits(p, rand_a16x16(rw)));
   } else {
@@ -687,27 +676,42 @@ MPK_AVX512 void adamw_avx512(const TensorPtrs& t_in, int64_t begin, int64_t end,
   if (i < end) adamw_scalar(t, i, end, f);
 }
 
-// mom8_encode_m on 16 lanes: the k of the scalar code (the one with k^2 <= y < (k + 1)^2), from
-// an estimate that is never above sqrt(y) and less than 1 below it: (y * (1 - 2^-9)) * rsqrt14(y)
-// (relative error of rsqrt14 < 2^-14, sqrt(y) < 127), so one fix-up (k + 1 when (k + 1)^2 <= y)
-// is exact; then the scalar code's operations in its order. Returns int32 codes.
-MPK_AVX512 __attribute__((always_inline)) inline __m512i enc_m16(__m512 m, __m512 inv, __m512i r16) {
+// The codecs' random value r16 / 2^16 of a field as a float, without a conversion: the field's 11
+// bits f are moved to mantissa bits 12..22 (`field_at12`), one ternary-logic op keeps them and sets
+// 1.0's exponent and the cell-centre bit 11 (1 + (f + 1/2) / 2^11), and 1.0 is subtracted (exact).
+// The encoders compare rf * w < d, which is the scalar code's r16 * w < d * 2^16 scaled by 2^-16
+// on both sides: fl(rf * w) = fl(r16 * w) * 2^-16 exactly (no underflow: w >= 1, rf >= 2^-12).
+MPK_AVX512 __attribute__((always_inline)) inline __m512 rand_unit16(__m512i field_at12) {
+  const __m512i bits = _mm512_ternarylogic_epi32(field_at12, _mm512_set1_epi32(0x7ff000),
+                                                 _mm512_set1_epi32(0x3f800800), 0xEA);  // (a & b) | c
+  return _mm512_sub_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(1.0f));
+}
+
+// mom8_encode_m on 16 lanes, bit-identical to the scalar code; returns int32 codes:
+// * y = min(|m| * inv, 127^2) (min keeps a NaN y): a y >= 127^2 then gives k = 127, d = 0, so the
+//   code 127 of the scalar's y >= 16129 branch without a select;
+// * k, the integer with k^2 <= y < (k + 1)^2, from an estimate that is never above sqrt(y) and less
+//   than 1 below it: (y * (1 - 2^-9)) * rsqrt14(y) (relative error of rsqrt14 < 2^-14, sqrt(y) <=
+//   127), so one fix-up (k + 1 when (k + 1)^2 <= y) is exact; y < 1 (and a NaN, zero or subnormal
+//   y) gives k = 0;
+// * the rounding decision rf * w < d (see rand_unit16); a zero or NaN y gives d = 0 or NaN: no
+//   round-up, code 0, as the scalar's early return;
+// * the sign of m copied onto the float code before the conversion (-c; a code 0 gives 0).
+MPK_AVX512 __attribute__((always_inline)) inline __m512i enc_m16(__m512 m, __m512 inv, __m512 rf) {
   const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 y = _mm512_mul_ps(_mm512_abs_ps(m), inv);
+  const __m512 y = _mm512_min_ps(_mm512_set1_ps(16129.0f), _mm512_mul_ps(_mm512_abs_ps(m), inv));
   const __m512 est = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.0f - 0x1p-9f)), _mm512_rsqrt14_ps(y));
   __m512 k = _mm512_maskz_roundscale_ps(_mm512_cmp_ps_mask(y, one, _CMP_GE_OQ), est,
                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 kp = _mm512_add_ps(k, one);
   k = _mm512_mask_mov_ps(k, _mm512_cmp_ps_mask(_mm512_mul_ps(kp, kp), y, _CMP_LE_OQ), kp);
   const __m512 d = _mm512_sub_ps(y, _mm512_mul_ps(k, k));
-  const __m512 w = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(2.0f), k), one);
-  const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_cvtepi32_ps(r16), w),
-                                          _mm512_mul_ps(d, _mm512_set1_ps(65536.0f)), _CMP_LT_OQ);
-  __m512 c = _mm512_mask_add_ps(k, up, k, one);
-  c = _mm512_mask_mov_ps(c, _mm512_cmp_ps_mask(y, _mm512_set1_ps(16129.0f), _CMP_GE_OQ), _mm512_set1_ps(127.0f));
-  const __m512i ci = _mm512_maskz_cvttps_epi32(_mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GT_OQ), c);
-  // a negative m (sign bit) gets -c
-  return _mm512_mask_sub_epi32(ci, _mm512_movepi32_mask(_mm512_castps_si512(m)), _mm512_setzero_si512(), ci);
+  const __m512 w = _mm512_add_ps(_mm512_add_ps(k, k), one);  // 2k + 1 (k + k == 2 * k exactly)
+  const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(rf, w), d, _CMP_LT_OQ);
+  const __m512i c = _mm512_castps_si512(_mm512_mask_add_ps(k, up, k, one));
+  const __m512i sc = _mm512_ternarylogic_epi32(c, _mm512_castps_si512(m), _mm512_set1_epi32(static_cast<int>(0x80000000u)),
+                                               0xF8);  // c | (m & sign)
+  return _mm512_cvttps_epi32(_mm512_castsi512_ps(sc));
 }
 
 MPK_AVX512 __attribute__((always_inline)) inline __m512 q4x16(__m512 k) {
@@ -715,12 +719,16 @@ MPK_AVX512 __attribute__((always_inline)) inline __m512 q4x16(__m512 k) {
   return _mm512_mul_ps(k2, k2);
 }
 
-// mom8_encode_v on 16 lanes; returns int32 codes. The estimate rsqrt14(rsqrt14(y)) * (1 - 2^-9)
-// of y^(1/4) (relative error of the nested rsqrt14 < 1.5 * 2^-14, y^(1/4) < 255) is never above
-// y^(1/4) and less than 1 below it: one fix-up (k + 1 when (k + 1)^4 <= y) gives the scalar k.
-MPK_AVX512 __attribute__((always_inline)) inline __m512i enc_v16(__m512 v, __m512 inv, __m512i r16) {
+// mom8_encode_v on 16 lanes; returns int32 codes, bit-identical to the scalar code:
+// * y = min(v * inv, q4(255)) (a NaN y stays NaN): y >= q4(255) gives k = 255, d = 0, code 255;
+// * k from the estimate rsqrt14(rsqrt14(y)) * (1 - 2^-9) of y^(1/4) (relative error of the nested
+//   rsqrt14 < 1.5 * 2^-14, y^(1/4) <= 255): never above y^(1/4) and less than 1 below it, so one
+//   fix-up (k + 1 when (k + 1)^4 <= y) gives the scalar k;
+// * the rounding decision rf * w < d (see rand_unit16);
+// * codes >= 1 for y > 0, 0 for y == 0 or NaN (the scalar's early return).
+MPK_AVX512 __attribute__((always_inline)) inline __m512i enc_v16(__m512 v, __m512 inv, __m512 rf) {
   const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 y = _mm512_mul_ps(v, inv);
+  const __m512 y = _mm512_min_ps(_mm512_set1_ps(mom8_q4(255.0f)), _mm512_mul_ps(v, inv));
   const __m512 est = _mm512_mul_ps(_mm512_rsqrt14_ps(_mm512_rsqrt14_ps(y)), _mm512_set1_ps(1.0f - 0x1p-9f));
   __m512 k = _mm512_maskz_roundscale_ps(_mm512_cmp_ps_mask(y, one, _CMP_GE_OQ), est,
                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -729,12 +737,10 @@ MPK_AVX512 __attribute__((always_inline)) inline __m512i enc_v16(__m512 v, __m51
   const __m512 q = q4x16(k);
   const __m512 d = _mm512_sub_ps(y, q);
   const __m512 w = _mm512_sub_ps(q4x16(_mm512_add_ps(k, one)), q);
-  const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_cvtepi32_ps(r16), w),
-                                          _mm512_mul_ps(d, _mm512_set1_ps(65536.0f)), _CMP_LT_OQ);
-  __m512 c = _mm512_max_ps(_mm512_mask_add_ps(k, up, k, one), one);
-  c = _mm512_mask_mov_ps(c, _mm512_cmp_ps_mask(y, _mm512_set1_ps(mom8_q4(255.0f)), _CMP_GE_OQ),
-                         _mm512_set1_ps(255.0f));
-  return _mm512_maskz_cvttps_epi32(_mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GT_OQ), c);
+  const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(rf, w), d, _CMP_LT_OQ);
+  const __m512 c = _mm512_maskz_max_ps(_mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                       _mm512_mask_add_ps(k, up, k, one), one);
+  return _mm512_cvttps_epi32(c);
 }
 
 // The per-tensor constants of the AVX-512 loops.
@@ -808,8 +814,9 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_groups512(const Tenso
   }
 #pragma GCC unroll 4
   for (int q = 0; q < 2 * NG; ++q) {
-    const __m512i c = enc_m16(m[q], im[q >> 1], rand_b16x16(rw[q]));
-    const __m512i d = enc_v16(v[q], iv[q >> 1], rand_c16x16(rw[q]));
+    // fields B (bits 10..20) and C (bits 21..31) moved to mantissa bits 12..22
+    const __m512i c = enc_m16(m[q], im[q >> 1], rand_unit16(_mm512_slli_epi32(rw[q], 2)));
+    const __m512i d = enc_v16(v[q], iv[q >> 1], rand_unit16(_mm512_srli_epi32(rw[q], 9)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(cmp + gb + 16 * q), _mm512_cvtepi32_epi8(c));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(cvp + gb + 16 * q), _mm512_cvtepi32_epi8(d));
   }

@@ -84,7 +84,7 @@ __device__ __forceinline__ void store_w(const AdamMeta& t, int64_t i, float p, u
   } else if constexpr (MODE == kMaster8bit) {
     uint16_t h;
     int8_t c;
-    master8_encode(p, PDT, rand_a16(r0), h, c);
+    master8_encode(p, PDT, r0, h, c);
     static_cast<uint16_t*>(P)[i] = h;
     reinterpret_cast<int8_t*>(t.master)[i] = c;
   } else if (w0) {
@@ -244,7 +244,7 @@ __device__ __forceinline__ void adam_vec(const AdamMeta& t, int64_t i, const Ada
 #pragma unroll
     for (int k = 0; k < kVE; ++k) {
       int8_t c;
-      master8_encode(p[k], PDT, rand_a16(rw[k]), hi[k], c);
+      master8_encode(p[k], PDT, rw[k], hi[k], c);
       cw[k >> 2] |= static_cast<uint32_t>(static_cast<uint8_t>(c)) << (8 * (k & 3));
     }
     store8_u16(P, i, hi);

@@ -255,10 +255,13 @@ MPK_HD float adamw_update(float p, float g, float& m, float& v, float* vmax, con
 //     the nearest cell centre instead of truncated, so the bound is symmetric);
 //   * 8-bit moment codes (11 bits): |bias| <= 2^-12 of the gap between the two neighbouring code
 //     values (plus the fp32 rounding of r16 * w, relative 2^-24);
-//   * 8-bit master correction (10 bits): exact, no bias, for normal bf16/fp16 params: the error x
-//     it rounds has at most 9 bits below 1 (math.h master8_*), so floor(x + u) with u = r16 / 2^16
-//     (11 significant bits below 1) goes up with probability exactly frac(x). Below fp16's smallest
-//     normal (an fp16 param under 6.1e-5) |bias| <= 2^-11 code unit = 2^-43 absolute.
+//   * 8-bit master correction: exact, no bias. bf16 params use bits 0..7 of the field: the master's
+//     fp32 bit pattern is rounded to a multiple of 256, an integer with 8 bits below the code
+//     unit, so adding 8 random bits and truncating goes up with probability exactly
+//     (bits mod 256) / 256. fp16 params use all 10 bits: the error x has at most 9 bits below 1
+//     (master8_* below), so floor(x + u) with u = r16 / 2^16 (11 significant bits below 1) goes
+//     up with probability exactly frac(x); below fp16's smallest normal (a param under 6.1e-5)
+//     |bias| <= 2^-11 code unit = 2^-43 absolute.
 // The widths: the bias of a w-bit field is at most 2^-(w+1) of a step while the rounding's own
 // noise is up to step / 2 per element and step; over the 1 / (1 - beta2) ~ 1000 steps an EMA
 // remembers, a systematic 2^-12 step stays below a quarter step, and it is not systematic:
@@ -433,55 +436,84 @@ MPK_HD uint8_t mom8_encode_v(float v, float inv, uint32_t r16) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// 8-bit master correction (master_mode 3, bf16/fp16 params). The fp32 master is
-//   master = p + c * ulp(p) / 256,   c in [-128, 127] (int8),
-// where ulp(p) is the spacing of the param's format in p's binade: bf16 2^(max(e,1)-127-7),
-// fp16 2^(max(e,1)-15-10), e = the biased exponent field. Decoding is exact in fp32 (at most
-// 11 + 8 significant bits). Encoding rounds the master to nearest even into the param dtype,
-// then the remaining error x = (master - p) / ulp(p) * 256 (exact: a difference of neighbours,
-// power-of-two scalings; |x| <= 128) is rounded stochastically: c = floor(x + u), u = r / 2^16
-// uniform from 16 random bits -- exact and unbiased because x has at most 9 bits below 1 (for a
-// normal param; below a fp16's smallest normal the sum x + u may round, a < 2^-16 effect).
-// x = +128 (an exact tie that nearest-even rounded down) is clamped to 127, 1/256 ulp off.
-// A non-finite param (non-finite or overflowing master) gets c = 0.
+// 8-bit master correction (master_mode 3, bf16/fp16 params): the 16-bit param p and an int8
+// correction c. The encoder takes the element's random word (field A, rand_* above).
+//
+// bf16 params -- in the bit domain. The master is the fp32 bit pattern M rounded stochastically
+// to a multiple of 2^8 (sign, exponent and 15 mantissa bits kept):
+//   t = bits(w) + (word & 0xff),   M = t & ~0xff           (floor((bits + u8) / 256) * 256)
+// stored as its high half rounded to nearest (ties away from zero) -- the param -- and the signed
+// byte of bits 8..15, so that
+//   h = (t + 0x8000) >> 16,   c = (int8)(t >> 8),   bits(master) = (h << 16) + 256 * c.
+// (If byte 1 of M is >= 0x80, h carries one up and c = byte - 256: the sum is M either way.)
+// Every multiple of 256 is representable, so no clamp. Unbiased exactly: bits(w) mod 256 is an
+// integer, so t crosses the next multiple of 256 with probability exactly (bits mod 256) / 256,
+// and fp32 bit patterns are evenly spaced in value inside a binade, while a power of two is a
+// multiple of 256 (so the two candidates never straddle a change of spacing). The resolution is
+// 256 fp32 ulps of the master's binade = 1/256 of the bf16 ulp. The param is the bf16 nearest to
+// the stored master (a tie goes away from zero), so it can differ from RNE(w) by one ulp when w
+// is within 1/256 ulp of a midpoint. Three integer operations per element, no float rounding.
+// A NaN master keeps its NaN param (quiet, same sign, like f32_to_bf16_rne) and c = (int8)(t >> 8);
+// an inf master has c = 0; a finite master beyond bf16's range keeps its finite value with an inf
+// param (what .to(torch.bfloat16) gives).
+//
+// fp16 params -- in value: master = p + c * ulp(p) / 256 with ulp(p) = 2^(max(e,1)-15-10), e the
+// biased exponent field, p = RNE(w); decoding is exact in fp32 (11 + 8 significant bits); the
+// remaining error x = (w - p) * 256 / ulp(p) (exact: a difference of neighbours, a power-of-two
+// scaling; |x| <= 128) is rounded stochastically, c = floor(x + u), u = rand_a16(word) / 2^16 --
+// exact and unbiased for a normal param because x has at most 9 bits below 1 (below fp16's
+// smallest normal the sum x + u may round, a < 2^-16 effect), except where it is clamped to
+// [-128, 127]: x in (127, 128] (w within 1/256 ulp below a midpoint that rounded down) can round
+// to 128 and is stored as 127 (a bias below 1/256 ulp in that sliver). A non-finite param gets c = 0.
 // ----------------------------------------------------------------------------------------------
 // 2^k as a float for k in [-126, 127] (a normal float: one shift of the exponent field).
 MPK_HD float pow2n(int k) { return f32_from_bits(static_cast<uint32_t>(k + 127) << 23); }
 
-// max(e, 1) of a 16-bit param bit pattern: the binade of its ulp.
-MPK_HD int param_binade(uint16_t h, int32_t pdt) {
-  const int e = pdt == kBF16 ? (h >> 7) & 0xff : (h >> 10) & 0x1f;
+// max(e, 1) of an fp16 param bit pattern: the binade of its ulp.
+MPK_HD int f16_binade(uint16_t h) {
+  const int e = (h >> 10) & 0x1f;
   return e > 1 ? e : 1;
 }
 
-// c * ulp / 256 = c * 2^(b - 142) (bf16) or c * 2^(b - 33) (fp16), exact. bf16's exponent spans
-// more than a normal float's, so it is two exact multiplies, (c * 2^-15) * 2^(b - 127) (a
-// subnormal result is exact too: c has 8 bits); b is capped at 254 (an inf/NaN param, which
-// stays inf/NaN).
 MPK_HD float master8_decode(uint16_t h, int8_t c, int32_t pdt) {
-  const float p = pdt == kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
-  const int b = param_binade(h, pdt);
-  if (pdt == kBF16) return p + (static_cast<float>(c) * (1.0f / 32768.0f)) * pow2n((b < 254 ? b : 254) - 127);
-  return p + static_cast<float>(c) * pow2n(b - 33);
+  if (pdt == kBF16)
+    return f32_from_bits((static_cast<uint32_t>(h) << 16) + static_cast<uint32_t>(static_cast<int32_t>(c) * 256));
+  return f16_to_f32(h) + static_cast<float>(c) * pow2n(f16_binade(h) - 33);  // c * 2^(b - 33)
 }
 
-// d * 256 / ulp: bf16 (d * 2^(128 - b)) * 2^14 (both factors normal for b in [1, 254]), fp16
-// d * 2^(33 - b); exact (|d| <= ulp / 2, and d is a multiple of the fp32 spacing).
-MPK_HD float master8_scale_up(float d, int b, int32_t pdt) {
-  return pdt == kBF16 ? (d * pow2n(128 - b)) * 16384.0f : d * pow2n(33 - b);
+// bf16: the 8 random bits u8 given directly (word & 0xff; 0x80 rounds to nearest).
+MPK_HD void master8_encode_bf16(float w, uint32_t u8, uint16_t& h, int8_t& c) {
+  const uint32_t u = f32_bits(w);
+  const uint32_t t = u + u8;
+  c = static_cast<int8_t>(static_cast<uint8_t>(t >> 8));
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    h = static_cast<uint16_t>((u >> 16) | 0x0040u);  // NaN: quiet, same sign
+    return;
+  }
+  h = static_cast<uint16_t>((t + 0x8000u) >> 16);
 }
 
-MPK_HD void master8_encode(float w, int32_t pdt, uint32_t rand16_bits, uint16_t& h, int8_t& c) {
-  h = pdt == kBF16 ? f32_to_bf16_rne(w) : f32_to_f16_rne(w);
-  const float p = pdt == kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
+// fp16: r16 = 16 random bits (rand_a16; 0x8000 rounds to nearest).
+MPK_HD void master8_encode_f16(float w, uint32_t r16, uint16_t& h, int8_t& c) {
+  h = f32_to_f16_rne(w);
+  const float p = f16_to_f32(h);
   if (nonfinite(p)) {
     c = 0;
     return;
   }
-  const float x = master8_scale_up(w - p, param_binade(h, pdt), pdt);
-  float r = floorf(x + static_cast<float>(rand16_bits) * (1.0f / 65536.0f));
+  const float x = (w - p) * pow2n(33 - f16_binade(h));  // d * 256 / ulp, exact
+  float r = floorf(x + static_cast<float>(r16) * (1.0f / 65536.0f));
   r = r < -128.0f ? -128.0f : (r > 127.0f ? 127.0f : r);
   c = static_cast<int8_t>(static_cast<int>(r));
+}
+
+// The param and correction of master w from the element's random word.
+MPK_HD void master8_encode(float w, int32_t pdt, uint32_t word, uint16_t& h, int8_t& c) {
+  if (pdt == kBF16) {
+    master8_encode_bf16(w, word & 0xffu, h, c);
+  } else {
+    master8_encode_f16(w, rand_a16(word), h, c);
+  }
 }
 
 }  // namespace mpkern

@@ -85,10 +85,11 @@ class RemainderMaster(MasterKind):
 
 class Int8Master(MasterKind):
     """``master_weights="8bit"`` (bf16 / fp16 params): a one-byte correction ``c`` of the param's
-    rounding error in units of ``ulp(p) / 256``; the master is ``p + c * ulp(p) / 256`` (exact in
-    fp32). The kernel re-encodes ``c`` with stochastic rounding (seeded), so an update smaller than
-    the correction's resolution still moves the master in expectation; conversions here round to
-    nearest."""
+    rounding error in units of ``ulp(p) / 256`` -- bf16: the master's fp32 bits are
+    ``(bits(p) << 16) + 256 c``; fp16: the master is ``p + c * ulp(p) / 256`` (math.h
+    ``master8_*``). The kernel re-encodes with stochastic rounding (seeded), so an update smaller
+    than the correction's resolution still moves the master in expectation; conversions here round
+    to nearest."""
 
     name, accepts, label = "8bit", ("8bit",), "8-bit master"
     mode, key, state_dtype = reference.MASTER_8BIT, "master_correction", torch.int8
@@ -110,8 +111,7 @@ class Int8Master(MasterKind):
 
     def from_fp32(self, p: Tensor, st: State, master: Tensor, *, write_param: bool = True) -> None:
         pl, m = _local(p), _local(master)
-        half = torch.full(pl.shape, 0x8000, dtype=torch.int32, device=pl.device)  # floor(x + 1/2): nearest
-        hi, c = reference.master8_encode(m, pl.dtype, half)
+        hi, c = reference.master8_encode(m, pl.dtype)  # no random word: to nearest
         if write_param:
             pl.copy_(hi)
         st[self.key] = like(p, torch.int8).copy_(distributed.wrap_like(p, c))
