@@ -337,14 +337,21 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256 rand_unit8(__m256i field_a
 }
 
 
-// mom8_encode_m on 8 lanes; returns int32 codes, bit-identical to the scalar code:
+// An estimate e of a root lowered by 2^-10 .. 2^-9 of itself with an integer op instead of a
+// multiply (2^14 subtracted from its bit pattern; see lower16).
+MPK_AVX2 __attribute__((always_inline)) inline __m256 lower8(__m256 e) {
+  return _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_castps_si256(e), _mm256_set1_epi32(0x4000)));
+}
+
+// mom8_encode_m on 8 lanes; returns int32 codes, bit-identical to the scalar code (the operations
+// of enc_m16, with blends for the masks):
 // * y = min(|m| * inv, 127^2) (min keeps a NaN y: inv 0 with a NaN m): a y >= 127^2 then gives
 //   k = 127, d = 0, so the code 127 of the scalar's y >= 16129 branch without a select;
-// * k, the integer with k^2 <= y < (k + 1)^2 (the scalar's floor(sqrt(y)) after its fix-ups), from
-//   the estimate (y * (1 - 2^-9)) * rsqrt(y): rsqrt's relative error is below 1.5 * 2^-12, so the
-//   estimate is below sqrt(y) and less than 0.3 under it (sqrt(y) <= 127): floor(estimate) is k or
-//   k - 1, and ONE fix-up (k + 1 when (k + 1)^2 <= y, exact integers) gives k; y < 1 (and a NaN,
-//   zero or subnormal y, where rsqrt is inf) gives k = 0;
+// * k, the integer with k^2 <= y < (k + 1)^2, from the estimate y * rsqrt(y) (rsqrt's relative
+//   error is below 1.5 * 2^-12) lowered by >= 2^-10 (lower8): never above sqrt(y), at most 0.3
+//   below it (sqrt(y) <= 127), so floor(estimate) is k or k - 1 and ONE fix-up (k + 1 when
+//   (k + 1)^2 = k^2 + 2k + 1 <= y, exact integers) gives k; y < 1 (and a NaN, zero or subnormal
+//   y, where rsqrt is inf) gives k = 0;
 // * the scalar's r16 * w < d * 2^16 decision as rf * w < d (rand_unit8), added as an integer (the
 //   compare mask is -1);
 // * the sign of m with vpsignd (a negative m negates the code; a code 0 stays 0).
@@ -352,40 +359,42 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_m8(__m256 m, __m256 i
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 absm = _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(m), _mm256_set1_epi32(0x7fffffff)));
   const __m256 y = _mm256_min_ps(_mm256_set1_ps(16129.0f), _mm256_mul_ps(absm, inv));
-  const __m256 est = _mm256_mul_ps(_mm256_mul_ps(y, _mm256_set1_ps(1.0f - 0x1p-9f)), _mm256_rsqrt_ps(y));
-  __m256 k = _mm256_and_ps(_mm256_floor_ps(est), _mm256_cmp_ps(y, one, _CMP_GE_OQ));
-  const __m256 kp = _mm256_add_ps(k, one);
-  k = _mm256_blendv_ps(k, kp, _mm256_cmp_ps(_mm256_mul_ps(kp, kp), y, _CMP_LE_OQ));
-  const __m256 d = _mm256_sub_ps(y, _mm256_mul_ps(k, k));
-  const __m256 w = _mm256_add_ps(_mm256_add_ps(k, k), one);  // 2k + 1 (k + k == 2 * k exactly)
+  const __m256 est = lower8(_mm256_mul_ps(y, _mm256_rsqrt_ps(y)));
+  const __m256 k0 = _mm256_and_ps(_mm256_floor_ps(est), _mm256_cmp_ps(y, one, _CMP_GE_OQ));
+  const __m256 s0 = _mm256_mul_ps(k0, k0);
+  const __m256 w0 = _mm256_add_ps(_mm256_add_ps(k0, k0), one);  // 2k + 1 (k + k == 2 * k exactly)
+  const __m256 s1 = _mm256_add_ps(s0, w0);                       // (k + 1)^2
+  const __m256 fix = _mm256_cmp_ps(s1, y, _CMP_LE_OQ);
+  const __m256 k = _mm256_add_ps(k0, _mm256_and_ps(fix, one));
+  const __m256 d = _mm256_sub_ps(y, _mm256_blendv_ps(s0, s1, fix));
+  const __m256 w = _mm256_add_ps(w0, _mm256_and_ps(fix, _mm256_set1_ps(2.0f)));
   const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(rf, w), d, _CMP_LT_OQ);
   const __m256i c = _mm256_sub_epi32(_mm256_cvttps_epi32(k), _mm256_castps_si256(up));
   return _mm256_sign_epi32(c, _mm256_castps_si256(m));
 }
 
-MPK_AVX2 __attribute__((always_inline)) inline __m256 q4x8(__m256 k) {
-  const __m256 k2 = _mm256_mul_ps(k, k);
-  return _mm256_mul_ps(k2, k2);
-}
-
 // mom8_encode_v on 8 lanes; returns int32 codes, bit-identical to the scalar code:
 // * y = min(v * inv, q4(255)) (a NaN y stays NaN): y >= q4(255) gives k = 255, d = 0, code 255;
-// * k, the integer with q4(k) <= y < q4(k + 1) (q4 the fp32 k^4 of the scalar code), from the
-//   estimate rsqrt(rsqrt(y)) * (1 - 2^-9): relative error below 2.5e-3, never above y^(1/4) and
-//   less than 0.64 under it (y^(1/4) <= 255; a q4 rounded up moves the boundary by < 2^-26
-//   relative), so floor(estimate) is k or k - 1 and ONE fix-up (k + 1 when q4(k + 1) <= y) gives k;
+// * k from the estimate rsqrt(rsqrt(y)) of y^(1/4) (relative error below 2.25 * 2^-12) lowered by
+//   >= 2^-10 (lower8): never above y^(1/4), at most 0.64 below it (y^(1/4) <= 255), so one fix-up
+//   (k + 1 when q4(k + 1) <= y) gives the scalar k;
+// * q4 of k0, k0 + 1, k0 + 2 from one multiply k0 * k0, adds and three squares (see enc_v16);
 // * codes >= 1 for y > 0, 0 for y == 0 or NaN (the scalar's early return).
 MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_v8(__m256 v, __m256 inv, __m256 rf) {
   const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256 yr = _mm256_mul_ps(v, inv);
-  const __m256 y = _mm256_min_ps(_mm256_set1_ps(mom8_q4(255.0f)), yr);
-  const __m256 est = _mm256_mul_ps(_mm256_rsqrt_ps(_mm256_rsqrt_ps(y)), _mm256_set1_ps(1.0f - 0x1p-9f));
-  __m256 k = _mm256_and_ps(_mm256_floor_ps(est), _mm256_cmp_ps(y, one, _CMP_GE_OQ));
-  const __m256 kp = _mm256_add_ps(k, one);
-  k = _mm256_blendv_ps(k, kp, _mm256_cmp_ps(q4x8(kp), y, _CMP_LE_OQ));
-  const __m256 q = q4x8(k);
+  const __m256 y = _mm256_min_ps(_mm256_set1_ps(mom8_q4(255.0f)), _mm256_mul_ps(v, inv));
+  const __m256 est = lower8(_mm256_rsqrt_ps(_mm256_rsqrt_ps(y)));
+  const __m256 k0 = _mm256_and_ps(_mm256_floor_ps(est), _mm256_cmp_ps(y, one, _CMP_GE_OQ));
+  const __m256 s0 = _mm256_mul_ps(k0, k0);
+  const __m256 a = _mm256_add_ps(_mm256_add_ps(k0, k0), one);  // 2k0 + 1
+  const __m256 s1 = _mm256_add_ps(s0, a);
+  const __m256 s2 = _mm256_add_ps(_mm256_add_ps(s1, a), _mm256_set1_ps(2.0f));
+  const __m256 q0 = _mm256_mul_ps(s0, s0), q1 = _mm256_mul_ps(s1, s1), q2 = _mm256_mul_ps(s2, s2);
+  const __m256 fix = _mm256_cmp_ps(q1, y, _CMP_LE_OQ);
+  const __m256 k = _mm256_add_ps(k0, _mm256_and_ps(fix, one));
+  const __m256 q = _mm256_blendv_ps(q0, q1, fix);
   const __m256 d = _mm256_sub_ps(y, q);
-  const __m256 w = _mm256_sub_ps(q4x8(_mm256_add_ps(k, one)), q);
+  const __m256 w = _mm256_sub_ps(_mm256_blendv_ps(q1, q2, fix), q);
   const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(rf, w), d, _CMP_LT_OQ);
   const __m256i c = _mm256_max_epi32(_mm256_sub_epi32(_mm256_cvttps_epi32(k), _mm256_castps_si256(up)),
                                      _mm256_set1_epi32(1));
@@ -687,26 +696,37 @@ MPK_AVX512 __attribute__((always_inline)) inline __m512 rand_unit16(__m512i fiel
   return _mm512_sub_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(1.0f));
 }
 
+// An estimate e of a root lowered by 2^-10 .. 2^-9 of itself with an integer op instead of a
+// multiply (the multiply ports bind these loops): 2^14 subtracted from its bit pattern is
+// 2^-9 / mantissa relative. A NaN or inf e stays NaN (the callers mask y < 1 out).
+MPK_AVX512 __attribute__((always_inline)) inline __m512 lower16(__m512 e) {
+  return _mm512_castsi512_ps(_mm512_sub_epi32(_mm512_castps_si512(e), _mm512_set1_epi32(0x4000)));
+}
+
 // mom8_encode_m on 16 lanes, bit-identical to the scalar code; returns int32 codes:
 // * y = min(|m| * inv, 127^2) (min keeps a NaN y): a y >= 127^2 then gives k = 127, d = 0, so the
 //   code 127 of the scalar's y >= 16129 branch without a select;
-// * k, the integer with k^2 <= y < (k + 1)^2, from an estimate that is never above sqrt(y) and less
-//   than 1 below it: (y * (1 - 2^-9)) * rsqrt14(y) (relative error of rsqrt14 < 2^-14, sqrt(y) <=
-//   127), so one fix-up (k + 1 when (k + 1)^2 <= y) is exact; y < 1 (and a NaN, zero or subnormal
-//   y) gives k = 0;
+// * k, the integer with k^2 <= y < (k + 1)^2, from an estimate never above sqrt(y) and less than 1
+//   below it: y * rsqrt14(y) (relative error < 2^-14) lowered by >= 2^-10 (lower16), at most
+//   0.27 below sqrt(y) <= 127; so floor(estimate) is k or k - 1 and one fix-up (k + 1 when
+//   (k + 1)^2 <= y, with (k + 1)^2 = k^2 + 2k + 1 from adds: exact integers) is exact; y < 1 (and
+//   a NaN, zero or subnormal y) gives k = 0;
 // * the rounding decision rf * w < d (see rand_unit16); a zero or NaN y gives d = 0 or NaN: no
 //   round-up, code 0, as the scalar's early return;
 // * the sign of m copied onto the float code before the conversion (-c; a code 0 gives 0).
 MPK_AVX512 __attribute__((always_inline)) inline __m512i enc_m16(__m512 m, __m512 inv, __m512 rf) {
   const __m512 one = _mm512_set1_ps(1.0f);
   const __m512 y = _mm512_min_ps(_mm512_set1_ps(16129.0f), _mm512_mul_ps(_mm512_abs_ps(m), inv));
-  const __m512 est = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.0f - 0x1p-9f)), _mm512_rsqrt14_ps(y));
-  __m512 k = _mm512_maskz_roundscale_ps(_mm512_cmp_ps_mask(y, one, _CMP_GE_OQ), est,
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 kp = _mm512_add_ps(k, one);
-  k = _mm512_mask_mov_ps(k, _mm512_cmp_ps_mask(_mm512_mul_ps(kp, kp), y, _CMP_LE_OQ), kp);
-  const __m512 d = _mm512_sub_ps(y, _mm512_mul_ps(k, k));
-  const __m512 w = _mm512_add_ps(_mm512_add_ps(k, k), one);  // 2k + 1 (k + k == 2 * k exactly)
+  const __m512 est = lower16(_mm512_mul_ps(y, _mm512_rsqrt14_ps(y)));
+  const __m512 k0 = _mm512_maskz_roundscale_ps(_mm512_cmp_ps_mask(y, one, _CMP_GE_OQ), est,
+                                               _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 s0 = _mm512_mul_ps(k0, k0);
+  const __m512 w0 = _mm512_add_ps(_mm512_add_ps(k0, k0), one);  // 2k + 1 (k + k == 2 * k exactly)
+  const __m512 s1 = _mm512_add_ps(s0, w0);                       // (k + 1)^2
+  const __mmask16 fix = _mm512_cmp_ps_mask(s1, y, _CMP_LE_OQ);
+  const __m512 k = _mm512_mask_add_ps(k0, fix, k0, one);
+  const __m512 d = _mm512_sub_ps(y, _mm512_mask_mov_ps(s0, fix, s1));
+  const __m512 w = _mm512_mask_add_ps(w0, fix, w0, _mm512_set1_ps(2.0f));
   const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(rf, w), d, _CMP_LT_OQ);
   const __m512i c = _mm512_castps_si512(_mm512_mask_add_ps(k, up, k, one));
   const __m512i sc = _mm512_ternarylogic_epi32(c, _mm512_castps_si512(m), _mm512_set1_epi32(static_cast<int>(0x80000000u)),
@@ -714,29 +734,32 @@ MPK_AVX512 __attribute__((always_inline)) inline __m512i enc_m16(__m512 m, __m51
   return _mm512_cvttps_epi32(_mm512_castsi512_ps(sc));
 }
 
-MPK_AVX512 __attribute__((always_inline)) inline __m512 q4x16(__m512 k) {
-  const __m512 k2 = _mm512_mul_ps(k, k);
-  return _mm512_mul_ps(k2, k2);
-}
-
 // mom8_encode_v on 16 lanes; returns int32 codes, bit-identical to the scalar code:
 // * y = min(v * inv, q4(255)) (a NaN y stays NaN): y >= q4(255) gives k = 255, d = 0, code 255;
-// * k from the estimate rsqrt14(rsqrt14(y)) * (1 - 2^-9) of y^(1/4) (relative error of the nested
-//   rsqrt14 < 1.5 * 2^-14, y^(1/4) <= 255): never above y^(1/4) and less than 1 below it, so one
-//   fix-up (k + 1 when (k + 1)^4 <= y) gives the scalar k;
+// * k from the estimate rsqrt14(rsqrt14(y)) of y^(1/4) (relative error < 1.5 * 2^-14) lowered by
+//   >= 2^-10 (lower16): never above y^(1/4), at most 0.55 below it (y^(1/4) <= 255), so one fix-up
+//   (k + 1 when q4(k + 1) <= y) gives the scalar k;
+// * q4(j) = fl(S * S) with S = j^2 -- the scalar's (j * j) * (j * j) -- for j = k0, k0 + 1, k0 + 2
+//   from ONE multiply k0 * k0 and adds (S1 = S0 + 2k0 + 1, S2 = S1 + 2k0 + 3: exact integers below
+//   2^24), so q4(k) and q4(k + 1) after the fix-up are selects, not more multiplies;
 // * the rounding decision rf * w < d (see rand_unit16);
 // * codes >= 1 for y > 0, 0 for y == 0 or NaN (the scalar's early return).
 MPK_AVX512 __attribute__((always_inline)) inline __m512i enc_v16(__m512 v, __m512 inv, __m512 rf) {
   const __m512 one = _mm512_set1_ps(1.0f);
   const __m512 y = _mm512_min_ps(_mm512_set1_ps(mom8_q4(255.0f)), _mm512_mul_ps(v, inv));
-  const __m512 est = _mm512_mul_ps(_mm512_rsqrt14_ps(_mm512_rsqrt14_ps(y)), _mm512_set1_ps(1.0f - 0x1p-9f));
-  __m512 k = _mm512_maskz_roundscale_ps(_mm512_cmp_ps_mask(y, one, _CMP_GE_OQ), est,
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 kp = _mm512_add_ps(k, one);
-  k = _mm512_mask_mov_ps(k, _mm512_cmp_ps_mask(q4x16(kp), y, _CMP_LE_OQ), kp);
-  const __m512 q = q4x16(k);
+  const __m512 est = lower16(_mm512_rsqrt14_ps(_mm512_rsqrt14_ps(y)));
+  const __m512 k0 = _mm512_maskz_roundscale_ps(_mm512_cmp_ps_mask(y, one, _CMP_GE_OQ), est,
+                                               _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 s0 = _mm512_mul_ps(k0, k0);
+  const __m512 a = _mm512_add_ps(_mm512_add_ps(k0, k0), one);  // 2k0 + 1
+  const __m512 s1 = _mm512_add_ps(s0, a);
+  const __m512 s2 = _mm512_add_ps(_mm512_add_ps(s1, a), _mm512_set1_ps(2.0f));
+  const __m512 q0 = _mm512_mul_ps(s0, s0), q1 = _mm512_mul_ps(s1, s1), q2 = _mm512_mul_ps(s2, s2);
+  const __mmask16 fix = _mm512_cmp_ps_mask(q1, y, _CMP_LE_OQ);
+  const __m512 k = _mm512_mask_add_ps(k0, fix, k0, one);
+  const __m512 q = _mm512_mask_mov_ps(q0, fix, q1);
   const __m512 d = _mm512_sub_ps(y, q);
-  const __m512 w = _mm512_sub_ps(q4x16(_mm512_add_ps(k, one)), q);
+  const __m512 w = _mm512_sub_ps(_mm512_mask_mov_ps(q1, fix, q2), q);
   const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(rf, w), d, _CMP_LT_OQ);
   const __m512 c = _mm512_maskz_max_ps(_mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GT_OQ),
                                        _mm512_mask_add_ps(k, up, k, one), one);
