@@ -259,8 +259,13 @@ __device__ __forceinline__ void adam_vec(const AdamMeta& t, int64_t i, const Ada
   }
 }
 
+// Blocks per SM asked of ptxas (0: its own choice, which targets 64 registers = 4 blocks of 256 for
+// every instance). The no-master fp32-moment instances spill 4 bytes at 64 registers on sm_90: they
+// may use up to 80 (3 blocks of 256 per SM), spill-free.
+constexpr int adam_min_blocks(int sdt, int mode) { return sdt == kF32 && mode == kMasterNone ? 3 : 0; }
+
 template <int PDT, int GDT, int SDT, int MODE>
-__global__ void __launch_bounds__(kAdamBlock) adamw_kernel(const AdamMeta* __restrict__ meta, int count,
+__global__ void __launch_bounds__(kAdamBlock, adam_min_blocks(SDT, MODE)) adamw_kernel(const AdamMeta* __restrict__ meta, int count,
                                                            int64_t total_chunks, AdamScalars s) {
   if (*s.found_inf != 0.f) return;
   __shared__ int s_t;
