@@ -47,6 +47,29 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, reps: int = 15, w
     return statistics.median(times)
 
 
+def time_alternating(fns: list[tuple[Callable[[], object], Callable[[], object] | None]], device: torch.device, *,
+                     reps: int = 15, warmup: int = 3) -> list[float]:
+    """Median wall times (seconds) of several ``(fn, setup)`` pairs timed in alternation: each round
+    runs every ``setup()`` (untimed) and ``fn()`` once, in order, so a slow stretch of a shared
+    machine falls on all of them alike and their ratios hold where separate runs drift."""
+    if not fns:
+        raise ValueError("time_alternating: fns must name at least one (fn, setup) pair")
+    if reps < 1:
+        raise ValueError(f"time_alternating: reps must be >= 1, got {reps}")
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(warmup + reps):
+        for k, (fn, setup) in enumerate(fns):
+            if setup:
+                setup()
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            if r >= warmup:
+                times[k].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
 def measure_bandwidth(device: torch.device, nbytes: int = 1 << 28) -> dict[str, float]:
     """Achievable memory bandwidth (GB/s) of an in-place fp32 multiply (read + write) and a copy."""
     n = nbytes // 4

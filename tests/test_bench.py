@@ -125,6 +125,29 @@ def test_adamw_mode_rows_carry_the_byte_model_and_the_baseline_ratio():
     assert "state B/param" in table and f"vs {bench.BASELINE}" in table
 
 
+def test_time_alternating_runs_each_setup_before_its_fn_in_rounds(monkeypatch):
+    from mpkern import measure
+
+    clock = iter(range(1000))  # perf_counter: 0, 1, 2, ... -> every timed call lasts exactly 1 "second"
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: float(next(clock)))
+    calls: list[str] = []
+    fns = [(lambda: calls.append("a"), lambda: calls.append("sa")), (lambda: calls.append("b"), None)]
+    out = measure.time_alternating(fns, torch.device("cpu"), reps=2, warmup=1)
+    assert calls == ["sa", "a", "b"] * 3 and out == [1.0, 1.0]
+    with pytest.raises(ValueError, match="reps"):
+        measure.time_alternating(fns, torch.device("cpu"), reps=0)
+    with pytest.raises(ValueError, match="fns"):
+        measure.time_alternating([], torch.device("cpu"))
+
+
+def test_adamw_mode_rows_time_their_baseline_in_alternation():
+    rows = bench.bench_adamw_modes("cpu", params=6000, tensors=3, reps=2, modes=[(True, "float32")],
+                                   bandwidth={"inplace_GBps": 1.0, "copy_GBps": 2.0}, log=lambda s: None)
+    (r,) = rows
+    assert r["baseline_ms"] > 0 and r["mpkern_speedup"] == pytest.approx(r["baseline_ms"] / r["ms"])
+    assert "timed in alternation" in r["vs"]
+
+
 def test_state_nbytes_counts_inner_tensors_of_subclasses_once():
     from types import SimpleNamespace
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .. import _backend, bytemodel
-from ..measure import measure_bandwidth, time_fn
+from ..measure import measure_bandwidth, time_alternating, time_fn
 from ..optim import storage
 from .common import (
     ADAMW_INV_SCALE,
@@ -104,8 +104,10 @@ def bench_adamw_modes(device: torch.device | str, *, params: int = FULL["params"
     the measured in-place bandwidth (read + write, like the step; the bound the other AdamW rows
     use), the resident optimizer-state bytes/param (the storage descriptions; the tensors' own
     count is ``state_bytes_measured``), and the speed ratio over the baseline
-    (:func:`amp_fp32_recipe`, timed here unless ``baseline_s`` is given) beside its byte-model limit
-    48 / bytes moved. A master kind that keeps no master runs with stochastic rounding
+    (:func:`amp_fp32_recipe`) beside its byte-model limit 48 / bytes moved. Unless ``baseline_s`` is
+    given, the baseline is timed in alternation with each mode (:func:`time_alternating`, its median
+    in the row as ``baseline_ms``), so the ratio holds on a shared machine whose speed drifts
+    between separate runs. A master kind that keeps no master runs with stochastic rounding
     (:func:`optimizer_kwargs`: the only way a bf16 param without a master keeps small updates). As in :func:`bench_adamw`
     the grads are only read (the unscale is deferred into the step), so nothing is restored.
     """
@@ -120,10 +122,9 @@ def bench_adamw_modes(device: torch.device | str, *, params: int = FULL["params"
     grads16, init = adamw_problem(dev, tensor_sizes(params, tensors))
     inv = torch.tensor(ADAMW_INV_SCALE, device=dev)
     base_bpp = bytemodel.STEP_TRAFFIC["amp_fp32"]
+    step_a = restore_a = None
     if baseline_s is None:
         step_a, restore_a, _ = amp_fp32_recipe(init, grads16, inv)
-        baseline_s = time_fn(step_a, dev, reps=reps, setup=restore_a)
-        del step_a, restore_a
     rows = []
     for mw, sd in modes:
         ps = [torch.nn.Parameter(w.to(torch.bfloat16)) for w in init]
@@ -139,7 +140,10 @@ def bench_adamw_modes(device: torch.device | str, *, params: int = FULL["params"
         state_model = storage.bytes_per_param(mw, sd, torch.bfloat16)
         label = mode_label(mw, sd)
         try:
-            t = time_fn(fused, dev, reps=reps)
+            if step_a is None:
+                t, base_t = time_fn(fused, dev, reps=reps), baseline_s
+            else:  # the baseline beside this mode, round by round
+                t, base_t = time_alternating([(fused, None), (step_a, restore_a)], dev, reps=reps)
         except Exception as e:  # noqa: BLE001 -- e.g. a Python storage kind ahead of the built kernels
             why = failure(e)
             log(f"adamw {label}: {why}")
@@ -147,12 +151,14 @@ def bench_adamw_modes(device: torch.device | str, *, params: int = FULL["params"
                             note=why) | {"master_weights": mw, "state_dtype": sd})
             del opt, ps, fused
             continue
+        vs = BASELINE if step_a is None else f"{BASELINE} ({base_t * 1e3:.1f} ms, timed in alternation)"
         r = row("adamw", f"FusedAdamWMP {label} ({_backend.select(dev)})", t, bpp=bpp, params=params,
-                bw=inplace_bw, peer_ratio=baseline_s / t,
-                limit=bytemodel.limit(base_bpp, bpp), state_bpp=state_model, vs=BASELINE)
-        r.update(master_weights=mw, state_dtype=sd, state_bytes_measured=state_nbytes(opt) / params)
+                bw=inplace_bw, peer_ratio=base_t / t,
+                limit=bytemodel.limit(base_bpp, bpp), state_bpp=state_model, vs=vs)
+        r.update(master_weights=mw, state_dtype=sd, state_bytes_measured=state_nbytes(opt) / params,
+                 baseline_ms=base_t * 1e3)
         rows.append(r)
         log(f"adamw {label}: {t * 1e3:.2f} ms, {bpp:g} B/param moved, state {state_model:g} B/param, "
-            f"{baseline_s / t:.2f}x the AMP fp32 recipe (limit {base_bpp / bpp:.2f}x)")
+            f"{base_t / t:.2f}x the AMP fp32 recipe at {base_t * 1e3:.2f} ms (limit {base_bpp / bpp:.2f}x)")
         del opt, ps, fused
     return rows
