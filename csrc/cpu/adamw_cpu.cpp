@@ -785,68 +785,111 @@ MPK_AVX512 inline Consts512 consts512(const TensorPtrs& t, const Flags& f) {
   return k;
 }
 
-// NG consecutive groups of 32 starting at gb (global element e0, all with the same high index
-// half): every update first, then the NG scales, then the codes -- the scale's latency (a
-// reduction and a division) then overlaps with other groups' work.
-template <int PDT, int GDT, int NG>
-MPK_AVX512 __attribute__((always_inline)) inline void mom8_groups512(const TensorPtrs& t, const Flags& f,
-                                                                     const Consts512& k, int64_t gb, uint32_t elo0,
-                                                                     bool need0, __m512i key) {
+// The unsigned maxima of the 16 lanes of each of 16 vectors x[0..15], lane g of the result = the
+// maximum of x[g]: a tree of unpacks and 128-bit shuffles (45 operations for 16 vectors where a
+// horizontal reduction each would take ~9 apiece).
+MPK_AVX512 __attribute__((always_inline)) inline __m512i hmax16x16(const __m512i* x) {
+  __m512i r[8], s[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit block: [a0|a2, b0|b2, a1|a3, b1|b3]
+    r[i] = _mm512_max_epu32(_mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]),
+                            _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit block: the block maxima of 4 consecutive vectors, in order
+    s[i] = _mm512_max_epu32(_mm512_unpacklo_epi64(r[2 * i], r[2 * i + 1]),
+                            _mm512_unpackhi_epi64(r[2 * i], r[2 * i + 1]));
+  const __m512i u01 = _mm512_max_epu32(_mm512_shuffle_i32x4(s[0], s[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_i32x4(s[0], s[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i u23 = _mm512_max_epu32(_mm512_shuffle_i32x4(s[2], s[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_i32x4(s[2], s[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_max_epu32(_mm512_shuffle_i32x4(u01, u23, _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_i32x4(u01, u23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// mom8_scale_bits and mom8_inv_scale of 16 groups at once: amax = the groups' |x| maxima as bits.
+MPK_AVX512 __attribute__((always_inline)) inline __m512i scale_bits16(__m512i amax, float k, __m512& inv) {
+  __m512i b = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(amax), _mm512_set1_ps(k)));
+  b = _mm512_mask_add_epi32(b, _mm512_test_epi32_mask(b, _mm512_set1_epi32(0xffff)), b, _mm512_set1_epi32(0x10000));
+  b = _mm512_srli_epi32(b, 16);  // rounded up to bf16
+  const __mmask16 nonfinite = _mm512_cmpgt_epu32_mask(amax, _mm512_set1_epi32(0x7f7fffff));
+  b = _mm512_mask_mov_epi32(b, nonfinite, _mm512_set1_epi32(static_cast<int>(kMom8NaNScale)));
+  const __mmask16 some = _mm512_kandn(nonfinite, _mm512_test_epi32_mask(b, b));  // codes 0 otherwise
+  inv = _mm512_maskz_div_ps(some, _mm512_set1_ps(1.0f), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
+  return b;
+}
+
+// n (1..16) consecutive groups of 32 starting at gb (global element elo0 of the low index half, all
+// with the same high half): the update pass writes the masters/params and keeps the updated
+// moments and random words in an L1 buffer and each group's 16-lane |x| maxima; then the 16 groups'
+// scales and 1 / s in one vector pass; then the codes.
+template <int PDT, int GDT>
+MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const TensorPtrs& t, const Flags& f,
+                                                                    const Consts512& k, int64_t gb, uint32_t elo0,
+                                                                    int n, bool need0, __m512i key) {
+  constexpr int kG = 16;
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   int8_t* cmp = static_cast<int8_t*>(t.m);
   uint8_t* cvp = static_cast<uint8_t*>(t.v);
-  __m512 m[2 * NG], v[2 * NG];
-  __m512i rw[2 * NG];
-  uint32_t bm[NG], bv[NG];
-  __m512 im[NG], iv[NG];
-#pragma GCC unroll 4
-  for (int q = 0; q < 2 * NG; ++q) {
-    const int64_t i = gb + 16 * q;
-    const int64_t j = (gb >> 5) + (q >> 1);
-    const __m512 sm = _mm512_set1_ps(bf16_to_f32(t.sm[j])), sv = _mm512_set1_ps(bf16_to_f32(t.sv[j]));
-    const __m512i elo = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(elo0 + 16u * q)), lanes);
-    const __m512 g = _mm512_xor_ps(_mm512_mul_ps(load16<GDT>(t.g, i), k.factor), k.gsign);
-    __m512 p = load_w16<PDT>(t, f, i);
-    const __m512 fm = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cmp + i))));
-    const __m512 fv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cvp + i))));
-    __m512 mm = _mm512_mul_ps(sm, _mm512_mul_ps(fm, _mm512_abs_ps(fm)));
-    const __m512 f2 = _mm512_mul_ps(fv, fv);
-    __m512 vv = _mm512_mul_ps(_mm512_mul_ps(sv, f2), f2);
-    p = _mm512_mul_ps(p, k.decay);
-    mm = _mm512_add_ps(mm, _mm512_mul_ps(k.omb1, _mm512_sub_ps(g, mm)));
-    vv = _mm512_add_ps(_mm512_mul_ps(vv, k.b2), _mm512_mul_ps(_mm512_mul_ps(k.omb2, g), g));
-    const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vv), k.ibc2), k.eps);
-    p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(k.ss, mm), denom));
-    rw[q] = mix32x16(_mm512_xor_si512(key, elo));  // the one random word of each element
-    store_w16<PDT>(t, f, i, p, need0, rw[q]);
-    m[q] = mm;
-    v[q] = vv;
-  }
-  // the scales and 1 / s in scalar code (one division per scale, not a vector of them)
+  const int64_t j0 = gb >> 5;
+  alignas(64) float mb[kG * kMom8Group], vb[kG * kMom8Group];
+  alignas(64) uint32_t rb[kG * kMom8Group];
+  __m512i am[kG], av[kG];
+  for (int g = 0; g < kG; ++g) {
+    if (g >= n) {
+      am[g] = _mm512_setzero_si512();
+      av[g] = _mm512_setzero_si512();
+      continue;
+    }
+    const __m512 sm = _mm512_set1_ps(bf16_to_f32(t.sm[j0 + g])), sv = _mm512_set1_ps(bf16_to_f32(t.sv[j0 + g]));
+    __m512i gm = _mm512_setzero_si512(), gv = _mm512_setzero_si512();
 #pragma GCC unroll 2
-  for (int h = 0; h < NG; ++h) {
-    const __m512i am = _mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(m[2 * h]), abs_mask),
-                                        _mm512_and_si512(_mm512_castps_si512(m[2 * h + 1]), abs_mask));
-    const __m512i av = _mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(v[2 * h]), abs_mask),
-                                        _mm512_and_si512(_mm512_castps_si512(v[2 * h + 1]), abs_mask));
-    bm[h] = mom8_scale_bits(_mm512_reduce_max_epu32(am), kMom8KM);
-    bv[h] = mom8_scale_bits(_mm512_reduce_max_epu32(av), kMom8KV);
-    im[h] = _mm512_set1_ps(mom8_inv_scale(bm[h]));
-    iv[h] = _mm512_set1_ps(mom8_inv_scale(bv[h]));
+    for (int q = 0; q < 2; ++q) {
+      const int o = g * kMom8Group + 16 * q;
+      const int64_t i = gb + o;
+      const __m512i elo = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(elo0 + static_cast<uint32_t>(o))), lanes);
+      const __m512 gr = _mm512_xor_ps(_mm512_mul_ps(load16<GDT>(t.g, i), k.factor), k.gsign);
+      __m512 p = load_w16<PDT>(t, f, i);
+      const __m512 fm = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cmp + i))));
+      const __m512 fv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cvp + i))));
+      __m512 mm = _mm512_mul_ps(sm, _mm512_mul_ps(fm, _mm512_abs_ps(fm)));
+      const __m512 f2 = _mm512_mul_ps(fv, fv);
+      __m512 vv = _mm512_mul_ps(_mm512_mul_ps(sv, f2), f2);
+      p = _mm512_mul_ps(p, k.decay);
+      mm = _mm512_add_ps(mm, _mm512_mul_ps(k.omb1, _mm512_sub_ps(gr, mm)));
+      vv = _mm512_add_ps(_mm512_mul_ps(vv, k.b2), _mm512_mul_ps(_mm512_mul_ps(k.omb2, gr), gr));
+      const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vv), k.ibc2), k.eps);
+      p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(k.ss, mm), denom));
+      const __m512i rw = mix32x16(_mm512_xor_si512(key, elo));  // the one random word of each element
+      store_w16<PDT>(t, f, i, p, need0, rw);
+      _mm512_store_ps(mb + o, mm);
+      _mm512_store_ps(vb + o, vv);
+      _mm512_store_si512(rb + o, rw);
+      gm = _mm512_max_epu32(gm, _mm512_and_si512(_mm512_castps_si512(mm), abs_mask));
+      gv = _mm512_max_epu32(gv, _mm512_and_si512(_mm512_castps_si512(vv), abs_mask));
+    }
+    am[g] = gm;
+    av[g] = gv;
   }
-#pragma GCC unroll 4
-  for (int q = 0; q < 2 * NG; ++q) {
-    // fields B (bits 10..20) and C (bits 21..31) moved to mantissa bits 12..22
-    const __m512i c = enc_m16(m[q], im[q >> 1], rand_unit16(_mm512_slli_epi32(rw[q], 2)));
-    const __m512i d = enc_v16(v[q], iv[q >> 1], rand_unit16(_mm512_srli_epi32(rw[q], 9)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(cmp + gb + 16 * q), _mm512_cvtepi32_epi8(c));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(cvp + gb + 16 * q), _mm512_cvtepi32_epi8(d));
-  }
+  __m512 im, iv;
+  const __m512i bm = scale_bits16(hmax16x16(am), kMom8KM, im);
+  const __m512i bv = scale_bits16(hmax16x16(av), kMom8KV, iv);
+  alignas(64) float ims[kG], ivs[kG];
+  _mm512_store_ps(ims, im);
+  _mm512_store_ps(ivs, iv);
+  const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+  _mm256_mask_storeu_epi16(t.sm + j0, live, _mm512_cvtepi32_epi16(bm));
+  _mm256_mask_storeu_epi16(t.sv + j0, live, _mm512_cvtepi32_epi16(bv));
+  for (int g = 0; g < n; ++g) {
+    const __m512 img = _mm512_set1_ps(ims[g]), ivg = _mm512_set1_ps(ivs[g]);
 #pragma GCC unroll 2
-  for (int h = 0; h < NG; ++h) {
-    t.sm[(gb >> 5) + h] = static_cast<uint16_t>(bm[h]);
-    t.sv[(gb >> 5) + h] = static_cast<uint16_t>(bv[h]);
+    for (int q = 0; q < 2; ++q) {
+      const int o = g * kMom8Group + 16 * q;
+      const __m512i rw = _mm512_load_si512(rb + o);
+      // fields B (bits 10..20) and C (bits 21..31) moved to mantissa bits 12..22
+      const __m512i c = enc_m16(_mm512_load_ps(mb + o), img, rand_unit16(_mm512_slli_epi32(rw, 2)));
+      const __m512i d = enc_v16(_mm512_load_ps(vb + o), ivg, rand_unit16(_mm512_srli_epi32(rw, 9)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(cmp + gb + o), _mm512_cvtepi32_epi8(c));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(cvp + gb + o), _mm512_cvtepi32_epi8(d));
+    }
   }
 }
 
@@ -856,8 +899,6 @@ MPK_AVX512 void adamw_avx512_mom8(const TensorPtrs& t_in, int64_t begin, int64_t
   const Flags f = f_in;
   const Consts512 k = consts512(t, f);
   const bool need0 = needs_word0(t, f);
-  constexpr int kNG = 2;  // groups per block (1.1x faster than one on Zen4)
-  constexpr int64_t kBlock = kNG * kMom8Group;
   RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));
   int64_t gb = begin;
   while (gb + kMom8Group <= end) {
@@ -869,14 +910,11 @@ MPK_AVX512 void adamw_avx512_mom8(const TensorPtrs& t_in, int64_t begin, int64_t
       continue;
     }
     if (hi0 != keys.hi) keys = rng_keys(f.seed, t.stream, t.step, e0);
-    const __m512i key = _mm512_set1_epi32(static_cast<int>(keys.key));
-    if (gb + kBlock <= end && static_cast<uint32_t>((e0 + kBlock - 1) >> 32) == hi0) {
-      mom8_groups512<PDT, GDT, kNG>(t, f, k, gb, static_cast<uint32_t>(e0), need0, key);
-      gb += kBlock;
-    } else {
-      mom8_groups512<PDT, GDT, 1>(t, f, k, gb, static_cast<uint32_t>(e0), need0, key);
-      gb += kMom8Group;
-    }
+    int n = static_cast<int>(std::min<int64_t>(16, (end - gb) / kMom8Group));
+    while (n > 1 && static_cast<uint32_t>((e0 + static_cast<uint64_t>(kMom8Group) * n - 1) >> 32) != hi0) --n;
+    mom8_block512<PDT, GDT>(t, f, k, gb, static_cast<uint32_t>(e0), n, need0,
+                            _mm512_set1_epi32(static_cast<int>(keys.key)));
+    gb += static_cast<int64_t>(kMom8Group) * n;
   }
   if (gb < end) adamw_scalar_mom8(t, gb, end, f);
 }
