@@ -401,12 +401,22 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_v8(__m256 v, __m256 i
   return _mm256_and_si256(c, _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ)));
 }
 
-// mom8_scale_bits and mom8_inv_scale in vector registers: the unsigned max over the 8 lanes of
-// `amax` (into every lane), the scale's bf16 bits (returned, every lane) and 1 / s (inv).
+// The unsigned maxima of the 8 lanes of each of 8 vectors x[0..7], lane g of the result = the
+// maximum of x[g]: unpacks and one 128-bit permute (21 operations for 8 vectors).
+MPK_AVX2 __attribute__((always_inline)) inline __m256i hmax8x8(const __m256i* x) {
+  __m256i r[4], s[2];
+  for (int i = 0; i < 4; ++i)  // per 128-bit half: [a0|a2, b0|b2, a1|a3, b1|b3]
+    r[i] = _mm256_max_epu32(_mm256_unpacklo_epi32(x[2 * i], x[2 * i + 1]),
+                            _mm256_unpackhi_epi32(x[2 * i], x[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)  // per 128-bit half: the half maxima of 4 consecutive vectors, in order
+    s[i] = _mm256_max_epu32(_mm256_unpacklo_epi64(r[2 * i], r[2 * i + 1]),
+                            _mm256_unpackhi_epi64(r[2 * i], r[2 * i + 1]));
+  return _mm256_max_epu32(_mm256_permute2x128_si256(s[0], s[1], 0x20), _mm256_permute2x128_si256(s[0], s[1], 0x31));
+}
+
+// mom8_scale_bits and mom8_inv_scale of 8 groups at once: x = the groups' |x| maxima as bits;
+// returns the scales' bf16 bits and 1 / s (inv, 0 for a zero or NaN scale).
 MPK_AVX2 __attribute__((always_inline)) inline __m256i scale_bits8(__m256i x, __m256 k, __m256& inv) {
-  x = _mm256_max_epu32(x, _mm256_permute2x128_si256(x, x, 1));
-  x = _mm256_max_epu32(x, _mm256_shuffle_epi32(x, 0x4e));
-  x = _mm256_max_epu32(x, _mm256_shuffle_epi32(x, 0xb1));
   const __m256i zero = _mm256_setzero_si256();
   __m256i b = _mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(x), k));
   const __m256i low_zero = _mm256_cmpeq_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0xffff)), zero);
@@ -419,11 +429,12 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256i scale_bits8(__m256i x, __
   return b;
 }
 
-// One master mode's loop. AVX2 has 16 vector registers: a group's 32 updated moments and random
-// words go through an L1-resident buffer between the update pass and the encode pass (keeping them
-// in registers made the compiler spill and rebuild constants: ~1050 instructions per group,
-// measured with callgrind), and the update pass is a loop of 8 lanes, so its constants stay in
-// registers across iterations.
+// One master mode's loop, blocks of up to 8 groups of 32. AVX2 has 16 vector registers: the
+// updated moments and random words go through an L1-resident buffer between the update pass and
+// the encode pass (keeping a group's in registers made the compiler spill and rebuild constants:
+// ~1050 instructions per group, measured with callgrind), and the update pass is a loop of 8 lanes,
+// so its constants stay in registers across iterations. Each group's 8-lane |x| maxima are kept,
+// one unpack tree gives the 8 group maxima and one vector pass the 8 scales and 1 / s.
 template <int PDT, int GDT, int MODE>
 MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f_in) {
   Flags f = f_in;
@@ -441,72 +452,99 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
   const bool need0 = needs_word0(t, f);
   int8_t* cmp = static_cast<int8_t*>(t.m);
   uint8_t* cvp = static_cast<uint8_t*>(t.v);
-  alignas(32) float mb[kMom8Group], vb[kMom8Group];
-  alignas(32) uint32_t rb[kMom8Group];
+  constexpr int kG = 8;  // groups per block
+  alignas(32) float mb[kG * kMom8Group], vb[kG * kMom8Group];
+  alignas(32) uint32_t rb[kG * kMom8Group];
+  alignas(32) __m256i am[kG], av[kG];
+  alignas(32) float ims[kG], ivs[kG];
+  alignas(32) uint32_t bms[kG], bvs[kG];
   RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));
   int64_t gb = begin;
-  for (; gb + kMom8Group <= end; gb += kMom8Group) {
+  while (gb + kMom8Group <= end) {
     const uint64_t e0 = t.offset + static_cast<uint64_t>(gb);
     const uint32_t hi0 = static_cast<uint32_t>(e0 >> 32);
     if (static_cast<uint32_t>((e0 + kMom8Group - 1) >> 32) != hi0) {  // the group crosses 2^32: scalar
       adamw_scalar_mom8(t, gb, gb + kMom8Group, f);
+      gb += kMom8Group;
       continue;
     }
     if (hi0 != keys.hi) keys = rng_keys(f.seed, t.stream, t.step, e0);
+    int n = static_cast<int>(std::min<int64_t>(kG, (end - gb) / kMom8Group));
+    while (n > 1 && static_cast<uint32_t>((e0 + static_cast<uint64_t>(kMom8Group) * n - 1) >> 32) != hi0) --n;
     const __m256i key = _mm256_set1_epi32(static_cast<int>(keys.key));
-    const int64_t j = gb / kMom8Group;
-    const __m256 sm = _mm256_set1_ps(bf16_to_f32(t.sm[j])), sv = _mm256_set1_ps(bf16_to_f32(t.sv[j]));
-    __m256i am = _mm256_setzero_si256(), av = _mm256_setzero_si256();
+    const int64_t j0 = gb / kMom8Group;
+    for (int g = 0; g < kG; ++g) {
+      if (g >= n) {
+        am[g] = av[g] = _mm256_setzero_si256();
+        continue;
+      }
+      const __m256 sm = _mm256_set1_ps(bf16_to_f32(t.sm[j0 + g])), sv = _mm256_set1_ps(bf16_to_f32(t.sv[j0 + g]));
+      __m256i gm = _mm256_setzero_si256(), gv = _mm256_setzero_si256();
 #pragma GCC unroll 1
-    for (int q = 0; q < 4; ++q) {
-      const int64_t i = gb + 8 * q;
-      const __m256i elo = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(e0) + 8u * q)),
-                                           lanes);
-      const __m256 g = _mm256_xor_ps(_mm256_mul_ps(load8<GDT>(t.g, i), factor), gsign);
-      __m256 p = load_w8<PDT>(t, f, i);
-      const __m256 fm = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cmp + i))));
-      const __m256 fv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cvp + i))));
-      const __m256 absfm = _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(fm), abs_mask));
-      __m256 mm = _mm256_mul_ps(sm, _mm256_mul_ps(fm, absfm));
-      const __m256 f2 = _mm256_mul_ps(fv, fv);
-      __m256 vv = _mm256_mul_ps(_mm256_mul_ps(sv, f2), f2);
-      p = _mm256_mul_ps(p, decay);
-      mm = _mm256_add_ps(mm, _mm256_mul_ps(omb1, _mm256_sub_ps(g, mm)));
-      vv = _mm256_add_ps(_mm256_mul_ps(vv, b2), _mm256_mul_ps(_mm256_mul_ps(omb2, g), g));
-      const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vv), ibc2), eps);
-      p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(ss, mm), denom));
-      const __m256i rw = mix32x8(_mm256_xor_si256(key, elo));  // the one random word of each element
-      store_w8<PDT>(t, f, i, p, need0, rw);
-      _mm256_store_ps(mb + 8 * q, mm);
-      _mm256_store_ps(vb + 8 * q, vv);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(rb + 8 * q), rw);
-      am = _mm256_max_epu32(am, _mm256_and_si256(_mm256_castps_si256(mm), abs_mask));
-      av = _mm256_max_epu32(av, _mm256_and_si256(_mm256_castps_si256(vv), abs_mask));
+      for (int q = 0; q < 4; ++q) {
+        const int o = g * kMom8Group + 8 * q;
+        const int64_t i = gb + o;
+        const __m256i elo = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(e0) +
+                                                                                static_cast<uint32_t>(o))),
+                                             lanes);
+        const __m256 gr = _mm256_xor_ps(_mm256_mul_ps(load8<GDT>(t.g, i), factor), gsign);
+        __m256 p = load_w8<PDT>(t, f, i);
+        const __m256 fm = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cmp + i))));
+        const __m256 fv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cvp + i))));
+        const __m256 absfm = _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(fm), abs_mask));
+        __m256 mm = _mm256_mul_ps(sm, _mm256_mul_ps(fm, absfm));
+        const __m256 f2 = _mm256_mul_ps(fv, fv);
+        __m256 vv = _mm256_mul_ps(_mm256_mul_ps(sv, f2), f2);
+        p = _mm256_mul_ps(p, decay);
+        mm = _mm256_add_ps(mm, _mm256_mul_ps(omb1, _mm256_sub_ps(gr, mm)));
+        vv = _mm256_add_ps(_mm256_mul_ps(vv, b2), _mm256_mul_ps(_mm256_mul_ps(omb2, gr), gr));
+        const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vv), ibc2), eps);
+        p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(ss, mm), denom));
+        const __m256i rw = mix32x8(_mm256_xor_si256(key, elo));  // the one random word of each element
+        store_w8<PDT>(t, f, i, p, need0, rw);
+        _mm256_store_ps(mb + o, mm);
+        _mm256_store_ps(vb + o, vv);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(rb + o), rw);
+        gm = _mm256_max_epu32(gm, _mm256_and_si256(_mm256_castps_si256(mm), abs_mask));
+        gv = _mm256_max_epu32(gv, _mm256_and_si256(_mm256_castps_si256(vv), abs_mask));
+      }
+      am[g] = gm;
+      av[g] = gv;
     }
     __m256 im, iv;
-    const __m256i bmv = scale_bits8(am, _mm256_set1_ps(kMom8KM), im);
-    const __m256i bvv = scale_bits8(av, _mm256_set1_ps(kMom8KV), iv);
-    t.sm[j] = static_cast<uint16_t>(_mm256_cvtsi256_si32(bmv));
-    t.sv[j] = static_cast<uint16_t>(_mm256_cvtsi256_si32(bvv));
-    // codes, two vectors of 8 at a time packed to int16 (packs: exact, |codes| <= 255)
-    __m256i pm[2], pv[2];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bms), scale_bits8(hmax8x8(am), _mm256_set1_ps(kMom8KM), im));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bvs), scale_bits8(hmax8x8(av), _mm256_set1_ps(kMom8KV), iv));
+    _mm256_store_ps(ims, im);
+    _mm256_store_ps(ivs, iv);
+    for (int g = 0; g < n; ++g) {
+      t.sm[j0 + g] = static_cast<uint16_t>(bms[g]);
+      t.sv[j0 + g] = static_cast<uint16_t>(bvs[g]);
+      const __m256 img = _mm256_set1_ps(ims[g]), ivg = _mm256_set1_ps(ivs[g]);
+      const float* mg = mb + g * kMom8Group;
+      const float* vg = vb + g * kMom8Group;
+      const uint32_t* rg = rb + g * kMom8Group;
+      // codes, two vectors of 8 at a time packed to int16 (packs: exact, |codes| <= 255)
+      __m256i pm[2], pv[2];
 #pragma GCC unroll 1
-    for (int h = 0; h < 2; ++h) {
-      const __m256i r0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(rb + 16 * h));
-      const __m256i r1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(rb + 16 * h + 8));
-      // fields B (bits 10..20) and C (bits 21..31) moved to mantissa bits 12..22
-      const __m256i c0 = enc_m8(_mm256_load_ps(mb + 16 * h), im, rand_unit8(_mm256_slli_epi32(r0, 2)));
-      const __m256i c1 = enc_m8(_mm256_load_ps(mb + 16 * h + 8), im, rand_unit8(_mm256_slli_epi32(r1, 2)));
-      pm[h] = _mm256_packs_epi32(c0, c1);
-      const __m256i d0 = enc_v8(_mm256_load_ps(vb + 16 * h), iv, rand_unit8(_mm256_srli_epi32(r0, 9)));
-      const __m256i d1 = enc_v8(_mm256_load_ps(vb + 16 * h + 8), iv, rand_unit8(_mm256_srli_epi32(r1, 9)));
-      pv[h] = _mm256_packs_epi32(d0, d1);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i r0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(rg + 16 * h));
+        const __m256i r1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(rg + 16 * h + 8));
+        // fields B (bits 10..20) and C (bits 21..31) moved to mantissa bits 12..22
+        const __m256i c0 = enc_m8(_mm256_load_ps(mg + 16 * h), img, rand_unit8(_mm256_slli_epi32(r0, 2)));
+        const __m256i c1 = enc_m8(_mm256_load_ps(mg + 16 * h + 8), img, rand_unit8(_mm256_slli_epi32(r1, 2)));
+        pm[h] = _mm256_packs_epi32(c0, c1);
+        const __m256i d0 = enc_v8(_mm256_load_ps(vg + 16 * h), ivg, rand_unit8(_mm256_srli_epi32(r0, 9)));
+        const __m256i d1 = enc_v8(_mm256_load_ps(vg + 16 * h + 8), ivg, rand_unit8(_mm256_srli_epi32(r1, 9)));
+        pv[h] = _mm256_packs_epi32(d0, d1);
+      }
+      const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+      const int64_t i0 = gb + g * kMom8Group;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(cmp + i0),
+                          _mm256_permutevar8x32_epi32(_mm256_packs_epi16(pm[0], pm[1]), order));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(cvp + i0),
+                          _mm256_permutevar8x32_epi32(_mm256_packus_epi16(pv[0], pv[1]), order));
     }
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(cmp + gb),
-                        _mm256_permutevar8x32_epi32(_mm256_packs_epi16(pm[0], pm[1]), order));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(cvp + gb),
-                        _mm256_permutevar8x32_epi32(_mm256_packus_epi16(pv[0], pv[1]), order));
+    gb += static_cast<int64_t>(kMom8Group) * n;
   }
   if (gb < end) adamw_scalar_mom8(t, gb, end, f);
 }
