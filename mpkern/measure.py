@@ -31,20 +31,7 @@ def sync(device: torch.device) -> None:
 def time_fn(fn: Callable[[], object], device: torch.device, *, reps: int = 15, warmup: int = 3,
             setup: Callable[[], object] | None = None) -> float:
     """Median wall time of ``fn()`` in seconds; ``setup()`` runs untimed before each call."""
-    for _ in range(warmup):
-        if setup:
-            setup()
-        fn()
-    times = []
-    for _ in range(reps):
-        if setup:
-            setup()
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time_alternating([(fn, setup)], device, reps=reps, warmup=warmup)[0]
 
 
 def time_alternating(fns: list[tuple[Callable[[], object], Callable[[], object] | None]], device: torch.device, *,
