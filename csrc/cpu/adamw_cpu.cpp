@@ -5,9 +5,10 @@
 // bf16; bf16 ones are stored with stochastic rounding), applies
 // grad * grad_factor (inv_scale * clip_coef) in registers, and writes master, moments and the
 // rounded param. 8-bit moments (int8 exp_avg / uint8 exp_avg_sq codes with a bf16 scale per 32
-// elements, math.h mom8_*) are processed a group at a time: decode, update, new scales from the
-// group's amax, stochastically rounded codes. Nothing else is read or written; the grad is never written. When found_inf is
-// non-zero nothing at all is written (step counters included).
+// elements, math.h mom8_*) are processed in groups (the vector paths: blocks of 8 / 16 groups whose
+// scales are computed together): decode, update, new scales from each group's amax,
+// stochastically rounded codes. Nothing else is read or written; the grad is never written. When
+// found_inf is non-zero nothing at all is written (step counters included).
 // Three paths, bit-identical: scalar (the math.h functions; MPKERN_CPU_SIMD=0), AVX2 (8 lanes) and
 // AVX-512 F/BW/VL/DQ (16 lanes; chosen at run time when the CPU has it, MPKERN_CPU_AVX512=0 forces
 // AVX2). The vector paths use the same operations in the same order (no fma contraction).
