@@ -185,11 +185,14 @@ MPK_AVX2 __attribute__((always_inline)) inline void decode8(const TensorPtrs& t,
   }
 }
 
-// 8 int32 lanes -> 8 int8 at dst, saturating (the bf16 correction's clamp to 127).
-MPK_AVX2 __attribute__((always_inline)) inline void store_i8x8_sat(void* dst, __m256i c) {
-  const __m256i w16 = _mm256_packs_epi32(c, c);      // [c0..c3 c0..c3 | c4..c7 c4..c7] int16
-  const __m256i b8 = _mm256_packs_epi16(w16, w16);   // bytes c0..c3 repeated | c4..c7 repeated
-  const __m256i packed = _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+// Byte B of each of 8 int32 lanes -> 8 bytes at dst: one byte shuffle to the low 4 bytes of each
+// 128-bit half, then the two halves together.
+template <int B>
+MPK_AVX2 __attribute__((always_inline)) inline void store_byte8(void* dst, __m256i v) {
+  const __m256i bytes = _mm256_shuffle_epi8(v, _mm256_setr_epi8(B, B + 4, B + 8, B + 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                -1, -1, -1, -1, B, B + 4, B + 8, B + 12, -1, -1, -1, -1,
+                                                                -1, -1, -1, -1, -1, -1, -1, -1));
+  const __m256i packed = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
 }
 
@@ -202,15 +205,8 @@ MPK_AVX2 __attribute__((always_inline)) inline void encode8(const TensorPtrs& t,
     // quiet NaN); c = byte 1 of t
     const __m256i u = _mm256_castps_si256(w);
     const __m256i tt = _mm256_add_epi32(u, _mm256_and_si256(rw, _mm256_set1_epi32(0xff)));
-    __m256i h = _mm256_srli_epi32(_mm256_add_epi32(tt, _mm256_set1_epi32(0x8000)), 16);
-    const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
-    h = _mm256_blendv_epi8(h, qnan, _mm256_castps_si256(_mm256_cmp_ps(w, w, _CMP_UNORD_Q)));
-    // byte 1 of every lane -> the low 4 bytes of each 128-bit half, then the two halves together
-    const __m256i bytes = _mm256_shuffle_epi8(tt, _mm256_setr_epi8(1, 5, 9, 13, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                                                   -1, -1, 1, 5, 9, 13, -1, -1, -1, -1, -1, -1, -1, -1,
-                                                                   -1, -1, -1, -1));
-    const __m256i packed = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(cdst), _mm256_castsi256_si128(packed));
+    const __m256i h = bf16_keep_nan32(_mm256_srli_epi32(_mm256_add_epi32(tt, _mm256_set1_epi32(0x8000)), 16), w);
+    store_byte8<1>(cdst, tt);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(hdst), pack_u16x8(h));
     return;
   }
@@ -228,7 +224,7 @@ MPK_AVX2 __attribute__((always_inline)) inline void encode8(const TensorPtrs& t,
   const __m256i pu = _mm256_castps_si256(p);
   const __m256i expo = _mm256_set1_epi32(0x7f800000);
   const __m256i nonfinite = _mm256_cmpeq_epi32(_mm256_and_si256(pu, expo), expo);
-  store_i8x8_sat(cdst, _mm256_andnot_si256(nonfinite, _mm256_cvttps_epi32(y)));
+  store_byte8<0>(cdst, _mm256_andnot_si256(nonfinite, _mm256_cvttps_epi32(y)));  // in [-128, 127]
   _mm_storeu_si128(reinterpret_cast<__m128i*>(hdst), h16);
 }
 
@@ -618,9 +614,7 @@ MPK_AVX512 __attribute__((always_inline)) inline void encode16(const TensorPtrs&
     // t = bits(w) + (word & 0xff); param = (t + 0x8000) >> 16 (a NaN: its quiet NaN); c = byte 1 of t
     const __m512i u = _mm512_castps_si512(w);
     const __m512i tt = _mm512_add_epi32(u, _mm512_and_si512(rw, _mm512_set1_epi32(0xff)));
-    const __m512i h = _mm512_mask_or_epi32(_mm512_srli_epi32(_mm512_add_epi32(tt, _mm512_set1_epi32(0x8000)), 16),
-                                           _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q), _mm512_srli_epi32(u, 16),
-                                           _mm512_set1_epi32(0x0040));
+    const __m512i h = bf16_keep_nan(_mm512_srli_epi32(_mm512_add_epi32(tt, _mm512_set1_epi32(0x8000)), 16), w);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(cdst), _mm512_cvtepi32_epi8(_mm512_srli_epi32(tt, 8)));
     store_u16x16(static_cast<uint16_t*>(t.p) + i, h);
     return;

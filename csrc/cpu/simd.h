@@ -71,14 +71,18 @@ MPK_AVX2 inline void bf16x16_unpack(const void* src, __m256& lo, __m256& hi) {
   hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw));
 }
 
+// bf16 bits h32 (low halves of the lanes) of a rounding of x, with every NaN lane of x replaced by
+// its quiet NaN of the same sign -- the NaN rule of every float -> bf16 conversion in math.h.
+MPK_AVX2 inline __m256i bf16_keep_nan32(__m256i h32, __m256 x) {
+  const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 16), _mm256_set1_epi32(0x0040));
+  return _mm256_blendv_epi8(h32, qnan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
 // 8 floats -> 8 bf16 bit patterns in the low halves of 32-bit lanes (round to nearest even,
 // NaN kept quiet with its sign), as f32_to_bf16_rne of math.h.
 MPK_AVX2 inline __m256i bf16_rne_bits32(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
-  return _mm256_blendv_epi8(r, qnan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  return bf16_keep_nan32(_mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16), x);
 }
 
 MPK_AVX2 inline void bf16x16_pack(void* dst, __m256 lo, __m256 hi) {
@@ -88,15 +92,8 @@ MPK_AVX2 inline void bf16x16_pack(void* dst, __m256 lo, __m256 hi) {
 
 // 8 floats -> 8 bfloat16 bit patterns, round to nearest even, NaN kept (quiet, same sign).
 MPK_AVX2 inline __m128i f32_to_bf16x8(__m256 x) {
-  const __m256i u = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-  r = _mm256_srli_epi32(r, 16);
-  const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
-  const __m256i isnan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, qnan, isnan);
-  // pack 8 x u32 (all <= 0xffff) -> 8 x u16
-  const __m256i packed = _mm256_packus_epi32(r, r);  // lanes: [a0..a3 a0..a3 | a4..a7 a4..a7]
+  const __m256i r = bf16_rne_bits32(x);
+  const __m256i packed = _mm256_packus_epi32(r, r);  // [a0..a3 a0..a3 | a4..a7 a4..a7]
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
 
@@ -122,10 +119,7 @@ MPK_AVX2 inline __m128i pack_u16x8(__m256i r) {
 // lanes) added below the kept part, then truncation. An inf has zero low bits, so the sum keeps
 // it; only NaN needs its own result (quiet, same sign).
 MPK_AVX2 inline __m256i bf16_sr_bits32(__m256 x, __m256i r) {
-  const __m256i u = _mm256_castps_si256(x);
-  const __m256i sr = _mm256_srli_epi32(_mm256_add_epi32(u, r), 16);
-  const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
-  return _mm256_blendv_epi8(sr, qnan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  return bf16_keep_nan32(_mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16), x);
 }
 
 // mix32 of math.h on 8 lanes.
@@ -181,20 +175,20 @@ MPK_AVX512 inline void store_u16x16(void* dst, __m512i r) {
 }
 
 // f32_to_bf16_rne on 16 lanes (bf16 bits in the low halves of 32-bit lanes).
+// bf16_keep_nan32 on 16 lanes.
+MPK_AVX512 inline __m512i bf16_keep_nan(__m512i h32, __m512 x) {
+  return _mm512_mask_or_epi32(h32, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_srli_epi32(_mm512_castps_si512(x), 16),
+                              _mm512_set1_epi32(0x0040));
+}
 MPK_AVX512 inline __m512i bf16_rne_bits(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
-  const __m512i hi = _mm512_srli_epi32(u, 16);
-  const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  return _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), hi, _mm512_set1_epi32(0x0040));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return bf16_keep_nan(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16), x);
 }
 
 // f32_to_bf16_sr on 16 lanes, r = 16 random bits per lane.
 MPK_AVX512 inline __m512i bf16_sr_bits(__m512 x, __m512i r) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i sr = _mm512_srli_epi32(_mm512_add_epi32(u, r), 16);
-  return _mm512_mask_or_epi32(sr, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_srli_epi32(u, 16),
-                              _mm512_set1_epi32(0x0040));
+  return bf16_keep_nan(_mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16), x);
 }
 
 // Store 16 floats into a float/half/bfloat16 buffer with round-to-nearest-even.
