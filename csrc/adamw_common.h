@@ -32,13 +32,17 @@ inline void check_adamw_args(const char* op, at::TensorList params, at::TensorLi
     TORCH_CHECK_VALUE(elem_offsets[i] >= 0, op, ": elem_offsets[", i, "] = ", elem_offsets[i], " is negative");
   TORCH_CHECK_VALUE(master_mode == kMasterNone ? masters.empty() : masters.size() == n, op,
               ": masters must be one per param (empty when master_mode is 0)");
-  // 8-bit companded moments: selected by int8 exp_avgs, for every param of the call or none
-  const bool mom8 = n && exp_avgs[0].scalar_type() == at::kChar;
+  // companded moments with group scales: selected by int8 exp_avgs (8-bit) or uint8 exp_avgs (4-bit
+  // exp_avg, two codes per byte), for every param of the call or none
+  const at::ScalarType sdt0 = n ? exp_avgs[0].scalar_type() : at::kFloat;
+  const bool mom4 = sdt0 == at::kByte;
+  const bool mom8 = sdt0 == at::kChar || mom4;
+  const char* kind = mom4 ? "4-bit exp_avg (uint8 exp_avgs)" : "8-bit (int8 exp_avgs)";
   if (mom8) {
-    TORCH_CHECK_VALUE(max_exp_avg_sqs.empty(), op, ": amsgrad is not supported with 8-bit moments (max_exp_avg_sqs "
-                      "must be empty when exp_avgs are int8)");
-    TORCH_CHECK_VALUE(exp_avg_scales.size() == n && exp_avg_sq_scales.size() == n, op,
-                      ": 8-bit moments need exp_avg_scales and exp_avg_sq_scales, one per param; got ",
+    TORCH_CHECK_VALUE(max_exp_avg_sqs.empty(), op, ": amsgrad is not supported with ", kind,
+                      " moments (max_exp_avg_sqs must be empty)");
+    TORCH_CHECK_VALUE(exp_avg_scales.size() == n && exp_avg_sq_scales.size() == n, op, ": ", kind,
+                      " moments need exp_avg_scales and exp_avg_sq_scales, one per param; got ",
                       exp_avg_scales.size(), " and ", exp_avg_sq_scales.size(), " for ", n, " params");
   } else {
     TORCH_CHECK_VALUE(exp_avg_scales.empty() && exp_avg_sq_scales.empty(), op,
@@ -60,16 +64,26 @@ inline void check_adamw_args(const char* op, at::TensorList params, at::TensorLi
     };
     same(p, "params");
     same(grads[i], "grads");
-    same(exp_avgs[i], "exp_avgs");
+    if (mom4) {  // two codes per byte
+      const at::Tensor& t = exp_avgs[i];
+      TORCH_CHECK_VALUE(t.layout() == at::kStrided && t.is_contiguous(), op, ": exp_avgs[", i,
+                        "] must be a contiguous strided tensor");
+      TORCH_CHECK_VALUE(t.device() == dev, op, ": exp_avgs[", i, "] is on ", t.device(), ", expected ", dev);
+      TORCH_CHECK_VALUE(t.numel() == (numel + 1) / 2, op, ": exp_avgs[", i, "] has ", t.numel(),
+                        " elements; 4-bit exp_avg codes of a param of ", numel, " elements need ceil(numel / 2) = ",
+                        (numel + 1) / 2, " bytes");
+    } else {
+      same(exp_avgs[i], "exp_avgs");
+    }
     same(exp_avg_sqs[i], "exp_avg_sqs");
     dtype_code(p.scalar_type());
     dtype_code(grads[i].scalar_type());
     const auto sdt = exp_avgs[i].scalar_type();
     if (mom8) {
-      TORCH_CHECK_TYPE(sdt == at::kChar, op, ": exp_avgs[", i, "] is ", sdt,
-                       ", but exp_avgs[0] is int8 (8-bit moments): every param of a call has the same moment kind");
+      TORCH_CHECK_TYPE(sdt == sdt0, op, ": exp_avgs[", i, "] is ", sdt, ", but exp_avgs[0] is ", sdt0, " (", kind,
+                       " moments): every param of a call has the same moment kind");
       TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == at::kByte, op, ": exp_avg_sqs[", i,
-                       "] must be uint8 with 8-bit (int8) exp_avgs, got ", exp_avg_sqs[i].scalar_type());
+                       "] must be uint8 with ", kind, " exp_avgs, got ", exp_avg_sqs[i].scalar_type());
       const int64_t groups = (numel + kMom8Group - 1) / kMom8Group;
       auto scale = [&](const at::Tensor& s, const char* what) {
         TORCH_CHECK_VALUE(s.layout() == at::kStrided, op, ": ", what, "[", i, "] must be a strided (dense) tensor");
@@ -84,7 +98,8 @@ inline void check_adamw_args(const char* op, at::TensorList params, at::TensorLi
       scale(exp_avg_sq_scales[i], "exp_avg_sq_scales");
     } else {
       TORCH_CHECK_TYPE(sdt == at::kFloat || sdt == at::kBFloat16, op, ": exp_avgs[", i,
-                       "]: moments must be float32, bfloat16 or 8-bit (int8 exp_avgs + uint8 exp_avg_sqs), got ", sdt);
+                       "]: moments must be float32, bfloat16, 8-bit (int8 exp_avgs + uint8 exp_avg_sqs) or 4-bit "
+                       "exp_avg (uint8 exp_avgs of ceil(numel / 2) bytes + uint8 exp_avg_sqs), got ", sdt);
       TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == sdt, op, ": exp_avg and exp_avg_sq dtypes differ");
     }
     if (!max_exp_avg_sqs.empty()) {
@@ -134,9 +149,11 @@ namespace mpkern {
 inline uint32_t stream_of(at::IntArrayRef stream_ids, size_t i) {
   return static_cast<uint32_t>(stream_ids.empty() ? static_cast<int64_t>(i) : stream_ids[i]);
 }
-// Moment code of a tensor: kF32 / kBF16, or kMom8 for int8 (8-bit companded) exp_avgs.
+// Moment code of a tensor: kF32 / kBF16, kMom8 for int8 (8-bit companded) exp_avgs, kMom4 for uint8
+// (4-bit, two codes per byte) exp_avgs.
 inline int32_t moment_code(const at::Tensor& exp_avg) {
-  return exp_avg.scalar_type() == at::kChar ? kMom8 : dtype_code(exp_avg.scalar_type());
+  const auto t = exp_avg.scalar_type();
+  return t == at::kChar ? kMom8 : (t == at::kByte ? kMom4 : dtype_code(t));
 }
 // An optional tensor list of the schema (Tensor[]?) as a list (None: empty).
 inline at::TensorList list_or_empty(const std::optional<at::TensorList>& l) { return l.has_value() ? *l : at::TensorList(); }

@@ -75,13 +75,14 @@ def _fake_adamw_step_(*args, **kwargs) -> None:
     exp_avgs, exp_avg_sqs, max_exp_avg_sqs = args[2], args[3], args[4]
     sm = args[21] if len(args) > 21 else kwargs.get("exp_avg_scales")
     sv = args[22] if len(args) > 22 else kwargs.get("exp_avg_sq_scales")
-    if len(exp_avgs) and exp_avgs[0].dtype == torch.int8:
+    code = exp_avgs[0].dtype if len(exp_avgs) else None  # int8: 8-bit moments, uint8: the 4-bit exp_avg
+    if code in (torch.int8, torch.uint8):
         torch._check(not max_exp_avg_sqs, lambda: "mpkern::adamw_step_: amsgrad is not supported with 8-bit moments")
         torch._check(sm is not None and sv is not None and len(sm) == len(params) and len(sv) == len(params),
                      lambda: "mpkern::adamw_step_: 8-bit moments need exp_avg_scales and exp_avg_sq_scales, one per param")
         for i, p in enumerate(params):
-            torch._check(exp_avgs[i].dtype == torch.int8 and exp_avg_sqs[i].dtype == torch.uint8,
-                         lambda: "mpkern::adamw_step_: 8-bit moments are int8 exp_avgs and uint8 exp_avg_sqs")
+            torch._check(exp_avgs[i].dtype == code and exp_avg_sqs[i].dtype == torch.uint8, lambda: (
+                "mpkern::adamw_step_: 8-bit moments are int8 exp_avgs (4-bit: uint8) and uint8 exp_avg_sqs"))
             torch._check(sm[i].dtype == torch.bfloat16 and sv[i].dtype == torch.bfloat16,
                          lambda: "mpkern::adamw_step_: 8-bit moment scales must be bfloat16")
     else:

@@ -140,6 +140,10 @@ RECIPES = {
                                         "8-bit companded moments + a bf16 scale per 32",
     "mpkern 8-bit master + 8-bit moments": "bf16 params/grads, FusedAdamWMP: int8 master correction, 8-bit "
                                            "companded moments + a bf16 scale per 32 (stochastic)",
+    "mpkern remainder + 4-bit m + 8-bit v moments": "bf16 params/grads, FusedAdamWMP: int16 remainder, 4-bit "
+                                                    "exp_avg (two per byte) + 8-bit exp_avg_sq, bf16 scales per 32",
+    "mpkern 8-bit master + 4-bit m + 8-bit v moments": "bf16 params/grads, FusedAdamWMP: int8 master correction, "
+                                                       "4-bit exp_avg + 8-bit exp_avg_sq, bf16 scales per 32",
 }
 
 
@@ -161,6 +165,8 @@ _MPKERN_RECIPES: dict[str, tuple[object, object]] = {
     "mpkern 8-bit master + bf16 moments": ("8bit", torch.bfloat16),
     "mpkern remainder + 8-bit moments": ("remainder", "8bit"),
     "mpkern 8-bit master + 8-bit moments": ("8bit", "8bit"),
+    "mpkern remainder + 4-bit m + 8-bit v moments": ("remainder", "4bit_m"),
+    "mpkern 8-bit master + 4-bit m + 8-bit v moments": ("8bit", "4bit_m"),
 }
 
 

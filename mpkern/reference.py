@@ -293,8 +293,9 @@ def _q4(k: Tensor) -> Tensor:
     return k2 * k2
 
 
-def _encode_m(m: Tensor, inv: Tensor, r16: Tensor) -> Tensor:
-    """mom8_encode_m on grouped m [G, 32], inv [G, 1], r16 int [G, 32] -> int8 codes."""
+def _encode_m(m: Tensor, inv: Tensor, r16: Tensor, top: float = 127.0) -> Tensor:
+    """mom_encode_sq on grouped m [G, 32], inv [G, 1], r16 int [G, 32] -> int8 codes in [-top, top]
+    (top 127: the 8-bit exp_avg, 7: the 4-bit one)."""
     y = m.abs() * inv
     k = torch.floor(torch.sqrt(y))
     k = torch.where(k * k > y, k - 1.0, k)
@@ -303,7 +304,7 @@ def _encode_m(m: Tensor, inv: Tensor, r16: Tensor) -> Tensor:
     d = y - k * k
     w = 2.0 * k + 1.0
     c = torch.where(r16.to(torch.float32) * w < d * 65536.0, k + 1.0, k)
-    c = torch.where(y >= 16129.0, torch.full_like(c, 127.0), c)
+    c = torch.where(y >= top * top, torch.full_like(c, top), c)
     c = torch.where(y > 0, c, torch.zeros_like(c))
     c = torch.where(m < 0, -c, c)
     return c.to(torch.int8)
@@ -360,10 +361,7 @@ def moment8_encode(values: Tensor, kind: str, r16: Tensor | int | None = None) -
         raise ValueError(f"moment8_encode: kind must be 'exp_avg' or 'exp_avg_sq', got {kind!r}")
     n = values.numel()
     x = _grouped(values.detach().reshape(-1).to(torch.float32))
-    if r16 is None or isinstance(r16, int):
-        r = torch.full_like(x, 32768.0 if r16 is None else float(int(r16) & 0xFFFF))
-    else:
-        r = _grouped(r16.reshape(-1).to(torch.float32))
+    r = _r16_grouped(r16, x)
     if kind == "exp_avg":
         b = _scale_bits(x, MOM8_KM)
         codes = _encode_m(x, _inv_scale(b)[:, None], r)
@@ -371,6 +369,50 @@ def moment8_encode(values: Tensor, kind: str, r16: Tensor | int | None = None) -
         b = _scale_bits(x, MOM8_KV)
         codes = _encode_v(x, _inv_scale(b)[:, None], r)
     return codes.reshape(-1)[:n].reshape(values.shape), _bits_to_bf16(b)
+
+
+MOM4_KM = float.fromhex("0x1.4e5e0ap-6")  # fp32(1 / 49): 4-bit exp_avg scale per unit of the group max
+
+
+def _r16_grouped(r16: Tensor | int | None, like: Tensor) -> Tensor:
+    """The encoders' 16 random bits per element as fp32 ``[G, 32]`` (None: 32768, round to nearest)."""
+    if r16 is None or isinstance(r16, int):
+        return torch.full_like(like, 32768.0 if r16 is None else float(int(r16) & 0xFFFF))
+    return _grouped(r16.reshape(-1).to(torch.float32))
+
+
+def moment4_decode(packed: Tensor, scales: Tensor, numel: int) -> Tensor:
+    """The fp32 ``exp_avg`` of ``numel`` elements from 4-bit codes (uint8 ``packed``, two per byte:
+    element 2j in the low nibble of byte j, 2j + 1 in the high one, each a signed 4-bit code c in
+    [-7, 7]) and their bf16 scales (one per 32 elements): ``sign(c) * s * c^2`` (exact in fp32), 1-D."""
+    numel = int(numel)
+    if packed.dtype != torch.uint8 or packed.numel() != (numel + 1) // 2:
+        raise ValueError(f"moment4_decode: packed must be uint8 with ceil(numel / 2) = {(numel + 1) // 2} bytes, "
+                         f"got {packed.dtype} with {packed.numel()}")
+    if scales.dtype != torch.bfloat16 or scales.numel() != moment8_groups(numel):
+        raise ValueError(f"moment4_decode: scales must be bfloat16 with ceil(numel / 32) = {moment8_groups(numel)} "
+                         f"elements, got {scales.dtype} with {scales.numel()}")
+    b = packed.reshape(-1).to(torch.int32)
+    nib = torch.stack([b & 0xF, b >> 4], dim=1).reshape(-1)[:numel]
+    c = torch.where(nib >= 8, nib - 16, nib).to(torch.float32)
+    f = _grouped(c)
+    x = scales.reshape(-1, 1).float() * (f * f.abs())
+    return x.reshape(-1)[:numel]
+
+
+def moment4_encode(values: Tensor, r16: Tensor | int | None = None) -> tuple[Tensor, Tensor]:
+    """4-bit ``exp_avg`` codes of fp32 ``values`` exactly as the kernels store them: ``(packed uint8
+    [ceil(numel / 2)], bf16 scales [ceil(numel / 32)])``; scale ``bf16_round_up(amax / 49)``, the
+    code rounded stochastically between neighbouring values from ``r16`` (as :func:`moment8_encode`;
+    None rounds to the nearest value)."""
+    n = values.numel()
+    x = _grouped(values.detach().reshape(-1).to(torch.float32))
+    b = _scale_bits(x, MOM4_KM)
+    c = _encode_m(x, _inv_scale(b)[:, None], _r16_grouped(r16, x), 7.0).reshape(-1)[:n].to(torch.int32)
+    if n % 2:
+        c = torch.cat([c, c.new_zeros(1)])
+    pairs = (c & 0xF).reshape(-1, 2)
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8), _bits_to_bf16(b)
 
 
 def adamw_step_(
@@ -423,8 +465,12 @@ def adamw_step_(
             w = master8_decode(p, masters[i])
         else:
             w = p.float()
-        mom8 = exp_avgs[i].dtype == torch.int8
-        if mom8:
+        mom4 = exp_avgs[i].dtype == torch.uint8  # 4-bit exp_avg (two codes per byte) + 8-bit exp_avg_sq
+        mom8 = exp_avgs[i].dtype == torch.int8 or mom4
+        if mom4:
+            m = moment4_decode(exp_avgs[i], exp_avg_scales[i], p.numel()).reshape(p.shape)
+            v = moment8_decode(exp_avg_sqs[i], exp_avg_sq_scales[i]).reshape(p.shape)
+        elif mom8:
             m = moment8_decode(exp_avgs[i], exp_avg_scales[i]).reshape(p.shape)
             v = moment8_decode(exp_avg_sqs[i], exp_avg_sq_scales[i]).reshape(p.shape)
         else:
@@ -440,7 +486,10 @@ def adamw_step_(
         denom = _sqrt32(vv) * inv_bc2 + eps
         w = w - step_size * m / denom
         if mom8:
-            m_new, sm = moment8_encode(m, "exp_avg", bits(RAND_EXP_AVG))
+            if mom4:
+                m_new, sm = moment4_encode(m, bits(RAND_EXP_AVG))
+            else:
+                m_new, sm = moment8_encode(m, "exp_avg", bits(RAND_EXP_AVG))
             v_new, sv = moment8_encode(v, "exp_avg_sq", bits(RAND_EXP_AVG_SQ))
             exp_avg_scales[i].copy_(torch.where(ok, sm.reshape(exp_avg_scales[i].shape), exp_avg_scales[i]))
             exp_avg_sq_scales[i].copy_(torch.where(ok, sv.reshape(exp_avg_sq_scales[i].shape), exp_avg_sq_scales[i]))

@@ -48,11 +48,22 @@ def test_8bit_master_moves_small_updates_in_expectation():
     assert abs(float(moved) - want) <= 0.05 * want, (float(moved), want)
 
 
+def _nibbles64(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The signed 4-bit codes of n elements, two per byte (element 2j: low nibble of byte j), float64."""
+    b = packed.reshape(-1).cpu().long()
+    nib = torch.stack([b % 16, b // 16], dim=1).reshape(-1)[:n]
+    return torch.where(nib >= 8, nib - 16, nib).double()
+
+
 def _decode64(st: dict, key: str) -> torch.Tensor:
-    """8-bit moments in their documented format, in float64: exp_avg = sign(c) s c^2, exp_avg_sq =
-    s c^4, a bf16 scale per 32 consecutive elements of the buffer (memory order)."""
-    codes = st[key + "_code"]
-    flat = codes.as_strided((codes.numel(),), (1,), codes.storage_offset()).double().cpu()
+    """8-bit (and 4-bit exp_avg) moments in their documented format, in float64: exp_avg = sign(c)
+    s c^2, exp_avg_sq = s c^4, a bf16 scale per 32 consecutive elements of the buffer (memory
+    order); the 4-bit exp_avg (state "exp_avg_code4") two codes per byte, laid out as exp_avg_sq."""
+    codes = st["exp_avg_sq_code"] if key == "exp_avg" and "exp_avg_code4" in st else st[key + "_code"]
+    if codes is st["exp_avg_sq_code"] and key == "exp_avg":
+        flat = _nibbles64(st["exp_avg_code4"], codes.numel())
+    else:
+        flat = codes.as_strided((codes.numel(),), (1,), codes.storage_offset()).double().cpu()
     s = st[key + "_scale"].double().cpu().repeat_interleave(32)[: flat.numel()]
     val = s * flat.abs() ** (2 if key == "exp_avg" else 4) * flat.sign()
     out = torch.empty_like(codes, dtype=torch.float64, device="cpu")
@@ -60,7 +71,7 @@ def _decode64(st: dict, key: str) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("state_dtype, n", [("bfloat16", 400), ("8bit", 512)])
+@pytest.mark.parametrize("state_dtype, n", [("bfloat16", 400), ("8bit", 512), ("4bit_m", 512)])
 def test_compact_moments_decay_after_a_spike(state_dtype, n):
     # one grad of 10, then N(0, 0.1^2) grads, each element its own noise: fp32 v decays to ~0.0145;
     # round-to-nearest bf16 moments froze at ~0.100 (v * 0.999 rounds back). 3000 steps: the mean is
@@ -68,7 +79,7 @@ def test_compact_moments_decay_after_a_spike(state_dtype, n):
     steps = 3000
     p = torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16, device=DEVICE))
     opt = FusedAdamWMP([p], lr=0.0, weight_decay=0.0, master_weights=True, state_dtype=state_dtype,
-                       seed=2 if state_dtype == "8bit" else 0)
+                       seed=2 if state_dtype in ("8bit", "4bit_m") else 0)
     gen = torch.Generator().manual_seed(0)
     v64 = torch.zeros(n, dtype=torch.float64)
     for t in range(steps):
@@ -78,13 +89,14 @@ def test_compact_moments_decay_after_a_spike(state_dtype, n):
         p.grad = g16.to(DEVICE)
         opt.step()
     st = opt.state[p]
-    got = _decode64(st, "exp_avg_sq") if state_dtype == "8bit" else st["exp_avg_sq"].double().cpu()
+    compact = state_dtype in ("8bit", "4bit_m")
+    got = _decode64(st, "exp_avg_sq") if compact else st["exp_avg_sq"].double().cpu()
     assert abs(float(got.mean()) / float(v64.mean()) - 1) < 0.10, (float(got.mean()), float(v64.mean()))
-    if state_dtype == "8bit":
+    if compact:
         assert abs(float((got / v64).median()) - 1) < 0.10
 
 
-@pytest.mark.parametrize("state_dtype", ["float32", "8bit"])
+@pytest.mark.parametrize("state_dtype", ["float32", "8bit", "4bit_m"])
 def test_8bit_overflow_skip_is_bitwise(backend, state_dtype):
     # every state tensor (8-bit moments: codes and scales too) stays bitwise unchanged
     torch.manual_seed(1)

@@ -71,6 +71,8 @@ def _build(name):
             kw["state_dtype"] = torch.bfloat16
         if "8-bit moments" in name:
             kw["state_dtype"] = "8bit"
+        if "4-bit m + 8-bit v moments" in name:
+            kw["state_dtype"] = "4bit_m"
         opt = mpkern.FusedAdamWMP(ps, **kw)
     _step(m, opt)
     return ps, opt, []
@@ -195,7 +197,8 @@ def test_storage_descriptions_match_the_allocated_state():
         if not name.startswith("mpkern"):
             continue
         mw = "remainder" if "remainder" in name else "8bit" if "8-bit master" in name else True
-        sdt = "bfloat16" if "bf16 moments" in name else "8bit" if "8-bit moments" in name else "float32"
+        sdt = ("bfloat16" if "bf16 moments" in name else "8bit" if "8-bit moments" in name
+               else "4bit_m" if "4-bit m + 8-bit v" in name else "float32")
         params, opt, masters = bytemodel.build_recipe(name)
         got = bytemodel.count_state(params, opt, masters=masters).per_param()
         assert got["masters"] + got["moments"] == storage.state_bytes_per_param(mw, sdt, torch.bfloat16), name

@@ -12,8 +12,9 @@ built once per layout of the tensor lists and cached (``_tables.py``); per (para
 dtype combination one launch over the rows whose buffers are all 16-byte aligned (the compiler
 is told, and uses 16-byte accesses) and one over the few unaligned head/tail elements. Nothing is
 written when found_inf != 0. bf16 moments are stored with stochastic rounding; 8-bit moments
-(int8 / uint8 codes, a bf16 scale per 32 elements: math.h mom8_*) are processed as [BLOCK // 32, 32]
-blocks, the group amax a tl.max along axis 1 of the integer bits; random bits are
+(int8 / uint8 codes, a bf16 scale per 32 elements: math.h mom8_*; the 4-bit exp_avg of mom4_*, two
+codes per byte) are processed as [BLOCK // 32, 32] blocks, the group amax a tl.max along axis 1 of
+the integer bits; random bits are
 a hash of (seed, stream id, elem_offset + element, step, purpose), the keys computed once per row.
 """
 
@@ -34,8 +35,10 @@ _CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # exp_avg_sq scales (8-bit moments; else 0)
 _ROW = 14
 MOM8 = 8  # moment code of the 8-bit companded moments (math.h kMom8)
+MOM4 = 9  # ... of the 4-bit exp_avg + 8-bit exp_avg_sq (math.h kMom4)
 GROUP = 32
 _KM = tl.constexpr(float.fromhex("0x1.040c2p-14"))  # fp32(1 / 127^2), math.h kMom8KM
+_KM4 = tl.constexpr(float.fromhex("0x1.4e5e0ap-6"))  # fp32(1 / 49), math.h kMom4KM
 _KV = tl.constexpr(float.fromhex("0x1.040a14p-32"))  # fp32(1 / 255^4), math.h kMom8KV
 _Q255 = tl.constexpr(4228250624.0)  # fp32(255^4)
 assert CHUNK % GROUP == 0 and BLOCK % GROUP == 0
@@ -150,10 +153,11 @@ def _mom8_inv(b):
 
 
 @triton.jit
-def _mom8_encode_m(m, inv, r16):
-    """mom8_encode_m of math.h: int8 exp_avg codes, stochastic rounding between k^2 and (k+1)^2."""
+def _mom8_encode_m(m, inv, r16, TOP: tl.constexpr):
+    """mom_encode_sq of math.h: exp_avg codes in [-TOP, TOP] (127: the 8-bit int8 codes, 7: the 4-bit
+    ones, as int32 there), stochastic rounding between k^2 and (k+1)^2."""
     y = tl.abs(m) * inv
-    big = y >= 16129.0
+    big = y >= TOP * TOP
     pos = y > 0.0
     y = tl.where(big | ~pos, 1.0, y)  # keeps sqrt/floor of the discarded lanes finite
     k = tl.floor(tl.sqrt_rn(y))
@@ -163,10 +167,10 @@ def _mom8_encode_m(m, inv, r16):
     d = y - k * k
     w = 2.0 * k + 1.0
     c = tl.where(r16.to(tl.float32) * w < d * 65536.0, k + 1.0, k)
-    c = tl.where(big, 127.0, c)
+    c = tl.where(big, TOP * 1.0, c)
     c = tl.where(pos, c, 0.0)
     c = tl.where(m < 0.0, -c, c)
-    return c.to(tl.int32).to(tl.int8)
+    return c.to(tl.int32)
 
 
 @triton.jit
@@ -246,7 +250,7 @@ def _adamw_kernel(
             end = tl.multiple_of(end, 8)
         # random keys of this row (math.h rng_keys): one word per element, its fields A (param SR /
         # the 8-bit master), B (exp_avg), C (exp_avg_sq); gbase = global index of idx 0 in the stream
-        if MODE == 3 or SR or SDT == 2 or SDT == 8:
+        if MODE == 3 or SR or SDT == 2 or SDT == 8 or SDT == 9:
             step = tl.load(steps_ptr + t).to(tl.uint32)
             stream = (tl.load(base + 10) & 0xFFFFFFFF).to(tl.uint32)
             gbase = tl.load(base + 11) + tl.load(base + 9)
@@ -260,14 +264,15 @@ def _adamw_kernel(
         factor = tl.load(factor_ptr)
         if MAXIMIZE:
             factor = -factor
-        if SDT == 8:  # 8-bit moments: codes + one bf16 scale per group of 32 (rows start at a group)
+        if SDT == 8 or SDT == 9:  # 8/4-bit moments: codes + one bf16 scale per group of 32 (rows start at a group)
             cm_ptr = _int8_ptr(tl.load(base + 2), ALIGNED)
+            cm4_ptr = _uint8_ptr(tl.load(base + 2), False)
             cv_ptr = _uint8_ptr(tl.load(base + 3), ALIGNED)
             sm_ptr = _ptr_at(base, 12, 2, False)
             sv_ptr = _ptr_at(base, 13, 2, False)
         # rows are at most CHUNK long; the loop stops at the row's end (short rows: fewer blocks)
         for off in range(0, end - begin, BLOCK):
-            if SDT == 8:
+            if SDT == 8 or SDT == 9:
                 # [groups, 32]: row r = group (begin + off) / 32 + r, column = element in the group
                 gi = (begin + off) // 32 + tl.arange(0, BLOCK // 32).to(tl.int64)
                 gmask = gi * 32 < end
@@ -292,10 +297,14 @@ def _adamw_kernel(
                 w = _master8_decode(h, c, PDT)
             else:
                 w = _load_f32(p_ptr, idx, mask, PDT)
-            if SDT == 8:
+            if SDT == 8 or SDT == 9:
                 s_m = (tl.load(sm_ptr + gi, mask=gmask, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
                 s_v = (tl.load(sv_ptr + gi, mask=gmask, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-                fm = tl.load(cm_ptr + idx, mask=mask, other=0).to(tl.float32)
+                if SDT == 9:  # the nibble of element idx in byte idx // 2, a signed 4-bit code
+                    nib = (tl.load(cm4_ptr + (idx >> 1), mask=mask, other=0).to(tl.int32) >> ((idx & 1) * 4)) & 0xF
+                    fm = tl.where(nib >= 8, nib - 16, nib).to(tl.float32)
+                else:
+                    fm = tl.load(cm_ptr + idx, mask=mask, other=0).to(tl.float32)
                 fv = tl.load(cv_ptr + idx, mask=mask, other=0).to(tl.float32)
                 m = s_m[:, None] * (fm * tl.abs(fm))
                 fv2 = fv * fv
@@ -316,14 +325,23 @@ def _adamw_kernel(
             # (enable_fp_fusion=False at launch): the same rounding as math.h on every backend
             denom = tl.sqrt_rn(vv) * inv_bc2 + eps
             w = w - tl.div_rn(step_size * m, denom)
-            if MODE == 3 or SR or SDT == 2 or SDT == 8:
+            if MODE == 3 or SR or SDT == 2 or SDT == 8 or SDT == 9:
                 rw = _rng_word(ka, kb, hi0, gbase + idx)  # the element's one random word
-            if SDT == 8:
+            if SDT == 8 or SDT == 9:
                 am = tl.max(tl.where(mask, m.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0), axis=1)
                 av = tl.max(tl.where(mask, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0), axis=1)
-                bm = _mom8_scale_bits(am, _KM)
+                bm = _mom8_scale_bits(am, _KM4 if SDT == 9 else _KM)
                 bv = _mom8_scale_bits(av, _KV)
-                tl.store(cm_ptr + idx, _mom8_encode_m(m, _mom8_inv(bm)[:, None], _rand_b16(rw)), mask=mask)
+                if SDT == 9:
+                    # codes of masked (past-the-end) elements are 0: an odd tail's high nibble is 0
+                    cm = tl.where(mask, _mom8_encode_m(m, _mom8_inv(bm)[:, None], _rand_b16(rw), 7), 0) & 0xF
+                    pairs = tl.reshape(cm, (BLOCK // 32, 16, 2))
+                    byte = tl.sum(pairs * tl.where(tl.arange(0, 2) == 0, 1, 16)[None, None, :], axis=2)
+                    bidx = gi[:, None] * 16 + tl.arange(0, 16)[None, :]
+                    tl.store(cm4_ptr + bidx, byte.to(tl.uint8), mask=bidx * 2 < end)
+                else:
+                    tl.store(cm_ptr + idx, _mom8_encode_m(m, _mom8_inv(bm)[:, None], _rand_b16(rw), 127).to(tl.int8),
+                             mask=mask)
                 tl.store(cv_ptr + idx, _mom8_encode_v(v, _mom8_inv(bv)[:, None], _rand_c16(rw)), mask=mask)
                 tl.store(sm_ptr + gi, bm.to(tl.uint16), mask=gmask)
                 tl.store(sv_ptr + gi, bv.to(tl.uint16), mask=gmask)
@@ -369,8 +387,10 @@ def _build_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, 
         addrs = [_addr(b) for b in bufs]
         sizes = [4 if b is None else b.element_size() for b in bufs]
         head = common_head(list(zip(addrs, sizes)), VEC)
-        mom8 = exp_avgs[i].dtype == torch.int8
-        key = (_CODES[p.dtype], _CODES[grads[i].dtype], MOM8 if mom8 else _CODES[exp_avgs[i].dtype])
+        mom4 = exp_avgs[i].dtype == torch.uint8  # 4-bit exp_avg, two codes per byte
+        mom8 = exp_avgs[i].dtype == torch.int8 or mom4
+        key = (_CODES[p.dtype], _CODES[grads[i].dtype],
+               MOM4 if mom4 else (MOM8 if mom8 else _CODES[exp_avgs[i].dtype]))
         scales = [_addr(exp_avg_scales[i]), _addr(exp_avg_sq_scales[i])] if mom8 else [0, 0]
         if mom8:
             body = n // GROUP * GROUP if head == 0 else 0

@@ -38,9 +38,9 @@ struct TensorPtrs {
   void* v;
   float* vmax;
   void* master;  // float* (mode 1), int16_t* (mode 2) or int8_t* (mode 3)
-  uint16_t* sm;  // 8-bit moments (sdt == kMom8): bf16 scale bits, one per 32 elements
+  uint16_t* sm;  // 8-bit / 4-bit moments (sdt kMom8 / kMom4): bf16 scale bits, one per 32 elements
   uint16_t* sv;
-  int32_t pdt, gdt, sdt;  // sdt: kF32, kBF16 or kMom8 (int8 m + uint8 v codes)
+  int32_t pdt, gdt, sdt;  // sdt: kF32, kBF16, kMom8 (int8 m + uint8 v codes) or kMom4 (packed 4-bit m)
   uint32_t step;    // after the increment
   uint32_t stream;  // random stream id
   uint64_t offset;  // global index of element 0 in its stream
@@ -120,12 +120,15 @@ void adamw_scalar(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& 
   }
 }
 
-// 8-bit moments, group by group (begin a multiple of 32; the last group may be partial): decode,
-// update and store master/param per element, then the group's scales and the codes (math.h mom8_*).
+// 8-bit moments (and the 4-bit exp_avg of kMom4), group by group (begin a multiple of 32; the last
+// group may be partial): decode, update and store master/param per element, then the group's scales
+// and the codes (math.h mom8_*, mom4_*).
 void adamw_scalar_mom8(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f) {
   const bool w0 = needs_word0(t, f);
+  const bool m4 = t.sdt == kMom4;
   const RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));
   int8_t* cm = static_cast<int8_t*>(t.m);
+  uint8_t* cm4 = static_cast<uint8_t*>(t.m);
   uint8_t* cv = static_cast<uint8_t*>(t.v);
   for (int64_t gb = begin; gb < end; gb += kMom8Group) {
     const int cnt = static_cast<int>(end - gb < kMom8Group ? end - gb : kMom8Group);
@@ -141,7 +144,7 @@ void adamw_scalar_mom8(const TensorPtrs& t, int64_t begin, int64_t end, const Fl
       float g = load_as_f32(t.g, i, t.gdt) * f.factor;
       if (f.maximize) g = -g;
       float p = load_w(t, f, i);
-      float mm = mom8_decode_m(cm[i], sm);
+      float mm = m4 ? mom4_decode_m(mom4_code(cm4[i >> 1], i), sm) : mom8_decode_m(cm[i], sm);
       float vv = mom8_decode_v(cv[i], sv);
       p = adamw_update(p, g, mm, vv, nullptr, t.c);
       store_w(t, f, i, p, r[k], w0);
@@ -151,11 +154,17 @@ void adamw_scalar_mom8(const TensorPtrs& t, int64_t begin, int64_t end, const Fl
       am = a > am ? a : am;
       av = b > av ? b : av;
     }
-    const uint32_t bm = mom8_scale_bits(am, kMom8KM), bv = mom8_scale_bits(av, kMom8KV);
+    const uint32_t bm = mom8_scale_bits(am, m4 ? kMom4KM : kMom8KM), bv = mom8_scale_bits(av, kMom8KV);
     const float im = mom8_inv_scale(bm), iv = mom8_inv_scale(bv);
-    for (int k = 0; k < cnt; ++k) {
-      cm[gb + k] = mom8_encode_m(m[k], im, rand_b16(r[k]));
-      cv[gb + k] = mom8_encode_v(v[k], iv, rand_c16(r[k]));
+    for (int k = 0; k < cnt; ++k) cv[gb + k] = mom8_encode_v(v[k], iv, rand_c16(r[k]));
+    if (m4) {
+      for (int k = 0; k < cnt; k += 2) {  // gb is even: a byte's two codes are k, k + 1 of this group
+        const int c0 = mom4_encode_m(m[k], im, rand_b16(r[k]));
+        const int c1 = k + 1 < cnt ? mom4_encode_m(m[k + 1], im, rand_b16(r[k + 1])) : 0;
+        cm4[(gb + k) >> 1] = mom4_pack(c0, c1);
+      }
+    } else {
+      for (int k = 0; k < cnt; ++k) cm[gb + k] = mom8_encode_m(m[k], im, rand_b16(r[k]));
     }
     t.sm[j] = static_cast<uint16_t>(bm);
     t.sv[j] = static_cast<uint16_t>(bv);
@@ -1011,8 +1020,9 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
     x.pdt = dtype_code(params[t].scalar_type());
     x.gdt = dtype_code(grads[t].scalar_type());
     x.sdt = moment_code(exp_avgs[t]);
-    x.sm = x.sdt == kMom8 ? static_cast<uint16_t*>(exp_avg_scales[t].data_ptr()) : nullptr;
-    x.sv = x.sdt == kMom8 ? static_cast<uint16_t*>(exp_avg_sq_scales[t].data_ptr()) : nullptr;
+    const bool grouped = x.sdt == kMom8 || x.sdt == kMom4;
+    x.sm = grouped ? static_cast<uint16_t*>(exp_avg_scales[t].data_ptr()) : nullptr;
+    x.sv = grouped ? static_cast<uint16_t*>(exp_avg_sq_scales[t].data_ptr()) : nullptr;
     const double step = static_cast<double>(*steps[t].data_ptr<float>()) + 1.0;
     x.step = static_cast<uint32_t>(step);
     x.stream = stream_of(stream_ids, static_cast<size_t>(t));
@@ -1039,7 +1049,7 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
       const WorkItem& w = items[k];
       const TensorPtrs& x = tp[w.tensor];
 #if MPK_X86
-      if (avx) {
+      if (avx && x.sdt != kMom4) {
         // one random key per call: split the range where the global element index crosses a
         // multiple of 2^32 (a chunk crosses at most one)
         const AvxFn fn = avx512 ? pick_avx512(x.pdt, x.gdt, x.sdt) : pick_avx2(x.pdt, x.gdt, x.sdt);
@@ -1056,7 +1066,7 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
         continue;
       }
 #endif
-      if (x.sdt == kMom8) {
+      if (x.sdt == kMom8 || x.sdt == kMom4) {
         adamw_scalar_mom8(x, w.begin, w.end, f);
       } else {
         adamw_scalar(x, w.begin, w.end, f);

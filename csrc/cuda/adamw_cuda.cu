@@ -8,8 +8,9 @@
 // exists. A second one-thread-per-tensor launch bumps the step counters. Both read found_inf on
 // the device and do nothing when it is set: no host sync. The metadata table is cached on the
 // device (multi_tensor.cuh), so a step can be captured in a CUDA graph.
-// 8-bit moments (math.h mom8_*): a warp updates one group of 32 consecutive elements (lane =
-// element), takes the group's amax with warp shuffles and writes codes and the two bf16 scales.
+// 8-bit moments (math.h mom8_*) and the 4-bit exp_avg (mom4_*): a warp updates one group of 32
+// consecutive elements (lane = element), takes the group's amax with warp shuffles and writes codes
+// and the two bf16 scales.
 #include <torch/library.h>
 
 #include "../adamw_common.h"
@@ -119,12 +120,16 @@ __device__ __forceinline__ void adam_scalar(const AdamMeta& t, int64_t i, const 
   store_w<PDT, MODE>(t, i, p, r0, w0);
 }
 
-// 8-bit moments: one group of 32 elements [gb, min(gb + 32, end)) per warp, lane = element. The
-// group's amax is a warp-wide unsigned max (5 shuffles); every lane computes the same scales, lane 0
-// stores them. All 32 lanes must call (inactive ones past `end` contribute 0 to the max).
-template <int PDT, int GDT, int MODE>
+// 8-bit moments (SDT kMom8; kMom4: the 4-bit exp_avg, two codes per byte): one group of 32 elements
+// [gb, min(gb + 32, end)) per warp, lane = element. The group's amax is a warp-wide unsigned max (5
+// shuffles); every lane computes the same scales, lane 0 stores them. All 32 lanes must call
+// (inactive ones past `end` contribute 0 to the max). kMom4: an even lane stores the byte of its
+// code and its odd neighbour's (one shuffle; an inactive neighbour's code is 0).
+template <int PDT, int GDT, int SDT, int MODE>
 __device__ __forceinline__ void adam_mom8_group(const AdamMeta& t, int64_t gb, int64_t end, int lane,
                                                 const AdamWConsts& cs, float factor, bool sr, const RngKeys& keys) {
+  constexpr bool kM4 = SDT == kMom4;
+  uint8_t* CM4 = reinterpret_cast<uint8_t*>(t.m);
   int8_t* CM = reinterpret_cast<int8_t*>(t.m);
   uint8_t* CV = reinterpret_cast<uint8_t*>(t.v);
   uint16_t* SM = reinterpret_cast<uint16_t*>(t.sm);
@@ -136,12 +141,12 @@ __device__ __forceinline__ void adam_mom8_group(const AdamMeta& t, int64_t gb, i
   uint32_t r1 = 0u;
   if (act) {
     const uint64_t e = static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i);
-    const bool w0 = needs_word0<PDT, kMom8, MODE>(sr);
+    const bool w0 = needs_word0<PDT, SDT, MODE>(sr);
     r1 = rng_word(keys, e);
     const uint32_t r0 = r1;
     const float g = load_as_f32(reinterpret_cast<const void*>(t.g), i, GDT) * factor;
     float p = load_w<PDT, MODE>(t, i);
-    m = mom8_decode_m(CM[i], bf16_to_f32(SM[j]));
+    m = kM4 ? mom4_decode_m(mom4_code(CM4[i >> 1], i), bf16_to_f32(SM[j])) : mom8_decode_m(CM[i], bf16_to_f32(SM[j]));
     v = mom8_decode_v(CV[i], bf16_to_f32(SV[j]));
     p = adamw_update(p, g, m, v, nullptr, cs);
     store_w<PDT, MODE>(t, i, p, r0, w0);
@@ -153,11 +158,15 @@ __device__ __forceinline__ void adam_mom8_group(const AdamMeta& t, int64_t gb, i
     am = max(am, __shfl_xor_sync(0xffffffffu, am, o));
     av = max(av, __shfl_xor_sync(0xffffffffu, av, o));
   }
-  const uint32_t bm = mom8_scale_bits(am, kMom8KM), bv = mom8_scale_bits(av, kMom8KV);
-  if (act) {
-    CM[i] = mom8_encode_m(m, mom8_inv_scale(bm), rand_b16(r1));
-    CV[i] = mom8_encode_v(v, mom8_inv_scale(bv), rand_c16(r1));
+  const uint32_t bm = mom8_scale_bits(am, kM4 ? kMom4KM : kMom8KM), bv = mom8_scale_bits(av, kMom8KV);
+  if constexpr (kM4) {
+    const int c = act ? mom4_encode_m(m, mom8_inv_scale(bm), rand_b16(r1)) : 0;
+    const int c1 = __shfl_down_sync(0xffffffffu, c, 1);
+    if (act && (lane & 1) == 0) CM4[i >> 1] = mom4_pack(c, c1);
+  } else {
+    if (act) CM[i] = mom8_encode_m(m, mom8_inv_scale(bm), rand_b16(r1));
   }
+  if (act) CV[i] = mom8_encode_v(v, mom8_inv_scale(bv), rand_c16(r1));
   __syncwarp();  // every lane has read the old scales (they are in registers) before lane 0 writes
   if (lane == 0) {
     SM[j] = static_cast<uint16_t>(bm);
@@ -290,13 +299,13 @@ __global__ void __launch_bounds__(kAdamBlock, adam_min_blocks(SDT, MODE)) adamw_
     const int64_t end = min(t.numel, begin + kChunk);
     // random keys for this chunk's elements (math.h, rng_keys): a few multiplies per thread and chunk
     RngKeys keys{};
-    if (SDT == kBF16 || SDT == kMom8 || needs_word0<PDT, SDT, MODE>(s.sr))
+    if (SDT == kBF16 || SDT == kMom8 || SDT == kMom4 || needs_word0<PDT, SDT, MODE>(s.sr))
       keys = rng_keys(s.seed, t.stream, step, static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(begin));
-    if constexpr (SDT == kMom8) {
+    if constexpr (SDT == kMom8 || SDT == kMom4) {
       // groups of 32 from the tensor's element 0 (chunks are multiples of 32), one per warp
       const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
       for (int64_t gb = begin + warp * kMom8Group; gb < end; gb += warps * kMom8Group)
-        adam_mom8_group<PDT, GDT, MODE>(t, gb, end, lane, cs, factor, s.sr, keys);
+        adam_mom8_group<PDT, GDT, SDT, MODE>(t, gb, end, lane, cs, factor, s.sr, keys);
       continue;
     }
     // vector body [vb, ve): starts at the tensor's common aligned element (chunks are multiples of kVE)
@@ -321,6 +330,7 @@ using AdamKernel = void (*)(const AdamMeta*, int, int64_t, AdamScalars);
 template <int PDT, int GDT, int MODE>
 AdamKernel pick_s(int32_t sdt) {
   if (sdt == kMom8) return &adamw_kernel<PDT, GDT, kMom8, MODE>;
+  if (sdt == kMom4) return &adamw_kernel<PDT, GDT, kMom4, MODE>;
   return sdt == kF32 ? &adamw_kernel<PDT, GDT, kF32, MODE> : &adamw_kernel<PDT, GDT, kBF16, MODE>;
 }
 template <int PDT, int MODE>

@@ -136,6 +136,9 @@ MPK_HD uint16_t f32_to_f16_rne(float f) {
 enum DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 // Moment "dtype" code of the 8-bit companded moments (int8 exp_avg + uint8 exp_avg_sq + bf16 scales).
 constexpr int32_t kMom8 = 8;
+// ... of the 4-bit exp_avg + 8-bit exp_avg_sq moments (uint8 exp_avg of two codes per byte + uint8
+// exp_avg_sq + bf16 scales; mom4_* below).
+constexpr int32_t kMom4 = 9;
 
 // Load one element of a 16/32-bit float buffer as float.
 MPK_HD float load_as_f32(const void* base, int64_t i, int32_t dt) {
@@ -392,13 +395,14 @@ MPK_HD float mom8_decode_v(uint8_t c, float s) {
   return (s * f2) * f2;
 }
 
-// exp_avg code of m given inv = mom8_inv_scale(s_m) and 16 random bits.
-MPK_HD int8_t mom8_encode_m(float m, float inv, uint32_t r16) {
+// exp_avg code of m given inv = the inverse scale and 16 random bits, for the square law with top
+// code `top` (127: 8-bit, 7: 4-bit): the code c in [-top, top] with m = sign(c) * s * c^2.
+MPK_HD int mom_encode_sq(float m, float inv, uint32_t r16, float top) {
   const float y = fabsf(m) * inv;
   if (!(y > 0.0f)) return 0;  // zero, or a zero / NaN-scale group (inv 0)
   float c;
-  if (y >= 16129.0f) {
-    c = 127.0f;
+  if (y >= top * top) {
+    c = top;
   } else {
     float k = floorf(sqrtf(y));
     if (k * k > y) k = k - 1.0f;
@@ -407,7 +411,12 @@ MPK_HD int8_t mom8_encode_m(float m, float inv, uint32_t r16) {
     const float w = 2.0f * k + 1.0f;
     c = static_cast<float>(r16) * w < d * 65536.0f ? k + 1.0f : k;
   }
-  return static_cast<int8_t>(static_cast<int>(m < 0.0f ? -c : c));
+  return static_cast<int>(m < 0.0f ? -c : c);
+}
+
+// exp_avg code of m given inv = mom8_inv_scale(s_m) and 16 random bits.
+MPK_HD int8_t mom8_encode_m(float m, float inv, uint32_t r16) {
+  return static_cast<int8_t>(mom_encode_sq(m, inv, r16, 127.0f));
 }
 
 MPK_HD float mom8_q4(float k) {
@@ -433,6 +442,38 @@ MPK_HD uint8_t mom8_encode_v(float v, float inv, uint32_t r16) {
     c = c < 1.0f ? 1.0f : c;  // y > 0: at least one code unit
   }
   return static_cast<uint8_t>(static_cast<int>(c));
+}
+
+// ----------------------------------------------------------------------------------------------
+// 4-bit exp_avg (moment code kMom4, with the 8-bit exp_avg_sq above): the same square law at 4 bits,
+//   m = sign(c) * s_m * c^2,  c in [-7, 7],  s_m = bf16_round_up(amax * K_M4), K_M4 = fp32(1 / 49),
+// one bf16 scale per group of 32 elements (the 8-bit groups), stochastic rounding between the
+// neighbouring codes from the same 11-bit field (B) of the element's random word: P(round up) is
+// (y - k^2) / (2k + 1) to 2^-12 of a code step. Two codes per byte: element 2j in the low nibble of
+// byte j, element 2j + 1 in the high nibble, each a 4-bit two's complement code (-8 unused); a
+// tensor of n elements has ceil(n / 2) bytes and the high nibble of an odd n's last byte is 0. A
+// group starts at an even element, so the two codes of a byte always belong to one group (and one
+// work item: work items are whole groups).
+// ----------------------------------------------------------------------------------------------
+constexpr float kMom4KM = 0x1.4e5e0ap-6f;  // fp32(1 / 49)
+
+// The signed 4-bit code of element i from its byte.
+MPK_HD int mom4_code(uint8_t byte, int64_t i) {
+  const int nib = (i & 1) ? (byte >> 4) : (byte & 0xf);
+  return nib >= 8 ? nib - 16 : nib;
+}
+
+MPK_HD float mom4_decode_m(int c, float s) {
+  const float f = static_cast<float>(c);
+  return s * (f * fabsf(f));
+}
+
+// The code of m given inv = mom8_inv_scale(s_m) and 16 random bits (rand_b16).
+MPK_HD int mom4_encode_m(float m, float inv, uint32_t r16) { return mom_encode_sq(m, inv, r16, 7.0f); }
+
+// The byte of the codes of elements 2j (c0) and 2j + 1 (c1).
+MPK_HD uint8_t mom4_pack(int c0, int c1) {
+  return static_cast<uint8_t>((static_cast<unsigned>(c0) & 0xfu) | ((static_cast<unsigned>(c1) & 0xfu) << 4));
 }
 
 // ----------------------------------------------------------------------------------------------

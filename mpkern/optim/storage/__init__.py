@@ -4,7 +4,8 @@ A *master kind* says how the fp32 master of a param is kept (``master_weights=``
 fp32 copy), ``"remainder"`` (bf16 params: the low 16 bits in an int16 tensor), ``"8bit"`` (bf16 /
 fp16 params: a stochastically rounded one-byte correction), ``False`` (the param is the value). A
 *moment kind* says how ``exp_avg`` / ``exp_avg_sq`` are kept (``state_dtype=``): ``"float32"``,
-``"bfloat16"`` (stochastically rounded) or ``"8bit"`` (companded codes + a bf16 scale per 32).
+``"bfloat16"`` (stochastically rounded), ``"8bit"`` (companded codes + a bf16 scale per 32) or
+``"4bit_m"`` (a 4-bit ``exp_avg``, two codes per byte, with the 8-bit ``exp_avg_sq``).
 
 Each description (:mod:`.base`, :mod:`.masters`, :mod:`.moments`) says everything about itself;
 validation, checkpoint conversion, master export, re-seeding after external writes, byte counts
@@ -39,7 +40,9 @@ from .base import (
 from .masters import Fp32Master, Int8Master, NoMaster, RemainderMaster
 from .moments import (
     MOMENT8_GROUP,
+    INT8 as _INT8_KIND,
     DenseMoments,
+    Int4Moments,
     Int8Moments,
     check_moment8,
     moment8_decode,
@@ -87,7 +90,8 @@ def unregister_moment_kind(name: str) -> None:
 
 register_moment_kind(DenseMoments("float32", torch.float32, "fp32 moments"))
 register_moment_kind(DenseMoments("bfloat16", torch.bfloat16, "bf16 moments"))
-INT8_MOMENTS = register_moment_kind(Int8Moments())
+INT8_MOMENTS = register_moment_kind(_INT8_KIND)
+INT4_MOMENTS = register_moment_kind(Int4Moments())
 
 
 #: the headline storage modes (issue 15), in table order: what bench / compare show by default
@@ -248,7 +252,7 @@ def moments_from_saved(p: Tensor, src: State, state_dtype: Any) -> State:
 def moment_reference(st: State) -> Tensor | None:
     """The first moment tensor of ``st`` (any kind): the shape the state was made for."""
     kind = saved_kind(st)
-    return None if kind is None else next((st[k] for k in kind.keys if isinstance(st.get(k), Tensor)), None)
+    return None if kind is None else kind.shape_tensor(st)
 
 
 def relay_moments(p: Tensor, st: State) -> bool:
@@ -264,8 +268,8 @@ def export_state(p: Tensor, st: State) -> State:
 
 
 __all__ = [
-    "ALL_BACKENDS", "DEFAULT_MODES", "FP32", "INT8", "INT8_MOMENTS", "MASTER_KINDS", "MOMENT8_GROUP", "MOMENT_DTYPE_NAMES",
-    "MOMENT_KINDS", "NONE", "REMAINDER", "STORED_MASTERS", "DenseMoments", "Int8Moments", "KernelMoments",
+    "ALL_BACKENDS", "DEFAULT_MODES", "FP32", "INT8", "INT4_MOMENTS", "INT8_MOMENTS", "MASTER_KINDS", "MOMENT8_GROUP", "MOMENT_DTYPE_NAMES",
+    "MOMENT_KINDS", "NONE", "REMAINDER", "STORED_MASTERS", "DenseMoments", "Int4Moments", "Int8Moments", "KernelMoments",
     "MasterKind", "MomentKind", "bytes_per_param", "check_amsgrad", "check_backend", "check_master_weights",
     "check_moment8", "check_state_dtype", "export_state", "flat_view", "label", "laid", "like", "master_kind",
     "master_to_remainder", "modes", "moment8_decode", "moment8_encode", "moment8_groups", "moment_kind",

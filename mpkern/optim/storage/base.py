@@ -206,6 +206,10 @@ class MomentKind:
         for key in self.keys:
             st.pop(key, None)
 
+    def shape_tensor(self, st: State) -> Tensor | None:
+        """A state tensor of ``st`` laid out like the param it was made for (its shape is the param's)."""
+        return next((st[k] for k in self.keys if isinstance(st.get(k), Tensor)), None)
+
     def from_saved(self, p: Tensor, src: State, saved: MomentKind | None) -> State:
         """Moments for ``p`` from a checkpoint's entries: this kind's taken as saved, another kind's
         (``saved``: the kind that holds them, or None) converted through fp32, none: zeros."""

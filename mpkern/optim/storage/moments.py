@@ -1,4 +1,5 @@
-"""The moment kinds: fp32 / bf16 (one value per element) and 8-bit companded (see :mod:`.base`)."""
+"""The moment kinds: fp32 / bf16 (one value per element), 8-bit companded, 4-bit exp_avg + 8-bit
+exp_avg_sq (see :mod:`.base`)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,10 @@ class Int8Moments(MomentKind):
     in registers with value-unbiased stochastic rounding between neighbouring codes (seeded);
     conversions here round to the nearest code. The codec is ``mpkern.reference.moment8_*`` (the
     kernels' math in ``csrc/include/mpkern/math.h``).
+
+    Subclasses change how ``exp_avg`` is coded (:meth:`_m_code`, :meth:`_encode_m`,
+    :meth:`_decode_m`, the ``exp_avg`` code key and its bytes); ``exp_avg_sq`` (uint8, laid out like
+    the param) and the scales are the same for all.
     """
 
     name, label = "8bit", "8-bit moments"
@@ -76,30 +81,46 @@ class Int8Moments(MomentKind):
     amsgrad_why = (" (max_exp_avg_sq would need its own 8-bit codec); use state_dtype=torch.bfloat16 or "
                    "amsgrad=False")
     adamw_conversion = "to the nearest code"
+    #: bytes of one element's exp_avg code
+    m_code_bytes: ClassVar[float] = 1.0
     _CODE: ClassVar[dict[str, tuple[str, str]]] = {"exp_avg": ("exp_avg_code", "exp_avg_scale"),
                                                    "exp_avg_sq": ("exp_avg_sq_code", "exp_avg_sq_scale")}
 
     def __repr__(self) -> str:
-        return "Int8Moments()"
+        return f"{type(self).__name__}()"
 
     def bytes_per_element(self) -> float:
         """Both moments with their scales, for a numel that is a multiple of the group (a short last
         group costs its whole scale)."""
-        return 2.0 + 2.0 * torch.bfloat16.itemsize / MOMENT8_GROUP
+        return self.m_code_bytes + 1.0 + 2.0 * torch.bfloat16.itemsize / MOMENT8_GROUP
+
+    # ---- how exp_avg is coded (the 8-bit kind: int8, laid out like the param) ----
+    def _m_code(self, p: Tensor) -> Tensor:
+        """An empty exp_avg code tensor for ``p``."""
+        return like(p, torch.int8)
+
+    def _encode_m(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(codes, scales) of 1-D fp32 ``x`` (a buffer in memory order), to the nearest code."""
+        return moment8_encode(x, "exp_avg")
+
+    def _decode_m(self, codes: Tensor, scales: Tensor, numel: int) -> Tensor:
+        """The 1-D fp32 exp_avg of ``numel`` elements of 1-D ``codes`` (memory order)."""
+        return moment8_decode(codes, scales, "exp_avg")
 
     def _scales(self, p: Tensor) -> Tensor:
         return torch.zeros(moment8_groups(_local(p).numel()), dtype=torch.bfloat16, device=p.device)
 
     def create(self, p: Tensor) -> State:
-        return {"exp_avg_code": like(p, torch.int8).zero_(), "exp_avg_sq_code": like(p, torch.uint8).zero_(),
+        ck = self._CODE["exp_avg"][0]
+        return {ck: self._m_code(p).zero_(), "exp_avg_sq_code": like(p, torch.uint8).zero_(),
                 "exp_avg_scale": self._scales(p), "exp_avg_sq_scale": self._scales(p)}
 
     def from_fp32(self, p: Tensor, m: Tensor, v: Tensor) -> State:
         st = self.create(p)
         for key, val in (("exp_avg", m), ("exp_avg_sq", v)):
             ck, sk = self._CODE[key]
-            x = _local(laid(p, val, torch.float32))  # laid out like p: its memory order is the kernel's
-            codes, scales = moment8_encode(flat_view(x), key)
+            x = flat_view(_local(laid(p, val, torch.float32)))  # laid out like p: its memory order is the kernel's
+            codes, scales = self._encode_m(x) if key == "exp_avg" else moment8_encode(x, key)
             flat_view(_local(st[ck])).copy_(codes)
             st[sk] = scales
         return st
@@ -107,25 +128,34 @@ class Int8Moments(MomentKind):
     def copy_saved(self, p: Tensor, src: State) -> State | None:
         if self.keys[0] not in src:
             return None
-        check_moment8(p, src, "the checkpoint's")
-        codes = src["exp_avg_code"]
-        want = like(p, torch.int8)
+        check_moment8(p, src, "the checkpoint's", self)
+        codes = src["exp_avg_sq_code"]
+        want = like(p, torch.uint8)
         if (distributed.is_dtensor(p) or distributed.is_dtensor(codes) or codes.shape != p.shape
                 or codes.stride() != want.stride()):
             return None  # grouped in another memory order, or to be sharded: through fp32
-        dev = p.device
-        return {"exp_avg_code": want.copy_(codes), "exp_avg_sq_code": like(p, torch.uint8).copy_(src["exp_avg_sq_code"]),
+        dev, ck = p.device, self._CODE["exp_avg"][0]
+        return {ck: self._m_code(p).copy_(src[ck]), "exp_avg_sq_code": want.copy_(codes),
                 "exp_avg_scale": src["exp_avg_scale"].to(dev, torch.bfloat16).reshape(-1).clone(),
                 "exp_avg_sq_scale": src["exp_avg_sq_scale"].to(dev, torch.bfloat16).reshape(-1).clone()}
 
     def kernel_tensors(self, st: State) -> KernelMoments:
-        return st["exp_avg_code"], st["exp_avg_sq_code"], st["exp_avg_scale"], st["exp_avg_sq_scale"]
+        return st[self.keys[0]], st["exp_avg_sq_code"], st["exp_avg_scale"], st["exp_avg_sq_scale"]
+
+    def shape_tensor(self, st: State) -> Tensor | None:
+        return st.get("exp_avg_sq_code")  # laid out like the param (the exp_avg codes may be packed)
 
     def to_fp32(self, st: State, key: str) -> Tensor:
         ck, sk = self._CODE[key]
-        codes = st[ck]
-        out = torch.empty_like(codes, dtype=torch.float32, memory_format=torch.preserve_format)
-        flat_view(_local(out)).copy_(moment8_decode(flat_view(_local(codes)), _local(st[sk]).reshape(-1), key))
+        shape = st["exp_avg_sq_code"]  # laid out like the param (and a DTensor like it)
+        out = torch.empty_like(shape, dtype=torch.float32, memory_format=torch.preserve_format)
+        flat = flat_view(_local(st[ck]))
+        scales = _local(st[sk]).reshape(-1)
+        if key == "exp_avg":
+            val = self._decode_m(flat, scales, _local(shape).numel())
+        else:
+            val = moment8_decode(flat, scales, key)
+        flat_view(_local(out)).copy_(val)
         return out
 
     def export(self, p: Tensor, st: State) -> State:
@@ -144,8 +174,8 @@ class Int8Moments(MomentKind):
         buffer: another layout regroups, through fp32). True if anything changed."""
         if not self.has_state(st) or distributed.is_dtensor(p):
             return False
-        want = like(p, torch.int8)
-        codes = st["exp_avg_code"]
+        want = like(p, torch.uint8)
+        codes = st["exp_avg_sq_code"]
         if want.stride() != codes.stride():
             st.update(self.from_fp32(p, self.to_fp32(st, "exp_avg"), self.to_fp32(st, "exp_avg_sq")))
             return True
@@ -156,18 +186,60 @@ class Int8Moments(MomentKind):
         return False
 
 
-def check_moment8(p: Tensor, st: State, whose: str) -> None:
-    """ValueError unless ``st``'s 8-bit moments fit ``p`` (codes of its numel, one scale per group)."""
+class Int4Moments(Int8Moments):
+    """``state_dtype="4bit_m"``: ``exp_avg`` in 4 bits, two codes per byte, ``exp_avg_sq`` as the
+    8-bit kind's; a bf16 scale per group of :data:`MOMENT8_GROUP` for each (1.625 B/param for both;
+    6.625 B/param with the 8-bit master, bf16 param and grad).
+
+    ``exp_avg = sign(c) * s * c^2`` with ``c`` in [-7, 7] (the 8-bit law at 4 bits), stochastically
+    rounded by the kernels from the same random field; the codes are a 1-D uint8 tensor of
+    ``ceil(numel / 2)`` bytes over the param's buffer in memory order (element 2j in the low nibble
+    of byte j). ``exp_avg_sq`` stays 8-bit: every 4-bit ``exp_avg_sq`` formulation measured trains
+    outside 1 % of fp32 AdamW (``docs/fourbit_study.md``). Codec: ``mpkern.reference.moment4_*``
+    (``math.h`` ``mom4_*``).
+    """
+
+    name, label = "4bit_m", "4-bit m + 8-bit v moments"
+    keys = ("exp_avg_code4", "exp_avg_sq_code", "exp_avg_scale", "exp_avg_sq_scale")
+    amsgrad_why = (" (max_exp_avg_sq would need its own compact codec); use state_dtype=torch.bfloat16 or "
+                   "amsgrad=False")
+    m_code_bytes: ClassVar[float] = 0.5
+    _CODE: ClassVar[dict[str, tuple[str, str]]] = {"exp_avg": ("exp_avg_code4", "exp_avg_scale"),
+                                                   "exp_avg_sq": ("exp_avg_sq_code", "exp_avg_sq_scale")}
+
+    def _m_code(self, p: Tensor) -> Tensor:
+        return torch.empty((_local(p).numel() + 1) // 2, dtype=torch.uint8, device=p.device)
+
+    def _encode_m(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return reference.moment4_encode(x)
+
+    def _decode_m(self, codes: Tensor, scales: Tensor, numel: int) -> Tensor:
+        return reference.moment4_decode(codes, scales, numel)
+
+
+def check_moment8(p: Tensor, st: State, whose: str, kind: Int8Moments | None = None) -> None:
+    """ValueError unless ``st``'s 8-bit (or ``kind``'s) moments fit ``p`` (codes of its numel, one
+    scale per group)."""
+    kind = kind if kind is not None else INT8
     n = p.numel()
-    groups = moment8_groups(n if not distributed.is_dtensor(st.get("exp_avg_code")) else _local(p).numel())
-    for key, want, dtype in (("exp_avg_code", n, torch.int8), ("exp_avg_sq_code", n, torch.uint8),
+    local = _local(p).numel() if distributed.is_dtensor(st.get("exp_avg_sq_code")) else n
+    groups = moment8_groups(local)
+    m4 = kind.m_code_bytes < 1
+    mk = kind.keys[0]
+    for key, want, dtype in ((mk, (local + 1) // 2 if m4 else n, torch.uint8 if m4 else torch.int8),
+                             ("exp_avg_sq_code", n, torch.uint8),
                              ("exp_avg_scale", groups, torch.bfloat16), ("exp_avg_sq_scale", groups, torch.bfloat16)):
         t = st.get(key)
         if not isinstance(t, Tensor) or t.numel() != want or t.dtype != dtype:
             got = "missing" if not isinstance(t, Tensor) else f"{t.numel()} elements of {t.dtype}"
+            what = ("4-bit exp_avg: two codes per byte, 8-bit exp_avg_sq" if m4 else "8-bit moments: one code per "
+                    "element")
             raise ValueError(f"FusedAdamWMP.load_state_dict: {whose} {key} is {got}; a param of shape "
-                             f"{tuple(p.shape)} needs {want} elements of {dtype} (8-bit moments: one code per "
-                             f"element, one bf16 scale per {MOMENT8_GROUP})")
+                             f"{tuple(p.shape)} needs {want} elements of {dtype} ({what}, one bf16 scale per "
+                             f"{MOMENT8_GROUP})")
+
+
+INT8 = Int8Moments()
 
 
 def moment8_encode(values: Tensor, key: str) -> tuple[Tensor, Tensor]:
