@@ -25,6 +25,7 @@ from mpkern import _backend
 
 BF16, F32 = torch.bfloat16, torch.float32
 MOM8 = "8-bit"  # int8 exp_avg + uint8 exp_avg_sq codes with bf16 scales per 32 elements
+MOM4 = "4-bit m"  # 4-bit exp_avg (uint8, two codes per byte) + uint8 exp_avg_sq codes, bf16 scales per 32
 
 # (name, master_mode, moment dtype, param stochastic rounding, bytes/param moved)
 # bytes: grad 2 + param r/w 2+2 + master r/w + moments r/w (the byte model of DESIGN.md)
@@ -40,6 +41,9 @@ CASES = [
     ("no master, param SR + 8-bit moments (mode 0)", 0, MOM8, True, 2 + 4 + 4.25),
     ("remainder + 8-bit moments (mode 2)", 2, MOM8, False, 2 + 4 + 4 + 4.25),
     ("8-bit master + 8-bit moments (mode 3)", 3, MOM8, False, 2 + 4 + 2 + 4.25),
+    # 4-bit exp_avg: codes r/w 0.5 + 0.5, exp_avg_sq 1 + 1, scales 0.25
+    ("remainder + 4-bit m moments (mode 2)", 2, MOM4, False, 2 + 4 + 4 + 3.25),
+    ("8-bit master + 4-bit m moments (mode 3)", 3, MOM4, False, 2 + 4 + 2 + 3.25),
 ]
 
 
@@ -56,8 +60,9 @@ def run(numel: int, tensors: int, reps: int, device: str = "cpu", only: str = ""
         if only and only not in name:
             continue
         scales = ([], [])
-        if sdt == MOM8:
-            ms = [torch.zeros(n, dtype=torch.int8, device=dev) for n in sizes]
+        if sdt in (MOM8, MOM4):
+            ms = ([torch.zeros(n, dtype=torch.int8, device=dev) for n in sizes] if sdt == MOM8 else
+                  [torch.zeros((n + 1) // 2, dtype=torch.uint8, device=dev) for n in sizes])
             vs = [torch.zeros(n, dtype=torch.uint8, device=dev) for n in sizes]
             scales = tuple([torch.zeros((n + 31) // 32, dtype=BF16, device=dev) for n in sizes] for _ in range(2))
         else:

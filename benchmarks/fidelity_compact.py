@@ -11,7 +11,7 @@ AdamW's, and validation accuracy, with the storage bytes per parameter of its op
 This is a benchmark (it trains models), not a test: run it by hand and record the numbers in
 ``benchmarks/RESULTS.md``.
 
-    python benchmarks/fidelity_compact.py [--steps 1000] [--finetune-steps 600] [--json out.json]
+    python benchmarks/fidelity_compact.py [--steps 1000] [--finetune-steps 600] [--json out.json] [--only 4-bit,8-bit]
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ MODES = {
                                            None),
     "mpkern remainder + 8-bit moments": (torch.bfloat16, dict(master_weights="remainder", state_dtype="8bit"), None),
     "mpkern 8-bit master + 8-bit moments": (torch.bfloat16, dict(master_weights="8bit", state_dtype="8bit"), None),
+    "mpkern remainder + 4-bit m + 8-bit v moments": (torch.bfloat16, dict(master_weights="remainder",
+                                                                          state_dtype="4bit_m"), None),
+    "mpkern 8-bit master + 4-bit m + 8-bit v moments": (torch.bfloat16, dict(master_weights="8bit",
+                                                                             state_dtype="4bit_m"), None),
     "mpkern no master + SR params + bf16 moments": (
         torch.bfloat16, dict(master_weights=False, stochastic_rounding=True, state_dtype="bfloat16"), None),
 }
@@ -84,7 +88,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--finetune-steps", type=int, default=600)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only", default="", metavar="SUBSTRING,...",
+                    help="run only the modes whose name contains one of these (fp32 AdamW, the reference, always runs)")
     args = ap.parse_args()
+    wanted = [w for w in args.only.split(",") if w]
+    names = [n for n in MODES if n == "fp32 AdamW" or not wanted or any(w in n for w in wanted)]
     cfg = compare.Config(steps=max(args.steps, args.finetune_steps) + 400)
     task = compare.make_task(cfg)
     torch.manual_seed(cfg.seed)
@@ -100,7 +108,7 @@ def main() -> None:
         print("| run | state B/param | final loss | vs fp32 | val acc |")
         print("|---|---|---|---|---|")
         rows = {}
-        for name in MODES:
+        for name in names:
             r = _train(name, b, task, cfg, lr, steps, offset)
             r.pop("model")
             rows[name] = r

@@ -275,8 +275,9 @@ def _add_compare_parser(sub: Any) -> None:
                     help="FusedAdamWMP state of the mpkern runs: fp32 masters+moments (default, 16 B/param with "
                          "param and grad), int16 remainder masters (14; mpkern-bf16 only, mpkern-fp16 keeps fp32 "
                          "masters), bf16 moments (12), remainder + bf16 moments (10), 8-bit master "
-                         "corrections + bf16 moments (9), remainder + 8-bit moments (8.125) or 8-bit masters + "
-                         "8-bit moments (7.125) -- bf16 / 8-bit moments and 8-bit masters are rounded "
+                         "corrections + bf16 moments (9), remainder + 8-bit moments (8.125), 8-bit masters + "
+                         "8-bit moments (7.125), remainder-4bit-m (7.625) or 8bit-4bit-m (6.625: a 4-bit "
+                         "exp_avg, two codes per byte) -- bf16 / 8-bit moments and 8-bit masters are rounded "
                          "stochastically (docs/storage.md); or any MASTER:MOMENTS of the storage registry, "
                          "e.g. remainder:8bit"),
     pc.add_argument("--linear", choices=("auto", "mpkern", "torch"), default=None,

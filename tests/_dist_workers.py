@@ -246,7 +246,9 @@ def single_save(ckpt: str, out: str) -> None:
 COMPACT = {"master_weights": "8bit", "state_dtype": torch.bfloat16, "seed": 5}
 #: the other compact layouts the DCP tests reshard: 8-bit moments with each master kind
 COMPACT_MODES = {"8bit-bf16": COMPACT, "8bit-8bit": {"master_weights": "8bit", "state_dtype": "8bit", "seed": 5},
-                 "remainder-8bit": {"master_weights": "remainder", "state_dtype": "8bit", "seed": 5}}
+                 "remainder-8bit": {"master_weights": "remainder", "state_dtype": "8bit", "seed": 5},
+                 "8bit-4bitm": {"master_weights": "8bit", "state_dtype": "4bit_m", "seed": 5},
+                 "remainder-4bitm": {"master_weights": "remainder", "state_dtype": "4bit_m", "seed": 5}}
 
 
 def _moments(opt: mpkern.FusedAdamWMP, params) -> list[dict]:
@@ -291,6 +293,10 @@ def compact_save(rank: int, world: int, store: str, out: str, mode: str = "8bit-
             code = opt.state[p]["exp_avg_code"]
             assert type(code).__name__ == "DTensor" and code.dtype == torch.int8
             assert opt.state[p]["exp_avg_scale"].numel() == -(-code._local_tensor.numel() // 32)
+        if kw["state_dtype"] == "4bit_m":  # packed codes and scales of the local shard's buffer
+            local = opt.state[p]["exp_avg_sq_code"]._local_tensor.numel()
+            assert opt.state[p]["exp_avg_code4"].numel() == -(-local // 2)
+            assert opt.state[p]["exp_avg_scale"].numel() == -(-local // 32)
     saved_moments = _moments(opt, list(fs.parameters()))
     msd, osd = get_state_dict(fs, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, "ckpt"))

@@ -361,10 +361,12 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256 lower8(__m256 e) {
 // * the scalar's r16 * w < d * 2^16 decision as rf * w < d (rand_unit8), added as an integer (the
 //   compare mask is -1);
 // * the sign of m with vpsignd (a negative m negates the code; a code 0 stays 0).
+// (TOP = 7: the 4-bit exp_avg of mom4_encode_m, y clamped to 49 the same way.)
+template <int TOP = 127>
 MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_m8(__m256 m, __m256 inv, __m256 rf) {
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 absm = _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(m), _mm256_set1_epi32(0x7fffffff)));
-  const __m256 y = _mm256_min_ps(_mm256_set1_ps(16129.0f), _mm256_mul_ps(absm, inv));
+  const __m256 y = _mm256_min_ps(_mm256_set1_ps(static_cast<float>(TOP * TOP)), _mm256_mul_ps(absm, inv));
   const __m256 est = lower8(_mm256_mul_ps(y, _mm256_rsqrt_ps(y)));
   const __m256 k0 = _mm256_and_ps(_mm256_floor_ps(est), _mm256_cmp_ps(y, one, _CMP_GE_OQ));
   const __m256 s0 = _mm256_mul_ps(k0, k0);
@@ -407,6 +409,23 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_v8(__m256 v, __m256 i
   return _mm256_and_si256(c, _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ)));
 }
 
+// The 8 signed 4-bit codes of the 32-bit word w (code j = bits 4j..4j+3, mom4_code) as int32
+// lanes: each lane shifts its nibble to the top and shifts it back arithmetically.
+MPK_AVX2 __attribute__((always_inline)) inline __m256i nibbles8(uint32_t w) {
+  const __m256i top = _mm256_sllv_epi32(_mm256_set1_epi32(static_cast<int>(w)),
+                                        _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0));
+  return _mm256_srai_epi32(top, 28);
+}
+
+// The 32 codes of a group as 32 signed bytes in element order -> 16 bytes of two codes each
+// (mom4_pack): the low nibble of each even byte, the odd byte's in the high nibble.
+MPK_AVX2 __attribute__((always_inline)) inline __m128i pack_nibbles32(__m256i codes8) {
+  const __m256i t = _mm256_and_si256(codes8, _mm256_set1_epi16(0x0f0f));
+  const __m256i x = _mm256_and_si256(_mm256_or_si256(t, _mm256_srli_epi16(t, 4)), _mm256_set1_epi16(0xff));
+  const __m256i b = _mm256_permute4x64_epi64(_mm256_packus_epi16(x, x), 0x08);  // bytes of both halves
+  return _mm256_castsi256_si128(b);
+}
+
 // The unsigned maxima of the 8 lanes of each of 8 vectors x[0..7], lane g of the result = the
 // maximum of x[g]: unpacks and one 128-bit permute (21 operations for 8 vectors).
 MPK_AVX2 __attribute__((always_inline)) inline __m256i hmax8x8(const __m256i* x) {
@@ -441,7 +460,8 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256i scale_bits8(__m256i x, __
 // ~1050 instructions per group, measured with callgrind), and the update pass is a loop of 8 lanes,
 // so its constants stay in registers across iterations. Each group's 8-lane |x| maxima are kept,
 // one unpack tree gives the 8 group maxima and one vector pass the 8 scales and 1 / s.
-template <int PDT, int GDT, int MODE>
+// M4: the 4-bit exp_avg (kMom4: two codes per byte, top code 7, scale amax / 49).
+template <int PDT, int GDT, int MODE, bool M4>
 MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f_in) {
   Flags f = f_in;
   f.mode = MODE;  // a compile-time constant in load_w8 / store_w8
@@ -457,6 +477,7 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const bool need0 = needs_word0(t, f);
   int8_t* cmp = static_cast<int8_t*>(t.m);
+  uint8_t* cm4 = static_cast<uint8_t*>(t.m);
   uint8_t* cvp = static_cast<uint8_t*>(t.v);
   constexpr int kG = 8;  // groups per block
   alignas(32) float mb[kG * kMom8Group], vb[kG * kMom8Group];
@@ -495,7 +516,14 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
                                              lanes);
         const __m256 gr = _mm256_xor_ps(_mm256_mul_ps(load8<GDT>(t.g, i), factor), gsign);
         __m256 p = load_w8<PDT>(t, f, i);
-        const __m256 fm = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cmp + i))));
+        __m256 fm;
+        if constexpr (M4) {  // i is even: elements i .. i + 7 are the 8 nibbles of bytes i / 2 .. i / 2 + 3
+          uint32_t w;
+          memcpy(&w, cm4 + (i >> 1), 4);
+          fm = _mm256_cvtepi32_ps(nibbles8(w));
+        } else {
+          fm = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cmp + i))));
+        }
         const __m256 fv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cvp + i))));
         const __m256 absfm = _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(fm), abs_mask));
         __m256 mm = _mm256_mul_ps(sm, _mm256_mul_ps(fm, absfm));
@@ -518,7 +546,7 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
       av[g] = gv;
     }
     __m256 im, iv;
-    _mm256_store_si256(reinterpret_cast<__m256i*>(bms), scale_bits8(hmax8x8(am), _mm256_set1_ps(kMom8KM), im));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bms), scale_bits8(hmax8x8(am), _mm256_set1_ps(M4 ? kMom4KM : kMom8KM), im));
     _mm256_store_si256(reinterpret_cast<__m256i*>(bvs), scale_bits8(hmax8x8(av), _mm256_set1_ps(kMom8KV), iv));
     _mm256_store_ps(ims, im);
     _mm256_store_ps(ivs, iv);
@@ -536,8 +564,9 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
         const __m256i r0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(rg + 16 * h));
         const __m256i r1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(rg + 16 * h + 8));
         // fields B (bits 10..20) and C (bits 21..31) moved to mantissa bits 12..22
-        const __m256i c0 = enc_m8(_mm256_load_ps(mg + 16 * h), img, rand_unit8(_mm256_slli_epi32(r0, 2)));
-        const __m256i c1 = enc_m8(_mm256_load_ps(mg + 16 * h + 8), img, rand_unit8(_mm256_slli_epi32(r1, 2)));
+        constexpr int kTop = M4 ? 7 : 127;
+        const __m256i c0 = enc_m8<kTop>(_mm256_load_ps(mg + 16 * h), img, rand_unit8(_mm256_slli_epi32(r0, 2)));
+        const __m256i c1 = enc_m8<kTop>(_mm256_load_ps(mg + 16 * h + 8), img, rand_unit8(_mm256_slli_epi32(r1, 2)));
         pm[h] = _mm256_packs_epi32(c0, c1);
         const __m256i d0 = enc_v8(_mm256_load_ps(vg + 16 * h), ivg, rand_unit8(_mm256_srli_epi32(r0, 9)));
         const __m256i d1 = enc_v8(_mm256_load_ps(vg + 16 * h + 8), ivg, rand_unit8(_mm256_srli_epi32(r1, 9)));
@@ -545,8 +574,12 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
       }
       const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
       const int64_t i0 = gb + g * kMom8Group;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(cmp + i0),
-                          _mm256_permutevar8x32_epi32(_mm256_packs_epi16(pm[0], pm[1]), order));
+      const __m256i mcodes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(pm[0], pm[1]), order);
+      if constexpr (M4) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(cm4 + (i0 >> 1)), pack_nibbles32(mcodes));
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(cmp + i0), mcodes);
+      }
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(cvp + i0),
                           _mm256_permutevar8x32_epi32(_mm256_packus_epi16(pv[0], pv[1]), order));
     }
@@ -555,15 +588,15 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
   if (gb < end) adamw_scalar_mom8(t, gb, end, f);
 }
 
-template <int PDT, int GDT>
+template <int PDT, int GDT, bool M4>
 MPK_AVX2 void adamw_avx2_mom8(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f) {
   switch (f.mode) {
-    case kMasterF32: return adamw_avx2_mom8_mode<PDT, GDT, kMasterF32>(t, begin, end, f);
-    case kMasterRemainder: return adamw_avx2_mom8_mode<PDT, GDT, kMasterRemainder>(t, begin, end, f);
+    case kMasterF32: return adamw_avx2_mom8_mode<PDT, GDT, kMasterF32, M4>(t, begin, end, f);
+    case kMasterRemainder: return adamw_avx2_mom8_mode<PDT, GDT, kMasterRemainder, M4>(t, begin, end, f);
     case kMaster8bit:
-      if constexpr (PDT != kF32) return adamw_avx2_mom8_mode<PDT, GDT, kMaster8bit>(t, begin, end, f);
+      if constexpr (PDT != kF32) return adamw_avx2_mom8_mode<PDT, GDT, kMaster8bit, M4>(t, begin, end, f);
       [[fallthrough]];
-    default: return adamw_avx2_mom8_mode<PDT, GDT, kMasterNone>(t, begin, end, f);
+    default: return adamw_avx2_mom8_mode<PDT, GDT, kMasterNone, M4>(t, begin, end, f);
   }
 }
 
@@ -571,7 +604,8 @@ using AvxFn = void (*)(const TensorPtrs&, int64_t, int64_t, const Flags&);
 
 template <int PDT, int GDT>
 AvxFn pick_s(int32_t sdt) {
-  if (sdt == kMom8) return &adamw_avx2_mom8<PDT, GDT>;
+  if (sdt == kMom8) return &adamw_avx2_mom8<PDT, GDT, false>;
+  if (sdt == kMom4) return &adamw_avx2_mom8<PDT, GDT, true>;
   return sdt == kF32 ? &adamw_avx2<PDT, GDT, kF32> : &adamw_avx2<PDT, GDT, kBF16>;
 }
 template <int PDT>
@@ -756,9 +790,11 @@ MPK_AVX512 __attribute__((always_inline)) inline __m512 lower16(__m512 e) {
 // * the rounding decision rf * w < d (see rand_unit16); a zero or NaN y gives d = 0 or NaN: no
 //   round-up, code 0, as the scalar's early return;
 // * the sign of m copied onto the float code before the conversion (-c; a code 0 gives 0).
+// (TOP = 7: the 4-bit exp_avg of mom4_encode_m, y clamped to 49 the same way.)
+template <int TOP = 127>
 MPK_AVX512 __attribute__((always_inline)) inline __m512i enc_m16(__m512 m, __m512 inv, __m512 rf) {
   const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 y = _mm512_min_ps(_mm512_set1_ps(16129.0f), _mm512_mul_ps(_mm512_abs_ps(m), inv));
+  const __m512 y = _mm512_min_ps(_mm512_set1_ps(static_cast<float>(TOP * TOP)), _mm512_mul_ps(_mm512_abs_ps(m), inv));
   const __m512 est = lower16(_mm512_mul_ps(y, _mm512_rsqrt14_ps(y)));
   const __m512 k0 = _mm512_maskz_roundscale_ps(_mm512_cmp_ps_mask(y, one, _CMP_GE_OQ), est,
                                                _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -827,6 +863,23 @@ MPK_AVX512 inline Consts512 consts512(const TensorPtrs& t, const Flags& f) {
   return k;
 }
 
+// The 16 signed 4-bit codes of the 64-bit word w (code j = bits 4j..4j+3, mom4_code) as int32 lanes.
+MPK_AVX512 __attribute__((always_inline)) inline __m512i nibbles16(uint64_t w) {
+  const __m512i halves = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                                  _mm512_castsi128_si512(_mm_cvtsi64_si128(static_cast<long long>(w))));
+  const __m512i top = _mm512_sllv_epi32(halves, _mm512_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8,
+                                                                   4, 0));
+  return _mm512_srai_epi32(top, 28);
+}
+
+// 16 int32 codes -> 8 bytes of two codes each (mom4_pack): in each 64-bit lane the odd code's low
+// bits move to bits 4..7 (a 64-bit shift by 28), one bit-select takes bits 0..3 from the even code
+// and the rest from the shifted lane, and vpmovqb keeps the low byte of each lane.
+MPK_AVX512 __attribute__((always_inline)) inline void store_nibbles16(uint8_t* dst, __m512i c) {
+  const __m512i x = _mm512_ternarylogic_epi64(_mm512_set1_epi64(0xf), c, _mm512_srli_epi64(c, 28), 0xCA);  // a ? b : c
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi64_epi8(x));
+}
+
 // The unsigned maxima of the 16 lanes of each of 16 vectors x[0..15], lane g of the result = the
 // maximum of x[g]: a tree of unpacks and 128-bit shuffles (45 operations for 16 vectors where a
 // horizontal reduction each would take ~9 apiece).
@@ -862,7 +915,7 @@ MPK_AVX512 __attribute__((always_inline)) inline __m512i scale_bits16(__m512i am
 // with the same high half): the update pass writes the masters/params and keeps the updated
 // moments and random words in an L1 buffer and each group's 16-lane |x| maxima; then the 16 groups'
 // scales and 1 / s in one vector pass; then the codes.
-template <int PDT, int GDT>
+template <int PDT, int GDT, bool M4>
 MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const TensorPtrs& t, const Flags& f,
                                                                     const Consts512& k, int64_t gb, uint32_t elo0,
                                                                     int n, bool need0, __m512i key) {
@@ -870,6 +923,7 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const Tensor
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   int8_t* cmp = static_cast<int8_t*>(t.m);
+  uint8_t* cm4 = static_cast<uint8_t*>(t.m);
   uint8_t* cvp = static_cast<uint8_t*>(t.v);
   const int64_t j0 = gb >> 5;
   alignas(64) float mb[kG * kMom8Group], vb[kG * kMom8Group];
@@ -890,7 +944,14 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const Tensor
       const __m512i elo = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(elo0 + static_cast<uint32_t>(o))), lanes);
       const __m512 gr = _mm512_xor_ps(_mm512_mul_ps(load16<GDT>(t.g, i), k.factor), k.gsign);
       __m512 p = load_w16<PDT>(t, f, i);
-      const __m512 fm = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cmp + i))));
+      __m512 fm;
+      if constexpr (M4) {  // i is even: the 16 nibbles of bytes i / 2 .. i / 2 + 7
+        uint64_t w;
+        memcpy(&w, cm4 + (i >> 1), 8);
+        fm = _mm512_cvtepi32_ps(nibbles16(w));
+      } else {
+        fm = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cmp + i))));
+      }
       const __m512 fv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cvp + i))));
       __m512 mm = _mm512_mul_ps(sm, _mm512_mul_ps(fm, _mm512_abs_ps(fm)));
       const __m512 f2 = _mm512_mul_ps(fv, fv);
@@ -912,7 +973,7 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const Tensor
     av[g] = gv;
   }
   __m512 im, iv;
-  const __m512i bm = scale_bits16(hmax16x16(am), kMom8KM, im);
+  const __m512i bm = scale_bits16(hmax16x16(am), M4 ? kMom4KM : kMom8KM, im);
   const __m512i bv = scale_bits16(hmax16x16(av), kMom8KV, iv);
   alignas(64) float ims[kG], ivs[kG];
   _mm512_store_ps(ims, im);
@@ -927,15 +988,19 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const Tensor
       const int o = g * kMom8Group + 16 * q;
       const __m512i rw = _mm512_load_si512(rb + o);
       // fields B (bits 10..20) and C (bits 21..31) moved to mantissa bits 12..22
-      const __m512i c = enc_m16(_mm512_load_ps(mb + o), img, rand_unit16(_mm512_slli_epi32(rw, 2)));
+      const __m512i c = enc_m16<M4 ? 7 : 127>(_mm512_load_ps(mb + o), img, rand_unit16(_mm512_slli_epi32(rw, 2)));
       const __m512i d = enc_v16(_mm512_load_ps(vb + o), ivg, rand_unit16(_mm512_srli_epi32(rw, 9)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(cmp + gb + o), _mm512_cvtepi32_epi8(c));
+      if constexpr (M4) {
+        store_nibbles16(cm4 + ((gb + o) >> 1), c);
+      } else {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(cmp + gb + o), _mm512_cvtepi32_epi8(c));
+      }
       _mm_storeu_si128(reinterpret_cast<__m128i*>(cvp + gb + o), _mm512_cvtepi32_epi8(d));
     }
   }
 }
 
-template <int PDT, int GDT>
+template <int PDT, int GDT, bool M4>
 MPK_AVX512 void adamw_avx512_mom8(const TensorPtrs& t_in, int64_t begin, int64_t end, const Flags& f_in) {
   const TensorPtrs t = t_in;  // local copies: the stores below cannot alias them, no reloads
   const Flags f = f_in;
@@ -954,7 +1019,7 @@ MPK_AVX512 void adamw_avx512_mom8(const TensorPtrs& t_in, int64_t begin, int64_t
     if (hi0 != keys.hi) keys = rng_keys(f.seed, t.stream, t.step, e0);
     int n = static_cast<int>(std::min<int64_t>(16, (end - gb) / kMom8Group));
     while (n > 1 && static_cast<uint32_t>((e0 + static_cast<uint64_t>(kMom8Group) * n - 1) >> 32) != hi0) --n;
-    mom8_block512<PDT, GDT>(t, f, k, gb, static_cast<uint32_t>(e0), n, need0,
+    mom8_block512<PDT, GDT, M4>(t, f, k, gb, static_cast<uint32_t>(e0), n, need0,
                             _mm512_set1_epi32(static_cast<int>(keys.key)));
     gb += static_cast<int64_t>(kMom8Group) * n;
   }
@@ -963,7 +1028,8 @@ MPK_AVX512 void adamw_avx512_mom8(const TensorPtrs& t_in, int64_t begin, int64_t
 
 template <int PDT, int GDT>
 AvxFn pick512_s(int32_t sdt) {
-  if (sdt == kMom8) return &adamw_avx512_mom8<PDT, GDT>;
+  if (sdt == kMom8) return &adamw_avx512_mom8<PDT, GDT, false>;
+  if (sdt == kMom4) return &adamw_avx512_mom8<PDT, GDT, true>;
   return sdt == kF32 ? &adamw_avx512<PDT, GDT, kF32> : &adamw_avx512<PDT, GDT, kBF16>;
 }
 template <int PDT>
@@ -1049,11 +1115,11 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
       const WorkItem& w = items[k];
       const TensorPtrs& x = tp[w.tensor];
 #if MPK_X86
-      if (avx && x.sdt != kMom4) {
+      if (avx) {
         // one random key per call: split the range where the global element index crosses a
         // multiple of 2^32 (a chunk crosses at most one)
         const AvxFn fn = avx512 ? pick_avx512(x.pdt, x.gdt, x.sdt) : pick_avx2(x.pdt, x.gdt, x.sdt);
-        if (x.sdt == kMom8) {  // group-aligned: the kernel handles a crossing of 2^32 itself
+        if (x.sdt == kMom8 || x.sdt == kMom4) {  // group-aligned: the kernel handles a crossing of 2^32 itself
           fn(x, w.begin, w.end, f);
           continue;
         }

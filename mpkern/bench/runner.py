@@ -96,7 +96,7 @@ def add_adamw_arguments(ap: Any) -> None:
     ``mpkern bench`` can take the same); :func:`adamw_run_kwargs` turns them into :func:`run`'s."""
     ap.add_argument("--modes", default="default", metavar="default|all|none|MASTER:MOMENTS,...",
                     help="FusedAdamWMP storage modes on bf16 params: 'default' (fp32+fp32, remainder+bf16, "
-                         "8bit+bf16, and 8bit+8bit, remainder+8bit where 8-bit moments exist), 'all' (every "
+                         "8bit+bf16, 8bit+8bit, remainder+8bit, 8bit+4bit_m, remainder+4bit_m), 'all' (every "
                          "master_weights x state_dtype), 'none', or a list such as remainder:bf16,8bit:8bit")
     ap.add_argument("--torchao-params", type=float, default=None, metavar="N",
                     help="cap the params of the torchao rows (torchao compiles per tensor and is slow on CPU)")

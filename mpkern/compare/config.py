@@ -19,7 +19,8 @@ SIXTEEN_BIT_PARAMS = ("bf16-naive", "mpkern-bf16", "mpkern-8bit", "mpkern-fp16")
 #: ``MASTER:MOMENTS`` the registry reads is accepted too (a newly registered kind without an edit here)
 STATE_SHORTHANDS: dict[str, str] = {
     "fp32": "fp32:fp32", "remainder": "remainder:fp32", "bf16-moments": "fp32:bf16", "remainder-bf16": "remainder:bf16",
-    "8bit": "8bit:bf16", "remainder-8bit": "remainder:8bit", "8bit-8bit": "8bit:8bit"}
+    "8bit": "8bit:bf16", "remainder-8bit": "remainder:8bit", "8bit-8bit": "8bit:8bit",
+    "remainder-4bit-m": "remainder:4bit_m", "8bit-4bit-m": "8bit:4bit_m"}
 OPTIMIZER_STATES = tuple(STATE_SHORTHANDS)
 LINEARS = ("auto", "mpkern", "torch")
 SCHEMA = "mpkern.compare/1"

@@ -96,7 +96,8 @@ INT4_MOMENTS = register_moment_kind(Int4Moments())
 
 #: the headline storage modes (issue 15), in table order: what bench / compare show by default
 DEFAULT_MODES: tuple[tuple[Any, str], ...] = (
-    (True, "float32"), ("remainder", "bfloat16"), ("8bit", "bfloat16"), ("8bit", "8bit"), ("remainder", "8bit"))
+    (True, "float32"), ("remainder", "bfloat16"), ("8bit", "bfloat16"), ("8bit", "8bit"), ("remainder", "8bit"),
+    ("8bit", "4bit_m"), ("remainder", "4bit_m"))
 
 
 # ---- names ---------------------------------------------------------------------------------------
