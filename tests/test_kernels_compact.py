@@ -521,16 +521,34 @@ def _mom8_state(n, gen, zero=False):
     return cm.to(DEVICE), cv.to(DEVICE), sm.to(DEVICE), sv.to(DEVICE)
 
 
-def _case8(mode, pdt, seed=0, sizes=SIZES + (300,)):
+def _mom4_state(n, gen, zero=False):
+    """Packed 4-bit exp_avg codes, 8-bit exp_avg_sq codes and both scales (m ~ 1e-2, v ~ 1e-4)."""
+    g = (n + G32 - 1) // G32
+    nb = (n + 1) // 2
+    if zero:
+        return (torch.zeros(nb, dtype=torch.uint8, device=DEVICE), torch.zeros(n, dtype=torch.uint8, device=DEVICE),
+                torch.zeros(g, dtype=BF16, device=DEVICE), torch.zeros(g, dtype=BF16, device=DEVICE))
+    cm = torch.randint(0, 256, (nb,), generator=gen).to(torch.uint8)
+    if n % 2:
+        cm[-1] &= 0xF  # the documented layout: an odd tail's high nibble is 0
+    cv = torch.randint(0, 256, (n,), generator=gen).to(torch.uint8)
+    sm = (torch.rand(g, generator=gen) * 0.02 * (1.0 / 49)).to(BF16)
+    sv = (torch.rand(g, generator=gen) * 2e-4 * KV64 + 1e-20).to(BF16)
+    return cm.to(DEVICE), cv.to(DEVICE), sm.to(DEVICE), sv.to(DEVICE)
+
+
+def _case8(mode, pdt, seed=0, sizes=SIZES + (300,), moments=None):
     """8-bit moment state for one call: the SIZES and an offset view (element 1 of a buffer);
-    the stream offset of the 1000-element tensor crosses 2^32 inside a group of 32."""
+    the stream offset of the 1000-element tensor crosses 2^32 inside a group of 32. ``moments(n,
+    gen)``: the codes and scales of another grouped kind (default: the 8-bit ones)."""
+    moments = moments or _mom8_state
     gen = torch.Generator().manual_seed(seed)
     params, grads, ms, vs, masters, steps, sms, svs = [], [], [], [], [], [], [], []
     for k, n in enumerate(sizes):
         p = _rand(n + 5, pdt, gen)[1:1 + n] if n == 300 else _rand(n, pdt, gen)
         params.append(p)
         grads.append(_rand(n, (F32, BF16, F16)[k % 3], gen, 0.1))
-        cm, cv, sm, sv = _mom8_state(n, gen)
+        cm, cv, sm, sv = moments(n, gen)
         ms.append(cm), vs.append(cv), sms.append(sm), svs.append(sv)
         if mode != reference.MASTER_NONE:
             masters.append(_master_state(mode, p, gen))
@@ -605,10 +623,18 @@ def test_mom8_reference_matches_kernels(mode, pdt, sr):
     k = _run8(bs[0], _clone(state0), mode, sr, streams, offsets)
     r = _clone(state0)
     reference.adamw_step_(*_args8(r, mode, sr, streams, offsets))
-    for idx in (2, 3):
-        for a, b in zip(k[idx], r[idx]):
-            diff = (a.int() - b.int()).abs()
-            assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= max(2, a.numel() // 100)
+    reference_close(k, r, mode)
+
+
+def reference_close(k, r, mode, m_codes=lambda c, p: c.int()):
+    """A kernel's grouped-moment state ``k`` against the reference's ``r`` after the same step: codes
+    (``m_codes(codes, param)``: the exp_avg codes as integers per element) differ by at most one
+    code in at most 1 % of the elements (an fp32 rounding that differs), scales within bf16 rounding,
+    masters within fp32 rounding, steps equal."""
+    for idx, codes in ((2, m_codes), (3, lambda c, p: c.int())):
+        for a, b, p in zip(k[idx], r[idx], k[0]):
+            diff = (codes(a, p) - codes(b, p)).abs()
+            assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= max(2, p.numel() // 100)
     for idx in (7, 8):
         for a, b in zip(k[idx], r[idx]):
             torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=0)
@@ -762,10 +788,12 @@ def test_mom8_master8_small_updates():
     assert moved == pytest.approx(exact, rel=0.05), (moved, exact)
 
 
-def test_mom8_found_inf_is_a_bitwise_noop(backend):
+@pytest.mark.parametrize("kind", ["8bit", "4bit_m"])
+def test_mom8_found_inf_is_a_bitwise_noop(backend, kind):
     name = {"cpu-scalar": "cpu"}.get(backend, backend)
+    moments = _mom4_state if kind == "4bit_m" else _mom8_state
     for mode, pdt, sr in ((3, BF16, False), (0, BF16, True), (1, F16, False)):
-        state, streams, offsets = _case8(mode, pdt, seed=50, sizes=(1, 31, 33))
+        state, streams, offsets = _case8(mode, pdt, seed=50, sizes=(1, 31, 33), moments=moments)
         before = _clone(state)
         _ops.adamw_step_(name, *_args8(state, mode, sr, streams, offsets, found_inf=float("nan")))
         for la, lb in zip(state, before):
@@ -801,11 +829,14 @@ def _bad8_cases():
     }
 
 
-def test_mom8_bad_arguments_refused_alike_everywhere():
+def refused_alike(cases) -> list[str]:
+    """Every case of ``{name: (exception type, state maker)}`` raises that exception with the same
+    first message line on every backend (the native ones and the Python ones), nothing written.
+    Returns the backends tried."""
     if _backend.native() is None:
         pytest.skip("native extension not built")
     names = [b for b in available_backends() if b != "cpu-scalar"]
-    for case, (exc, make) in _bad8_cases().items():
+    for case, (exc, make) in cases.items():
         errors = {}
         for b in names:
             st = make()
@@ -817,6 +848,11 @@ def test_mom8_bad_arguments_refused_alike_everywhere():
                 for x, y in zip(la, lb):
                     assert torch.equal(_bits(x), _bits(y)), (case, b)
         assert len(set(errors.values())) == 1, (case, errors)
+    return names
+
+
+def test_mom8_bad_arguments_refused_alike_everywhere():
+    names = refused_alike(_bad8_cases())
     # the optional scale lists: None is the same as empty
     st, _, _ = _case(1, BF16)
     st = [lst[:2] for lst in st]

@@ -8,7 +8,8 @@ signed 4-bit codes per byte (element 2j in the low nibble of byte j), ``sign(c) 
 * the pure-PyTorch reference against the kernels;
 * the codec against float64 written here: unbiased over two decades below the group max, the group
   max at code 6 or 7, scales amax / 49 rounded up to bf16, the odd tail's high nibble 0;
-* found_inf is a bitwise no-op; bad arguments are refused alike everywhere.
+* bad arguments are refused alike everywhere (found_inf as a bitwise no-op: test_kernels_compact's
+  test for both grouped kinds).
 """
 
 from __future__ import annotations
@@ -17,32 +18,30 @@ import pytest
 import torch
 from conftest import DEVICE, available_backends
 from test_kernels_compact import (
-    B1,
-    B2,
     BF16,
     CPU_PATHS,
     EPS,
     F16,
     F32,
-    LR,
     SIZES,
-    WD,
     _bits,
+    _args8,
+    _case8,
     _clone,
     _cpu_only,
-    _cpu_path,
     _kernel_backends,
     _magnitudes,
-    _master_of,
-    _master_state,
-    _rand,
+    _mom4_state,
+    _run8,
+    reference_close,
+    refused_alike,
 )
 
-from mpkern import _backend, _ops, reference
+from mpkern import _ops, reference
 
 G32 = 32
 KM4_64 = 1.0 / 49
-KV64 = 1.0 / 255**4
+
 NAMES = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "masters", "steps", "exp_avg_scales",
          "exp_avg_sq_scales")
 
@@ -60,52 +59,14 @@ def _decode_m64(packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Ten
     return s * c * c.abs()
 
 
-def _state4(n, gen, zero=False):
-    """Packed 4-bit exp_avg codes, 8-bit exp_avg_sq codes and both scales (m ~ 1e-2, v ~ 1e-4)."""
-    g = (n + G32 - 1) // G32
-    nb = (n + 1) // 2
-    if zero:
-        return (torch.zeros(nb, dtype=torch.uint8, device=DEVICE), torch.zeros(n, dtype=torch.uint8, device=DEVICE),
-                torch.zeros(g, dtype=BF16, device=DEVICE), torch.zeros(g, dtype=BF16, device=DEVICE))
-    cm = torch.randint(0, 256, (nb,), generator=gen).to(torch.uint8)
-    if n % 2:
-        cm[-1] &= 0xF  # the documented layout: an odd tail's high nibble is 0
-    cv = torch.randint(0, 256, (n,), generator=gen).to(torch.uint8)
-    sm = (torch.rand(g, generator=gen) * 0.02 * KM4_64).to(BF16)
-    sv = (torch.rand(g, generator=gen) * 2e-4 * KV64 + 1e-20).to(BF16)
-    return cm.to(DEVICE), cv.to(DEVICE), sm.to(DEVICE), sv.to(DEVICE)
-
-
 def _case4(mode, pdt, seed=0, sizes=SIZES + (300,)):
-    """4-bit state for one call: the SIZES and an offset view (element 1 of a buffer: misaligned);
-    the stream offset of the 1000-element tensor crosses 2^32 inside a group of 32."""
-    gen = torch.Generator().manual_seed(seed)
-    params, grads, ms, vs, masters, steps, sms, svs = [], [], [], [], [], [], [], []
-    for k, n in enumerate(sizes):
-        p = _rand(n + 5, pdt, gen)[1:1 + n] if n == 300 else _rand(n, pdt, gen)
-        params.append(p)
-        grads.append(_rand(n, (F32, BF16, F16)[k % 3], gen, 0.1))
-        cm, cv, sm, sv = _state4(n, gen)
-        ms.append(cm), vs.append(cv), sms.append(sm), svs.append(sv)
-        if mode != reference.MASTER_NONE:
-            masters.append(_master_state(mode, p, gen))
-        steps.append(torch.full((), float(k + 3), device=DEVICE))
-    streams = [11 * k + 5 for k in range(len(sizes))]
-    offsets = [0, 7, 2**20, 2**32 - 510, 2**33 + 3, 12345, 2**32 - 2000][:len(sizes)]
-    return [params, grads, ms, vs, [], masters, steps, sms, svs], streams, offsets
+    """4-bit state for one call (test_kernels_compact's _case8 with these moments): the SIZES and an
+    offset view; the stream offset of the 1000-element tensor crosses 2^32 inside a group of 32."""
+    state, streams, offsets = _case8(mode, pdt, seed, sizes, moments=_mom4_state)
+    return state, streams, offsets + [2**32 - 2000] * (len(sizes) - len(offsets))
 
 
-def _args4(state, mode, sr, streams, offsets, found_inf=0.0, maximize=False):
-    params, grads, ms, vs, vmax, masters, steps, sms, svs = state
-    return (params, grads, ms, vs, vmax, masters, steps, torch.tensor(0.5, device=DEVICE),
-            torch.tensor(found_inf, device=DEVICE), None, LR, B1, B2, EPS, WD, maximize, mode, sr, 1234,
-            streams, offsets, sms, svs)
-
-
-def _run4(backend, state, *args, **kw):
-    with _cpu_path(backend) as name:
-        _ops.adamw_step_(name, *_args4(state, *args, **kw))
-    return state
+_args4, _run4 = _args8, _run8
 
 
 MODES = [(0, BF16, True), (0, F32, False), (1, BF16, False), (1, F16, False), (2, BF16, False), (3, BF16, False),
@@ -163,18 +124,7 @@ def test_m4_reference_matches_kernels(mode, pdt, sr):
     k = _run4(bs[0], _clone(state0), mode, sr, streams, offsets)
     r = _clone(state0)
     reference.adamw_step_(*_args4(r, mode, sr, streams, offsets))
-    for a, b, p in zip(k[2], r[2], k[0]):
-        diff = (_codes64(a, p.numel()) - _codes64(b, p.numel())).abs()
-        assert float(diff.max()) <= 1 and int((diff > 0).sum()) <= max(2, p.numel() // 100)
-    for a, b in zip(k[3], r[3]):
-        diff = (a.int() - b.int()).abs()
-        assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= max(2, a.numel() // 100)
-    for idx in (7, 8):
-        for a, b in zip(k[idx], r[idx]):
-            torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=0)
-    for a, b in zip(_master_of(k, mode), _master_of(r, mode)):
-        torch.testing.assert_close(a.double(), b.double(), rtol=2**-14, atol=1e-30)
-    assert all(torch.equal(a, b) for a, b in zip(k[6], r[6]))
+    reference_close(k, r, mode, lambda c, p: _codes64(c, p.numel()).int())
 
 
 def _encode_m_with_kernel(x, draws, backend="cpu"):
@@ -185,7 +135,7 @@ def _encode_m_with_kernel(x, draws, backend="cpu"):
     step = torch.zeros((), device=DEVICE)
     one, zero = torch.tensor(1.0, device=DEVICE), torch.tensor(0.0, device=DEVICE)
     for _ in range(draws):
-        cm, cv, sm, sv = _state4(n, None, zero=True)
+        cm, cv, sm, sv = _mom4_state(n, None, zero=True)
         p = torch.zeros(n, device=DEVICE)
         _ops.adamw_step_(backend, [p], [x], [cm], [cv], [], [], [step], one, zero, None, 0.0, 0.0, 0.0, EPS, 0.0,
                          False, 0, False, 77, [], [], [sm], [sv])
@@ -230,17 +180,6 @@ def test_m4_codec_unbiased_and_scaled():
     assert bool((torch.sign(mean[nz]) == torch.sign(target[nz])).all())
 
 
-def test_m4_found_inf_is_a_bitwise_noop(backend):
-    name = {"cpu-scalar": "cpu"}.get(backend, backend)
-    for mode, pdt, sr in ((3, BF16, False), (0, BF16, True), (1, F16, False)):
-        state, streams, offsets = _case4(mode, pdt, seed=51, sizes=(1, 31, 33))
-        before = _clone(state)
-        _ops.adamw_step_(name, *_args4(state, mode, sr, streams, offsets, found_inf=float("nan")))
-        for la, lb in zip(state, before):
-            for a, b in zip(la, lb):
-                assert torch.equal(_bits(a), _bits(b))
-
-
 def _bad_cases():
     def mod(fn):
         st, _, _ = _case4(1, BF16, seed=2, sizes=(40, 7))
@@ -260,21 +199,7 @@ def _bad_cases():
 
 
 def test_m4_bad_arguments_refused_alike_everywhere():
-    if _backend.native() is None:
-        pytest.skip("native extension not built")
-    names = [b for b in available_backends() if b != "cpu-scalar"]
-    for case, (exc, make) in _bad_cases().items():
-        errors = {}
-        for b in names:
-            st = make()
-            before = _clone(st)
-            with pytest.raises(exc) as info:
-                _ops.adamw_step_(b, *_args4(st, 1, False, [], []))
-            errors[b] = str(info.value).splitlines()[0]
-            for la, lb in zip(st, before):
-                for x, y in zip(la, lb):
-                    assert torch.equal(_bits(x), _bits(y)), (case, b)
-        assert len(set(errors.values())) == 1, (case, errors)
+    refused_alike(_bad_cases())
 
 
 def test_m4_reference_helpers_roundtrip():
