@@ -211,6 +211,23 @@ def test_bf16_moments_checkpoint_into_8bit_within_half_a_step(kind):
             assert ((_decode64(opt8.state[p], k) - want).abs() <= _half_step(want, k, kind=kind)).all()
 
 
+@pytest.mark.parametrize("src, dst", [("8bit", "4bit_m"), ("4bit_m", "8bit")])
+def test_one_grouped_kind_into_the_other_with_one_warning(src, dst):
+    # through fp32: the decoded source values, quantized again to the nearest code of the new kind
+    lin, opt = _run(dict(master_weights="8bit", state_dtype=src), 9, 3)
+    sd = opt.state_dict()
+    dec = [{k: _decode64(opt.state[p], k) for k in ("exp_avg", "exp_avg_sq")} for p in lin.parameters()]
+    opt2 = FusedAdamWMP(lin.parameters(), lr=1e-3, master_weights="8bit", state_dtype=dst)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        opt2.load_state_dict(sd)
+    assert len([w for w in rec if "state_dtype" in str(w.message)]) == 1, [str(w.message) for w in rec]
+    for p, want in zip(lin.parameters(), dec):
+        assert storage.moment_kind(dst).has_state(opt2.state[p])
+        for k, w in want.items():
+            assert ((_decode64(opt2.state[p], k) - w).abs() <= _half_step(w, k, kind=dst)).all(), k
+
+
 def test_checkpoint_with_wrong_scale_shape_is_refused_and_nothing_changes(kind):
     _, opt = _run({"master_weights": "8bit", **_mom(kind)}, 7, 2)
     sd = copy.deepcopy(opt.state_dict())
