@@ -56,25 +56,23 @@ inline void check_adamw_args(const char* op, at::TensorList params, at::TensorLi
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
     const int64_t numel = p.numel();
-    auto same = [&](const at::Tensor& t, const char* what) {
+    // a dense tensor on the call's device with the param's numel (or, `packed`, the 4-bit codes' bytes)
+    auto same = [&](const at::Tensor& t, const char* what, bool packed = false) {
       TORCH_CHECK_VALUE(t.layout() == at::kStrided, op, ": ", what, "[", i, "] must be a strided (dense) tensor");
       TORCH_CHECK_VALUE(t.device() == dev, op, ": ", what, "[", i, "] is on ", t.device(), ", expected ", dev);
-      TORCH_CHECK_VALUE(t.numel() == numel, op, ": ", what, "[", i, "] has ", t.numel(), " elements, param has ", numel);
+      if (packed) {
+        TORCH_CHECK_VALUE(t.numel() == (numel + 1) / 2, op, ": ", what, "[", i, "] has ", t.numel(),
+                          " elements; 4-bit exp_avg codes of a param of ", numel,
+                          " elements need ceil(numel / 2) = ", (numel + 1) / 2, " bytes");
+      } else {
+        TORCH_CHECK_VALUE(t.numel() == numel, op, ": ", what, "[", i, "] has ", t.numel(), " elements, param has ",
+                          numel);
+      }
       TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", what, "[", i, "] must be contiguous");
     };
     same(p, "params");
     same(grads[i], "grads");
-    if (mom4) {  // two codes per byte
-      const at::Tensor& t = exp_avgs[i];
-      TORCH_CHECK_VALUE(t.layout() == at::kStrided && t.is_contiguous(), op, ": exp_avgs[", i,
-                        "] must be a contiguous strided tensor");
-      TORCH_CHECK_VALUE(t.device() == dev, op, ": exp_avgs[", i, "] is on ", t.device(), ", expected ", dev);
-      TORCH_CHECK_VALUE(t.numel() == (numel + 1) / 2, op, ": exp_avgs[", i, "] has ", t.numel(),
-                        " elements; 4-bit exp_avg codes of a param of ", numel, " elements need ceil(numel / 2) = ",
-                        (numel + 1) / 2, " bytes");
-    } else {
-      same(exp_avgs[i], "exp_avgs");
-    }
+    same(exp_avgs[i], "exp_avgs", mom4);  // 4-bit: two codes per byte
     same(exp_avg_sqs[i], "exp_avg_sqs");
     dtype_code(p.scalar_type());
     dtype_code(grads[i].scalar_type());

@@ -415,6 +415,39 @@ def moment4_encode(values: Tensor, r16: Tensor | int | None = None) -> tuple[Ten
     return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8), _bits_to_bf16(b)
 
 
+def _moments_in(p: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *scales: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 ``exp_avg``, ``exp_avg_sq`` of ``p``'s shape from the stored moments: fp32 / bf16, or codes
+    with their two scale tensors (int8 exp_avg: 8-bit; uint8: the 4-bit exp_avg, two codes per byte)."""
+    if not scales:
+        return exp_avg.float(), exp_avg_sq.float()
+    if exp_avg.dtype == torch.uint8:
+        m = moment4_decode(exp_avg, scales[0], p.numel())
+    else:
+        m = moment8_decode(exp_avg, scales[0])
+    return m.reshape(p.shape), moment8_decode(exp_avg_sq, scales[1]).reshape(p.shape)
+
+
+def _moments_out(m: Tensor, v: Tensor, word: Tensor, ok: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
+                 *scales: Tensor) -> None:
+    """Store the updated fp32 moments where ``ok``: codes (and their scales) or bf16, rounded
+    stochastically from the elements' random words (fields B and C), fp32 as they are."""
+    if exp_avg.dtype == torch.float32:
+        r_m = r_v = None
+    else:
+        r_m, r_v = rand_field16(word, RAND_EXP_AVG), rand_field16(word, RAND_EXP_AVG_SQ)
+    if scales:
+        m_new, sm = moment4_encode(m, r_m) if exp_avg.dtype == torch.uint8 else moment8_encode(m, "exp_avg", r_m)
+        v_new, sv = moment8_encode(v, "exp_avg_sq", r_v)
+        for dst, src in zip(scales, (sm, sv)):
+            dst.copy_(torch.where(ok, src.reshape(dst.shape), dst))
+    elif exp_avg.dtype == torch.bfloat16:  # stochastic rounding: unbiased small changes
+        m_new, v_new = bf16_sr(m, r_m), bf16_sr(v, r_v)
+    else:
+        m_new, v_new = m, v
+    exp_avg.copy_(torch.where(ok, m_new, exp_avg))
+    exp_avg_sq.copy_(torch.where(ok, v_new, exp_avg_sq))
+
+
 def adamw_step_(
     params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor],
     max_exp_avg_sqs: Sequence[Tensor], masters: Sequence[Tensor], steps: Sequence[Tensor], grad_factor: Tensor,
@@ -465,17 +498,9 @@ def adamw_step_(
             w = master8_decode(p, masters[i])
         else:
             w = p.float()
-        mom4 = exp_avgs[i].dtype == torch.uint8  # 4-bit exp_avg (two codes per byte) + 8-bit exp_avg_sq
-        mom8 = exp_avgs[i].dtype == torch.int8 or mom4
-        if mom4:
-            m = moment4_decode(exp_avgs[i], exp_avg_scales[i], p.numel()).reshape(p.shape)
-            v = moment8_decode(exp_avg_sqs[i], exp_avg_sq_scales[i]).reshape(p.shape)
-        elif mom8:
-            m = moment8_decode(exp_avgs[i], exp_avg_scales[i]).reshape(p.shape)
-            v = moment8_decode(exp_avg_sqs[i], exp_avg_sq_scales[i]).reshape(p.shape)
-        else:
-            m = exp_avgs[i].float()
-            v = exp_avg_sqs[i].float()
+        grouped = (exp_avgs[i], exp_avg_sqs[i]) + ((exp_avg_scales[i], exp_avg_sq_scales[i])
+                                                    if exp_avgs[i].dtype in (torch.int8, torch.uint8) else ())
+        m, v = _moments_in(p, *grouped)
         w = w * decay
         m = m + (1 - beta1) * (g - m)
         v = v * beta2 + (1 - beta2) * g * g
@@ -485,20 +510,7 @@ def adamw_step_(
             max_exp_avg_sqs[i].copy_(torch.where(ok, vv, max_exp_avg_sqs[i]))
         denom = _sqrt32(vv) * inv_bc2 + eps
         w = w - step_size * m / denom
-        if mom8:
-            if mom4:
-                m_new, sm = moment4_encode(m, bits(RAND_EXP_AVG))
-            else:
-                m_new, sm = moment8_encode(m, "exp_avg", bits(RAND_EXP_AVG))
-            v_new, sv = moment8_encode(v, "exp_avg_sq", bits(RAND_EXP_AVG_SQ))
-            exp_avg_scales[i].copy_(torch.where(ok, sm.reshape(exp_avg_scales[i].shape), exp_avg_scales[i]))
-            exp_avg_sq_scales[i].copy_(torch.where(ok, sv.reshape(exp_avg_sq_scales[i].shape), exp_avg_sq_scales[i]))
-        elif exp_avgs[i].dtype == torch.bfloat16:  # stochastic rounding: unbiased small changes
-            m_new, v_new = bf16_sr(m, bits(RAND_EXP_AVG)), bf16_sr(v, bits(RAND_EXP_AVG_SQ))
-        else:
-            m_new, v_new = m, v
-        exp_avgs[i].copy_(torch.where(ok, m_new, exp_avgs[i]))
-        exp_avg_sqs[i].copy_(torch.where(ok, v_new, exp_avg_sqs[i]))
+        _moments_out(m, v, word, ok, *grouped)
         if master_mode == MASTER_F32:
             masters[i].copy_(torch.where(ok, w, masters[i]))
             new_p = w.to(p.dtype)
