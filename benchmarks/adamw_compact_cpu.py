@@ -7,7 +7,7 @@ of the fastest, for the default SIMD path (AVX-512 where the CPU has it, else AV
 is the figure to read on a shared machine (other work only ever slows a run down).
 
     python benchmarks/adamw_compact_cpu.py [--numel 33554432] [--tensors 200] [--reps 7] [--avx2] [--scalar]
-                                           [--threads N] [--only SUBSTRING]
+                                           [--threads N] [--only SUBSTRING] [--interleave]
     python benchmarks/adamw_compact_cpu.py --device cuda     # the CUDA kernels (scripts/gpu_check.sh runs it)
 """
 
@@ -47,7 +47,37 @@ CASES = [
 ]
 
 
-def run(numel: int, tensors: int, reps: int, device: str = "cpu", only: str = "") -> None:
+def _setup(params: list[torch.Tensor], grads: list[torch.Tensor], dev: torch.device, mode: int, sdt, sr: bool):
+    """The tensors of one case and a closure doing one fused step on them."""
+    sizes = [p.numel() for p in params]
+    scales = ([], [])
+    if sdt in (MOM8, MOM4):
+        ms = ([torch.zeros(n, dtype=torch.int8, device=dev) for n in sizes] if sdt == MOM8 else
+              [torch.zeros((n + 1) // 2, dtype=torch.uint8, device=dev) for n in sizes])
+        vs = [torch.zeros(n, dtype=torch.uint8, device=dev) for n in sizes]
+        scales = tuple([torch.zeros((n + 31) // 32, dtype=BF16, device=dev) for n in sizes] for _ in range(2))
+    else:
+        ms = [torch.zeros(n, dtype=sdt, device=dev) for n in sizes]
+        vs = [torch.zeros(n, dtype=sdt, device=dev) for n in sizes]
+    masters = {0: [], 1: [p.float() for p in params],
+               2: [torch.zeros(n, dtype=torch.int16, device=dev) for n in sizes],
+               3: [torch.zeros(n, dtype=torch.int8, device=dev) for n in sizes]}[mode]
+    steps = [torch.zeros((), device=dev) for _ in sizes]
+    ps = [p.clone() for p in params]
+    one, zero = torch.tensor(1.0, device=dev), torch.tensor(0.0, device=dev)
+
+    def step() -> None:
+        torch.ops.mpkern.adamw_step_(ps, grads, ms, vs, [], masters, steps, one, zero, None, 1e-3, 0.9, 0.999,
+                                     1e-8, 0.01, False, mode, sr, 1, [], [], *scales)
+    return step
+
+
+def run(numel: int, tensors: int, reps: int, device: str = "cpu", only: str = "", interleave: bool = False) -> None:
+    """Time the CASES (those whose name contains one of the comma-separated strings ``only``).
+    ``interleave``: set all of them up first and time them round-robin, the order reversed every
+    round, so that a drift of the machine's speed or the position in the run (the later of two runs
+    measured ~4 % slower on a busy VM) falls on every case alike; the ratios of the fastest times to
+    the first case's are printed."""
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     sizes = [numel // tensors] * tensors
@@ -55,37 +85,39 @@ def run(numel: int, tensors: int, reps: int, device: str = "cpu", only: str = ""
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(n, generator=gen).to(BF16).to(dev) for n in sizes]
     grads = [(torch.randn(n, generator=gen) * 1e-2).to(BF16).to(dev) for n in sizes]
-    one, zero = torch.tensor(1.0, device=dev), torch.tensor(0.0, device=dev)
-    for name, mode, sdt, sr, nbytes in CASES:
-        if only and only not in name:
-            continue
-        scales = ([], [])
-        if sdt in (MOM8, MOM4):
-            ms = ([torch.zeros(n, dtype=torch.int8, device=dev) for n in sizes] if sdt == MOM8 else
-                  [torch.zeros((n + 1) // 2, dtype=torch.uint8, device=dev) for n in sizes])
-            vs = [torch.zeros(n, dtype=torch.uint8, device=dev) for n in sizes]
-            scales = tuple([torch.zeros((n + 31) // 32, dtype=BF16, device=dev) for n in sizes] for _ in range(2))
-        else:
-            ms = [torch.zeros(n, dtype=sdt, device=dev) for n in sizes]
-            vs = [torch.zeros(n, dtype=sdt, device=dev) for n in sizes]
-        masters = {0: [], 1: [p.float() for p in params],
-                   2: [torch.zeros(n, dtype=torch.int16, device=dev) for n in sizes],
-                   3: [torch.zeros(n, dtype=torch.int8, device=dev) for n in sizes]}[mode]
-        steps = [torch.zeros((), device=dev) for _ in sizes]
-        ps = [p.clone() for p in params]
-        times = []
-        for r in range(reps + 1):
-            sync()
-            t0 = time.perf_counter()
-            torch.ops.mpkern.adamw_step_(ps, grads, ms, vs, [], masters, steps, one, zero, None, 1e-3, 0.9, 0.999,
-                                         1e-8, 0.01, False, mode, sr, 1, [], [], *scales)
-            sync()
-            if r:  # the first call warms up (page faults of fresh buffers, the device table)
-                times.append(time.perf_counter() - t0)
+    cases = [c for c in CASES if not only or any(o and o in c[0] for o in only.split(","))]
+
+    def timed(step) -> float:
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        return time.perf_counter() - t0
+
+    def report(name: str, nbytes: float, times: list[float]) -> float:
         t, med = min(times), statistics.median(times)
         print(f"{name:50s} {t * 1e3:8.2f} ms (median {med * 1e3:7.2f})  {nbytes:6.2f} B/param  "
               f"{numel * nbytes / t / 1e9:6.1f} GB/s")
-        del ms, vs, masters, ps
+        return t
+
+    if not interleave:
+        for name, mode, sdt, sr, nbytes in cases:
+            step = _setup(params, grads, dev, mode, sdt, sr)
+            step()  # the first call warms up (page faults of fresh buffers, the device table)
+            report(name, nbytes, [timed(step) for _ in range(reps)])
+            del step
+        return
+    steps = [_setup(params, grads, dev, mode, sdt, sr) for _, mode, sdt, sr, _ in cases]
+    for step in steps:
+        step()
+    times: list[list[float]] = [[] for _ in cases]
+    for r in range(reps):
+        order = range(len(cases)) if r % 2 == 0 else reversed(range(len(cases)))
+        for j in order:
+            times[j].append(timed(steps[j]))
+    best = [report(name, nbytes, ts) for (name, _, _, _, nbytes), ts in zip(cases, times)]
+    for (name, *_), t in zip(cases[1:], best[1:]):
+        print(f"  {name} / {cases[0][0]}: {t / best[0]:.3f}x the time (fastest of {reps} interleaved)")
 
 
 def main() -> None:
@@ -95,13 +127,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--scalar", action="store_true", help="also time the scalar (non-SIMD) path")
     ap.add_argument("--avx2", action="store_true", help="also time the AVX2 path where AVX-512 is the default")
-    ap.add_argument("--only", default="", help="only the cases whose name contains this")
+    ap.add_argument("--only", default="", help="only the cases whose name contains one of these comma-separated strings")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--interleave", action="store_true",
+                    help="time the selected cases round-robin (all set up at once: use --only / a smaller --numel)")
     a = ap.parse_args()
     if a.device.startswith("cuda"):
         print(f"{torch.cuda.get_device_name()}: CUDA kernels")
-        run(a.numel, a.tensors, a.reps, a.device)
+        run(a.numel, a.tensors, a.reps, a.device, interleave=a.interleave)
         return
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -111,12 +145,12 @@ def main() -> None:
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     has512 = all(f" {x} " in flags for x in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
     print("AVX-512 path:" if has512 and os.environ.get("MPKERN_CPU_AVX512", "1") != "0" else "AVX2 path:")
-    run(a.numel, a.tensors, a.reps, only=a.only)
+    run(a.numel, a.tensors, a.reps, only=a.only, interleave=a.interleave)
     if a.avx2 and has512:
         old = os.environ.get("MPKERN_CPU_AVX512")
         os.environ["MPKERN_CPU_AVX512"] = "0"  # read by the kernel on every call
         print("AVX2 path:")
-        run(a.numel, a.tensors, a.reps, only=a.only)
+        run(a.numel, a.tensors, a.reps, only=a.only, interleave=a.interleave)
         if old is None:
             del os.environ["MPKERN_CPU_AVX512"]
         else:
@@ -124,7 +158,7 @@ def main() -> None:
     if a.scalar:
         ext.set_cpu_simd(False)
         print("scalar path:")
-        run(a.numel, a.tensors, a.reps, only=a.only)
+        run(a.numel, a.tensors, a.reps, only=a.only, interleave=a.interleave)
         ext.set_cpu_simd(True)
 
 

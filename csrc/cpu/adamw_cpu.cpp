@@ -409,21 +409,26 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_v8(__m256 v, __m256 i
   return _mm256_and_si256(c, _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ)));
 }
 
-// The 8 signed 4-bit codes of the 32-bit word w (code j = bits 4j..4j+3, mom4_code) as int32
-// lanes: each lane shifts its nibble to the top and shifts it back arithmetically.
-MPK_AVX2 __attribute__((always_inline)) inline __m256i nibbles8(uint32_t w) {
-  const __m256i top = _mm256_sllv_epi32(_mm256_set1_epi32(static_cast<int>(w)),
-                                        _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0));
-  return _mm256_srai_epi32(top, 28);
+// c |c| of a group's 32 signed 4-bit codes (16 bytes at p, mom4_code; c |c| is mom4_decode_m's
+// f |f|, exact, in [-64, 49]) as int8 in element order, elements 0..15 in lo and 16..31 in hi: the
+// low and high nibbles split, interleaved back into element order and looked up with pshufb (it
+// reads the low 4 bits).
+MPK_AVX2 __attribute__((always_inline)) inline void nibble_sq32(const uint8_t* p, __m128i& lo16, __m128i& hi16) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i lo4 = _mm_set1_epi8(0x0f);
+  const __m128i lo = _mm_and_si128(x, lo4), hi = _mm_and_si128(_mm_srli_epi16(x, 4), lo4);
+  const __m128i sq = _mm_setr_epi8(0, 1, 4, 9, 16, 25, 36, 49, -64, -49, -36, -25, -16, -9, -4, -1);
+  lo16 = _mm_shuffle_epi8(sq, _mm_unpacklo_epi8(lo, hi));
+  hi16 = _mm_shuffle_epi8(sq, _mm_unpackhi_epi8(lo, hi));
 }
 
-// The 32 codes of a group as 32 signed bytes in element order -> 16 bytes of two codes each
-// (mom4_pack): the low nibble of each even byte, the odd byte's in the high nibble.
-MPK_AVX2 __attribute__((always_inline)) inline __m128i pack_nibbles32(__m256i codes8) {
-  const __m256i t = _mm256_and_si256(codes8, _mm256_set1_epi16(0x0f0f));
-  const __m256i x = _mm256_and_si256(_mm256_or_si256(t, _mm256_srli_epi16(t, 4)), _mm256_set1_epi16(0xff));
-  const __m256i b = _mm256_permute4x64_epi64(_mm256_packus_epi16(x, x), 0x08);  // bytes of both halves
-  return _mm256_castsi256_si128(b);
+// 16 codes as signed bytes in element order -> 8 bytes of two codes each (mom4_pack) in the low
+// half, the same for hi16 in the high half: per 16-bit lane (c_even & 15) + 16 (c_odd & 15) by one
+// unsigned x signed byte multiply-add (<= 255), packed to bytes with unsigned saturation (exact).
+MPK_AVX2 __attribute__((always_inline)) inline __m128i pack_nibbles16x2(__m128i lo16, __m128i hi16) {
+  const __m128i lo4 = _mm_set1_epi8(0x0f), w = _mm_set1_epi16(0x1001);  // bytes 1, 16
+  return _mm_packus_epi16(_mm_maddubs_epi16(_mm_and_si128(lo16, lo4), w),
+                          _mm_maddubs_epi16(_mm_and_si128(hi16, lo4), w));
 }
 
 // The unsigned maxima of the 8 lanes of each of 8 vectors x[0..7], lane g of the result = the
@@ -507,6 +512,13 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
       }
       const __m256 sm = _mm256_set1_ps(bf16_to_f32(t.sm[j0 + g])), sv = _mm256_set1_ps(bf16_to_f32(t.sv[j0 + g]));
       __m256i gm = _mm256_setzero_si256(), gv = _mm256_setzero_si256();
+      alignas(16) int8_t sq4[kMom8Group];  // M4: c |c| of the group's m codes
+      if constexpr (M4) {
+        __m128i lo16, hi16;
+        nibble_sq32(cm4 + ((gb + g * kMom8Group) >> 1), lo16, hi16);
+        _mm_store_si128(reinterpret_cast<__m128i*>(sq4), lo16);
+        _mm_store_si128(reinterpret_cast<__m128i*>(sq4 + 16), hi16);
+      }
 #pragma GCC unroll 1
       for (int q = 0; q < 4; ++q) {
         const int o = g * kMom8Group + 8 * q;
@@ -516,17 +528,15 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
                                              lanes);
         const __m256 gr = _mm256_xor_ps(_mm256_mul_ps(load8<GDT>(t.g, i), factor), gsign);
         __m256 p = load_w8<PDT>(t, f, i);
-        __m256 fm;
-        if constexpr (M4) {  // i is even: elements i .. i + 7 are the 8 nibbles of bytes i / 2 .. i / 2 + 3
-          uint32_t w;
-          memcpy(&w, cm4 + (i >> 1), 4);
-          fm = _mm256_cvtepi32_ps(nibbles8(w));
+        __m256 fm2;  // c |c| of the m codes
+        if constexpr (M4) {
+          fm2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sq4 + 8 * q))));
         } else {
-          fm = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cmp + i))));
+          const __m256 fm = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cmp + i))));
+          fm2 = _mm256_mul_ps(fm, _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(fm), abs_mask)));
         }
         const __m256 fv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cvp + i))));
-        const __m256 absfm = _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(fm), abs_mask));
-        __m256 mm = _mm256_mul_ps(sm, _mm256_mul_ps(fm, absfm));
+        __m256 mm = _mm256_mul_ps(sm, fm2);
         const __m256 f2 = _mm256_mul_ps(fv, fv);
         __m256 vv = _mm256_mul_ps(_mm256_mul_ps(sv, f2), f2);
         p = _mm256_mul_ps(p, decay);
@@ -576,7 +586,8 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
       const int64_t i0 = gb + g * kMom8Group;
       const __m256i mcodes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(pm[0], pm[1]), order);
       if constexpr (M4) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(cm4 + (i0 >> 1)), pack_nibbles32(mcodes));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(cm4 + (i0 >> 1)),
+                         pack_nibbles16x2(_mm256_castsi256_si128(mcodes), _mm256_extracti128_si256(mcodes, 1)));
       } else {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(cmp + i0), mcodes);
       }
@@ -863,23 +874,6 @@ MPK_AVX512 inline Consts512 consts512(const TensorPtrs& t, const Flags& f) {
   return k;
 }
 
-// The 16 signed 4-bit codes of the 64-bit word w (code j = bits 4j..4j+3, mom4_code) as int32 lanes.
-MPK_AVX512 __attribute__((always_inline)) inline __m512i nibbles16(uint64_t w) {
-  const __m512i halves = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-                                                  _mm512_castsi128_si512(_mm_cvtsi64_si128(static_cast<long long>(w))));
-  const __m512i top = _mm512_sllv_epi32(halves, _mm512_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8,
-                                                                   4, 0));
-  return _mm512_srai_epi32(top, 28);
-}
-
-// 16 int32 codes -> 8 bytes of two codes each (mom4_pack): in each 64-bit lane the odd code's low
-// bits move to bits 4..7 (a 64-bit shift by 28), one bit-select takes bits 0..3 from the even code
-// and the rest from the shifted lane, and vpmovqb keeps the low byte of each lane.
-MPK_AVX512 __attribute__((always_inline)) inline void store_nibbles16(uint8_t* dst, __m512i c) {
-  const __m512i x = _mm512_ternarylogic_epi64(_mm512_set1_epi64(0xf), c, _mm512_srli_epi64(c, 28), 0xCA);  // a ? b : c
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi64_epi8(x));
-}
-
 // The unsigned maxima of the 16 lanes of each of 16 vectors x[0..15], lane g of the result = the
 // maximum of x[g]: a tree of unpacks and 128-bit shuffles (45 operations for 16 vectors where a
 // horizontal reduction each would take ~9 apiece).
@@ -929,6 +923,20 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const Tensor
   alignas(64) float mb[kG * kMom8Group], vb[kG * kMom8Group];
   alignas(64) uint32_t rb[kG * kMom8Group];
   __m512i am[kG], av[kG];
+  // M4: the block's m codes as int8 -- c |c| of the stored ones before the update pass, the new
+  // codes after the encode pass -- so that those passes read and write bytes as the 8-bit kind's
+  // do, and the nibbles are unpacked and packed in short loops of their own (16-byte stores and
+  // loads of the same addresses: store-to-load forwarding works; a 64-byte load of four 16-byte
+  // stores measured ~6 % slower)
+  alignas(64) int8_t c8[M4 ? kG * kMom8Group : 64];
+  if constexpr (M4) {
+    for (int g = 0; g < n; ++g) {
+      __m128i lo16, hi16;
+      nibble_sq32(cm4 + ((gb + g * kMom8Group) >> 1), lo16, hi16);
+      _mm_store_si128(reinterpret_cast<__m128i*>(c8 + g * kMom8Group), lo16);
+      _mm_store_si128(reinterpret_cast<__m128i*>(c8 + g * kMom8Group + 16), hi16);
+    }
+  }
   for (int g = 0; g < kG; ++g) {
     if (g >= n) {
       am[g] = _mm512_setzero_si512();
@@ -944,16 +952,15 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const Tensor
       const __m512i elo = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(elo0 + static_cast<uint32_t>(o))), lanes);
       const __m512 gr = _mm512_xor_ps(_mm512_mul_ps(load16<GDT>(t.g, i), k.factor), k.gsign);
       __m512 p = load_w16<PDT>(t, f, i);
-      __m512 fm;
-      if constexpr (M4) {  // i is even: the 16 nibbles of bytes i / 2 .. i / 2 + 7
-        uint64_t w;
-        memcpy(&w, cm4 + (i >> 1), 8);
-        fm = _mm512_cvtepi32_ps(nibbles16(w));
+      __m512 fm2;  // c |c| of the m codes
+      if constexpr (M4) {
+        fm2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(c8 + o))));
       } else {
-        fm = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cmp + i))));
+        const __m512 fm = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cmp + i))));
+        fm2 = _mm512_mul_ps(fm, _mm512_abs_ps(fm));
       }
       const __m512 fv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cvp + i))));
-      __m512 mm = _mm512_mul_ps(sm, _mm512_mul_ps(fm, _mm512_abs_ps(fm)));
+      __m512 mm = _mm512_mul_ps(sm, fm2);
       const __m512 f2 = _mm512_mul_ps(fv, fv);
       __m512 vv = _mm512_mul_ps(_mm512_mul_ps(sv, f2), f2);
       p = _mm512_mul_ps(p, k.decay);
@@ -990,12 +997,16 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const Tensor
       // fields B (bits 10..20) and C (bits 21..31) moved to mantissa bits 12..22
       const __m512i c = enc_m16<M4 ? 7 : 127>(_mm512_load_ps(mb + o), img, rand_unit16(_mm512_slli_epi32(rw, 2)));
       const __m512i d = enc_v16(_mm512_load_ps(vb + o), ivg, rand_unit16(_mm512_srli_epi32(rw, 9)));
-      if constexpr (M4) {
-        store_nibbles16(cm4 + ((gb + o) >> 1), c);
-      } else {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(cmp + gb + o), _mm512_cvtepi32_epi8(c));
-      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(M4 ? c8 + o : cmp + gb + o), _mm512_cvtepi32_epi8(c));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(cvp + gb + o), _mm512_cvtepi32_epi8(d));
+    }
+  }
+  if constexpr (M4) {
+    for (int g = 0; g < n; ++g) {
+      const int8_t* c = c8 + g * kMom8Group;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(cm4 + ((gb + g * kMom8Group) >> 1)),
+                       pack_nibbles16x2(_mm_load_si128(reinterpret_cast<const __m128i*>(c)),
+                                        _mm_load_si128(reinterpret_cast<const __m128i*>(c + 16))));
     }
   }
 }

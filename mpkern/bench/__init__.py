@@ -11,8 +11,8 @@ module per kernel family:
 * :mod:`.modes` -- :func:`bench_adamw_modes`: the storage modes (master kind x moment kind, all
   names, labels and byte counts from the optimizer's storage-kind registry): bytes moved, state
   bytes, GB/s vs the in-place bandwidth, ratio over (a) and its limit.
-* :mod:`.torchao_peers` -- :func:`bench_torchao`: torchao's AdamW8bit and bf16 stochastic-rounding
-  AdamW, state bytes from their tensors.
+* :mod:`.torchao_peers` -- :func:`bench_torchao`: torchao's AdamW8bit, AdamW4bit and bf16
+  stochastic-rounding AdamW, state bytes from their tensors.
 * :mod:`.host` -- :func:`host_time` / :func:`bench_host_time`: us per tensor of a step on 1000 tiny
   tensors vs torch fused AdamW + foreach clip (also ``benchmarks/host_time.py``).
 * :mod:`.matmul` -- :func:`bench_matmul`: ``mpkern.matmul`` vs ``torch.matmul`` (TFLOP/s). On CUDA

@@ -1,6 +1,6 @@
 """torchao's low-bit AdamWs side by side with the AdamW benchmark (AdamW8bit on fp32 and bf16
-params, bf16 stochastic-rounding AdamW): the same loss-scaled, clipped step, time and the state
-bytes counted from their real tensors; "not installed" rows when torchao does not import."""
+params, AdamW4bit on bf16 params, bf16 stochastic-rounding AdamW): the same loss-scaled, clipped
+step, time and the state bytes counted from their real tensors; "not installed" rows when torchao does not import."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from .common import (
 TORCHAO_CASES: tuple[tuple[str, str, torch.dtype, dict[str, Any]], ...] = (
     ("AdamW8bit, fp32 params", "AdamW8bit", torch.float32, {}),
     ("AdamW8bit, bf16 params (bf16_stochastic_round)", "AdamW8bit", torch.bfloat16, {"bf16_stochastic_round": True}),
+    ("AdamW4bit, bf16 params (bf16_stochastic_round)", "AdamW4bit", torch.bfloat16, {"bf16_stochastic_round": True}),
     ("bf16 AdamW, stochastic rounding (bf16 params and moments)", "_AdamW", torch.bfloat16,
      {"bf16_stochastic_round": True}),
 )
