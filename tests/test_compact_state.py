@@ -268,7 +268,7 @@ def test_8bit_matches_fp32_master_within_one_correction_unit(backend, flags):
     assert not torch.equal(outs[1], w0.float())  # it moved
 
 
-@pytest.mark.parametrize("mode", [("remainder", "bfloat16"), ("8bit", "8bit")])
+@pytest.mark.parametrize("mode", [("remainder", "bfloat16"), ("8bit", "8bit"), ("8bit", "4bit_m")])
 def test_eager_step_after_compiled_steps_keeps_the_compact_masters(backend, mode):
     # compiled steps move the params' version counters with their own (functionalized) writes; the
     # next eager step must not take that for an external write (it would reset the remainders /

@@ -878,6 +878,7 @@ STATE_CONFIGS = {
     "bf16 state": {"state_dtype": torch.bfloat16},
     "remainder": {"master_weights": "remainder"},
     "8bit moments": {"state_dtype": "8bit", "weight_decay": 0.1},
+    "4bit_m moments": {"state_dtype": "4bit_m", "weight_decay": 0.1},
     "foreach=False": {"foreach": False},
     "fused=True": {"fused": True},
 }
@@ -1464,6 +1465,7 @@ COPY_CONFIGS = {
     "bf16 stochastic": (torch.bfloat16, {"lr": 1e-2, "master_weights": False, "stochastic_rounding": True,
                                          "seed": 11}),
     "bf16 8bit": (torch.bfloat16, {"lr": 1e-2, "master_weights": "8bit", "state_dtype": "8bit", "seed": 3}),
+    "bf16 4bit_m": (torch.bfloat16, {"lr": 1e-2, "master_weights": "remainder", "state_dtype": "4bit_m", "seed": 4}),
 }
 
 
