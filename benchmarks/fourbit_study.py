@@ -28,6 +28,7 @@ back to groups of 128, as in Li et al.). ``v8`` keeps ``exp_avg_sq`` in the ship
     python benchmarks/fourbit_study.py tests            # spike-then-decay, small-update, mixed-scale, bias
     python benchmarks/fourbit_study.py fidelity --steps 300 --finetune-steps 200
     python benchmarks/fourbit_study.py bias             # the random-field width needed (pinned values)
+    python benchmarks/fourbit_study.py overshoot        # the update overshoot of a 4-bit v, by regime
 
 Everything runs on the ``torch`` backend (MPKERN_BACKEND=torch is set here): the kernels agree bit
 for bit with the reference for the shipped kinds, and these kinds have no kernel.
@@ -458,6 +459,50 @@ def _bias_sim(book, widths, n, steps, beta) -> dict:
     return out
 
 
+def overshoot_sim(book: str, regime: str, hyst: bool = False, alpha: float = 0.0, n: int = 4096,
+                  seed: int = 0) -> float:
+    """How much longer than float64 AdamW's the Adam step of a 4-bit v (``book``, a bf16 scale per
+    32, groups of equal grad statistics) is -- the v alone. Each step ``v_new = beta2 v_stored +
+    (1 - beta2) g^2`` (what the update divides by), then ``v_new`` rounded back stochastically
+    (torch.rand bits, not the kernels' words). Returns the mean over elements and a window of steps
+    of ``sqrt(v64 / v_den) - 1`` (+0.03: steps 3 % too long), where ``v_den`` is ``v_new`` with the
+    stored part taken as ``v_stored (1 + 2 alpha gap_k / value_k)`` (a per-code correction of the
+    decode for the update only, gap_k the mean distance to the neighbouring codes) and the EMA kept
+    on the uncorrected v. ``hyst``: a group keeps its scale while its new max is in [scale / 2,
+    scale] (no re-gridding of the codes when the max moves a little). Regimes: ``"warmup"``
+    constant grads 1 from zero state, steps 900-1000 (the small-update test's case); ``"stationary"``
+    N(0, 1) grads, steps 5000-8000; ``"mixed"`` the same with each element's grad variance
+    log-uniform over one decade (groups hold different levels)."""
+    gen = torch.Generator().manual_seed(seed)
+    bk = _book(book)
+    up = torch.cat([bk[1:] - bk[:-1], bk[-1:] - bk[-2:-1]])
+    down = torch.cat([bk[:1], bk[1:] - bk[:-1]])
+    corr = 1 + 2 * alpha * (0.5 * (up + down) / bk.clamp(min=1e-9))
+    g32 = 32
+    const = regime == "warmup"
+    steps, window = (1000, 100) if const else (8000, 3000)
+    var = 10 ** (-torch.rand(n, generator=gen)) if regime == "mixed" else torch.ones(n)
+    idx = torch.zeros(n, dtype=torch.int64)
+    scale = torch.zeros(n // g32)
+    v64 = torch.zeros(n, dtype=torch.float64)
+    acc = []
+    for t in range(1, steps + 1):
+        g = (torch.ones(n) if const else torch.randn(n, generator=gen)) * var.sqrt()
+        vhat = bk[idx] * scale.repeat_interleave(g32)
+        vnew = B2 * vhat + (1 - B2) * g * g
+        vden = B2 * vhat * corr[idx] + (1 - B2) * g * g
+        v64 = B2 * v64 + (1 - B2) * g.double() ** 2
+        if t > steps - window:
+            acc.append(float((v64 / vden.double()).sqrt().mean()))
+        amax = vnew.reshape(-1, g32).amax(1)
+        new = bf16_up(amax).float()
+        scale = torch.where((amax <= scale) & (amax >= 0.5 * scale), scale, new) if hyst else new
+        s = scale.repeat_interleave(g32)
+        y = torch.where(s > 0, vnew / s.clamp(min=1e-30), torch.zeros_like(vnew)).clamp(max=1.0)
+        idx = sr_index(y, bk, torch.rand(n, generator=gen), FLOOR[book])
+    return sum(acc) / len(acc) - 1
+
+
 def measured_bytes(kind: FourBit, shapes=((512, 128), (128,), (130, 128), (1000, 33))) -> float:
     """Bytes per element of both moments, from the real state tensors of params of ``shapes``."""
     tot = els = 0
@@ -563,7 +608,7 @@ def run_lrsweep(steps: int, ft_steps: int, phases) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["tests", "fidelity", "bias", "bytes", "lrsweep"])
+    ap.add_argument("what", choices=["tests", "fidelity", "bias", "bytes", "lrsweep", "overshoot"])
     ap.add_argument("--kinds", default="all", help="comma-separated formulation names (default: all)")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--finetune-steps", type=int, default=600)
@@ -589,6 +634,14 @@ def main() -> None:
                            args.ref8)
     elif args.what == "lrsweep":
         res = run_lrsweep(args.steps, args.finetune_steps, args.phase.split(","))
+    elif args.what == "overshoot":
+        res = {}
+        for b, hyst, alpha in [(b, h, 0.0) for b in ("lin0", "lt", "sq0", "q4") for h in (False, True)] + \
+                [(b, h, 0.4) for b in ("lin0", "lt") for h in (False, True)]:
+            row = {r: overshoot_sim(b, r, hyst, alpha) for r in ("warmup", "stationary", "mixed")}
+            res[f"{b} hyst={hyst} alpha={alpha}"] = row
+            print(f"{b:5s} {'scale hysteresis' if hyst else 'scale every step'}, alpha {alpha}: "
+                  + "  ".join(f"{r} {x * 100:+.2f} %" for r, x in row.items()), flush=True)
     elif args.what == "bias":
         res = {f"v {b} beta2": bias_sim(b) for b in ("q4", "sq0", "lin0")}
         res.update({f"m {b} beta1": bias_sim(b, beta=B1) for b in ("sq", "de")})
