@@ -151,8 +151,11 @@ def _graph_backends():
 
 
 @requires_cuda
+@pytest.mark.parametrize("mode", [{}, {"master_weights": "8bit", "state_dtype": "8bit", "seed": 3},
+                                  {"master_weights": "8bit", "state_dtype": "4bit_m", "seed": 3}],
+                         ids=["fp32", "8bit-8bit", "8bit-4bit_m"])
 @pytest.mark.parametrize("name", _graph_backends())
-def test_optimizer_capture_replays_equal_eager_steps(name, monkeypatch):
+def test_optimizer_capture_replays_equal_eager_steps(name, mode, monkeypatch):
     monkeypatch.setenv("MPKERN_BACKEND", name)
     sizes = [70000, (33, 7), 5]
     grads = []
@@ -163,7 +166,7 @@ def test_optimizer_capture_replays_equal_eager_steps(name, monkeypatch):
     def make():
         params = _params(sizes, 13, device=torch.device("cuda"))
         lr = torch.tensor(1e-3, device="cuda")
-        opt = mpkern.FusedAdamWMP(params, lr=lr, max_grad_norm=1.0, capturable=True)
+        opt = mpkern.FusedAdamWMP(params, lr=lr, max_grad_norm=1.0, capturable=True, **mode)
         for p, gr in zip(params, grads[0]):
             p.grad = gr.clone()
         opt.step()  # warm-up: state and tables
@@ -190,8 +193,11 @@ def test_optimizer_capture_replays_equal_eager_steps(name, monkeypatch):
     torch.cuda.synchronize()
     for pe, pg in zip(eager_p, graph_p):
         assert torch.equal(pe, pg)
-        for key in ("master_param", "exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(eager_opt.state[pe][key], graph_opt.state[pg][key]), key
+        se, sg = eager_opt.state[pe], graph_opt.state[pg]
+        assert se.keys() == sg.keys()
+        for key, t in se.items():  # every state tensor: masters / corrections, moments / codes and scales, step
+            if isinstance(t, torch.Tensor):
+                assert torch.equal(t, sg[key]), key
 
 
 @requires_cuda
