@@ -410,16 +410,17 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_v8(__m256 v, __m256 i
 }
 
 // c |c| of a group's 32 signed 4-bit codes (16 bytes at p, mom4_code; c |c| is mom4_decode_m's
-// f |f|, exact, in [-64, 49]) as int8 in element order, elements 0..15 in lo and 16..31 in hi: the
-// low and high nibbles split, interleaved back into element order and looked up with pshufb (it
-// reads the low 4 bits).
-MPK_AVX2 __attribute__((always_inline)) inline void nibble_sq32(const uint8_t* p, __m128i& lo16, __m128i& hi16) {
+// f |f|, exact, in [-64, 49]) as 32 int8 in element order at dst (16-byte aligned): the low and high
+// nibbles split, interleaved back into element order and looked up with pshufb (it reads the low 4
+// bits). Two 16-byte stores, read back by 16-byte (AVX-512) or contained 8-byte (AVX2) loads, which
+// store-to-load forwarding serves.
+MPK_AVX2 __attribute__((always_inline)) inline void nibble_sq32(const uint8_t* p, int8_t* dst) {
   const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i lo4 = _mm_set1_epi8(0x0f);
   const __m128i lo = _mm_and_si128(x, lo4), hi = _mm_and_si128(_mm_srli_epi16(x, 4), lo4);
   const __m128i sq = _mm_setr_epi8(0, 1, 4, 9, 16, 25, 36, 49, -64, -49, -36, -25, -16, -9, -4, -1);
-  lo16 = _mm_shuffle_epi8(sq, _mm_unpacklo_epi8(lo, hi));
-  hi16 = _mm_shuffle_epi8(sq, _mm_unpackhi_epi8(lo, hi));
+  _mm_store_si128(reinterpret_cast<__m128i*>(dst), _mm_shuffle_epi8(sq, _mm_unpacklo_epi8(lo, hi)));
+  _mm_store_si128(reinterpret_cast<__m128i*>(dst + 16), _mm_shuffle_epi8(sq, _mm_unpackhi_epi8(lo, hi)));
 }
 
 // 16 codes as signed bytes in element order -> 8 bytes of two codes each (mom4_pack) in the low
@@ -513,12 +514,7 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
       const __m256 sm = _mm256_set1_ps(bf16_to_f32(t.sm[j0 + g])), sv = _mm256_set1_ps(bf16_to_f32(t.sv[j0 + g]));
       __m256i gm = _mm256_setzero_si256(), gv = _mm256_setzero_si256();
       alignas(16) int8_t sq4[kMom8Group];  // M4: c |c| of the group's m codes
-      if constexpr (M4) {
-        __m128i lo16, hi16;
-        nibble_sq32(cm4 + ((gb + g * kMom8Group) >> 1), lo16, hi16);
-        _mm_store_si128(reinterpret_cast<__m128i*>(sq4), lo16);
-        _mm_store_si128(reinterpret_cast<__m128i*>(sq4 + 16), hi16);
-      }
+      if constexpr (M4) nibble_sq32(cm4 + ((gb + g * kMom8Group) >> 1), sq4);
 #pragma GCC unroll 1
       for (int q = 0; q < 4; ++q) {
         const int o = g * kMom8Group + 8 * q;
@@ -928,14 +924,9 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const Tensor
   // do, and the nibbles are unpacked and packed in short loops of their own (16-byte stores and
   // loads of the same addresses: store-to-load forwarding works; a 64-byte load of four 16-byte
   // stores measured ~6 % slower)
-  alignas(64) int8_t c8[M4 ? kG * kMom8Group : 64];
+  alignas(64) int8_t c8[M4 ? kG * kMom8Group : 1];
   if constexpr (M4) {
-    for (int g = 0; g < n; ++g) {
-      __m128i lo16, hi16;
-      nibble_sq32(cm4 + ((gb + g * kMom8Group) >> 1), lo16, hi16);
-      _mm_store_si128(reinterpret_cast<__m128i*>(c8 + g * kMom8Group), lo16);
-      _mm_store_si128(reinterpret_cast<__m128i*>(c8 + g * kMom8Group + 16), hi16);
-    }
+    for (int g = 0; g < n; ++g) nibble_sq32(cm4 + ((gb + g * kMom8Group) >> 1), c8 + g * kMom8Group);
   }
   for (int g = 0; g < kG; ++g) {
     if (g >= n) {

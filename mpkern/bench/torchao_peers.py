@@ -1,6 +1,7 @@
 """torchao's low-bit AdamWs side by side with the AdamW benchmark (AdamW8bit on fp32 and bf16
 params, AdamW4bit on bf16 params, bf16 stochastic-rounding AdamW): the same loss-scaled, clipped
-step, time and the state bytes counted from their real tensors; "not installed" rows when torchao does not import."""
+step, time and the state bytes counted from their real tensors; "not installed" rows when torchao
+does not import."""
 
 from __future__ import annotations
 
