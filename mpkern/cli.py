@@ -133,7 +133,7 @@ def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     except ValueError as e:  # e.g. bf16 asked for on a GPU without it, d_model not divisible by heads
         parser.error(str(e))
     print()
-    print(compare._header(res))
+    print(compare.format_header(res))
     print()
     if args.find_batch:
         from .compare.batch import format_batch_table

@@ -371,7 +371,7 @@ def test_auto_linear_follows_the_measurement(monkeypatch):
     """The 16-bit-param runs use what choose_linear picked, and the table says which ran."""
     for pick in ("mpkern", "torch"):
         monkeypatch.setattr(compare.probe, "choose_linear", lambda shapes, dt, dev, pick=pick, **kw: {
-            "chosen": pick, "dtype": compare._DTYPE_NAME[dt], "why": "test", "ms": {}})
+            "chosen": pick, "dtype": compare.DTYPE_NAME[dt], "why": "test", "ms": {}})
         res = _run("bf16-naive,mpkern-bf16")
         assert set(res["linear_choice"]) == {"bfloat16"}
         for r in res["runs"]:
@@ -459,10 +459,10 @@ def test_lessons_are_worded_for_the_device():
 def test_other_processes_cpu_is_measured_apart_from_ours(monkeypatch):
     """Others' cores = (all busy CPU seconds - ours) / wall seconds; then a real reading."""
     readings = iter([(10.0, 100.0, 5.0), (12.0, 103.5, 7.0)])  # (wall, all busy, ours) in seconds
-    monkeypatch.setattr(compare._OthersCpu, "_now", staticmethod(lambda: next(readings)))
-    assert compare._OthersCpu().cores() == pytest.approx((3.5 - 2.0) / 2.0)
+    monkeypatch.setattr(compare.OthersCpu, "_now", staticmethod(lambda: next(readings)))
+    assert compare.OthersCpu().cores() == pytest.approx((3.5 - 2.0) / 2.0)
     monkeypatch.undo()
-    meter = compare._OthersCpu()
+    meter = compare.OthersCpu()
     if meter.start is None:
         pytest.skip("no /proc/stat")
     time.sleep(0.3)
@@ -631,3 +631,48 @@ def test_find_batch_counts_an_out_of_memory_error_as_not_fitting(monkeypatch):
     assert res["max_batch_size"] == 24 and pts[24]["status"] == "ok"
     assert res["first_not_fitting"] == 26 and pts[26]["status"] == "oom" and pts[26]["peak_mem_bytes"] is None
     assert all(p["status"] == "oom" for b, p in pts.items() if b > 24)
+
+
+def _private_names_shared_across(package_dir: str) -> list[str]:
+    """``module: name`` for every private name (``_x``, not dunder) one module of ``package_dir`` takes from a
+    sibling: ``from .sibling import _x`` (also inside functions) or ``sibling._x`` on a sibling module imported
+    with ``from . import sibling [as alias]``. Parsed with ``ast``, nothing imported."""
+    import ast
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    found = []
+    for fname in sorted(os.listdir(package_dir)):
+        if not fname.endswith(".py"):
+            continue
+        with open(os.path.join(package_dir, fname), encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=fname)
+        sibling_aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:  # from . / from .sibling
+                for a in node.names:
+                    if node.module is None:  # from . import sibling [as alias]: the module itself
+                        sibling_aliases.add(a.asname or a.name)
+                    if private(a.name):
+                        found.append(f"{fname}: from .{node.module or ''} import {a.name}")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in sibling_aliases and private(node.attr)):
+                found.append(f"{fname}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_compare_modules_share_only_public_names():
+    """mpkern/compare/ modules share what they share through public names (issue 29, item 6)."""
+    pkg = os.path.dirname(compare.__file__)
+    assert _private_names_shared_across(pkg) == []
+
+
+def test_private_name_check_finds_both_forms(tmp_path):
+    """The check above is not vacuous: it reports a private import and a private attribute of a sibling."""
+    (tmp_path / "a.py").write_text("from .b import _hidden, shown\nfrom . import b as _b\n\n"
+                                   "def f():\n    from .b import _late\n    return _b._x + _b.ok + _b.__name__\n")
+    (tmp_path / "b.py").write_text("_hidden = shown = _late = _x = ok = 1\n")
+    assert sorted(_private_names_shared_across(str(tmp_path))) == [
+        "a.py: _b._x", "a.py: from .b import _hidden", "a.py: from .b import _late"]

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from ..measure import sync
-from .config import _DTYPE_NAME, Config
-from .recipes import _build
+from .config import DTYPE_NAME, Config
+from .recipes import build_recipe
 from .task import make_task
 
 
@@ -36,7 +36,7 @@ def probe_step_seconds(cfg: Config, base: nn.Module,
     device = torch.device(cfg.device)
     task = make_task(replace(cfg, steps=_PROBE_WARM + _PROBE_TIMED, val_size=1))
     x_all, y_all, bsz = task.x_train.to(device), task.y_train.to(device), cfg.batch_size
-    recipes = {name: _build(name, cfg, base, device, linear_choice) for name in cfg.precisions}
+    recipes = {name: build_recipe(name, cfg, base, device, linear_choice) for name in cfg.precisions}
     for i in range(_PROBE_WARM):
         for r in recipes.values():
             r.step(x_all[i * bsz:(i + 1) * bsz], y_all[i * bsz:(i + 1) * bsz])
@@ -69,7 +69,7 @@ def emulated_runs(cfg: Config, support: dict[str, Any] | None,
     does unless it took mpkern's fp32-GEMM path (``--linear``). Decided from the probe's ratio
     (emulated 0.02-0.5x of fp32, native >= 1x: far from :data:`.probe.NATIVE_MIN_SPEED`), not from a
     step time that load can disturb."""
-    from .recipes import _param_dtype, _use_mpkern_linear
+    from .recipes import param_dtype, use_mpkern_linear
 
     dev = torch.device(cfg.device)
     if dev.type != "cpu" or not support:
@@ -78,13 +78,13 @@ def emulated_runs(cfg: Config, support: dict[str, Any] | None,
     for name in cfg.precisions:
         if name in ("bf16", "fp16"):
             dt = torch.bfloat16 if name == "bf16" else torch.float16
-        elif name != "fp32" and not _use_mpkern_linear(cfg, _param_dtype(name), dev, linear_choice):
-            dt = _param_dtype(name)
+        elif name != "fp32" and not use_mpkern_linear(cfg, param_dtype(name), dev, linear_choice):
+            dt = param_dtype(name)
         else:
             continue
-        probe = support.get(_DTYPE_NAME[dt]) or {}
+        probe = support.get(DTYPE_NAME[dt]) or {}
         if probe and not probe.get("native", True):
-            out[name] = (f"its GEMMs are ATen's {_DTYPE_NAME[dt]} ones, which the native-compute probe measured at "
+            out[name] = (f"its GEMMs are ATen's {DTYPE_NAME[dt]} ones, which the native-compute probe measured at "
                          f"{probe['speed_vs_fp32']:.2f}x of fp32 on this CPU (emulated)")
     return out
 

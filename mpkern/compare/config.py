@@ -25,12 +25,13 @@ OPTIMIZER_STATES = tuple(STATE_SHORTHANDS)
 LINEARS = ("auto", "mpkern", "torch")
 SCHEMA = "mpkern.compare/1"
 
-_DTYPE_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# dtype -> the name the results use (``DTYPE_NAME``) and the short one of the tables (``DTYPE_SHORT``)
+DTYPE_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def _state_name(state_dtype: Any) -> str:
+def state_name(state_dtype: Any) -> str:
     """A ``state_dtype`` as FusedAdamWMP keeps it in its groups ("float32", "bfloat16", "8bit")."""
-    return _DTYPE_NAME[state_dtype] if isinstance(state_dtype, torch.dtype) else str(state_dtype)
+    return DTYPE_NAME[state_dtype] if isinstance(state_dtype, torch.dtype) else str(state_dtype)
 def optimizer_state_args(word: str) -> dict[str, Any]:
     """FusedAdamWMP's ``master_weights`` / ``state_dtype`` for an ``--optimizer-state`` word: a
     shorthand of :data:`STATE_SHORTHANDS` or ``MASTER:MOMENTS`` (:func:`mpkern.optim.storage.parse_mode`)."""
@@ -44,7 +45,7 @@ def optimizer_state_args(word: str) -> dict[str, Any]:
     return {"master_weights": mw, "state_dtype": sd}
 
 
-_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPE_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 # ---- configuration ------------------------------------------------------------------------------
@@ -104,7 +105,7 @@ def default_precisions(device: str | torch.device) -> tuple[tuple[str, ...], dic
     chosen = []
     for p in PRECISIONS:
         if p in BF16_RUNS and not bf16_supported(dev):
-            skipped[p] = _no_bf16_message(dev)
+            skipped[p] = no_bf16_message(dev)
         elif p == "fp16" and dev.type == "cpu":
             skipped[p] = ("PyTorch's CPU fp16 GEMM is not accelerated on most CPUs (autocast fp16 measured ~20x "
                           "slower than fp32 on the 2-core dev machine); ask for it with --precision fp16")
@@ -117,13 +118,14 @@ def default_precisions(device: str | torch.device) -> tuple[tuple[str, ...], dic
     return tuple(chosen), skipped
 
 
-def _no_bf16_message(dev: torch.device) -> str:
+def no_bf16_message(dev: torch.device) -> str:
+    """Why the bf16 runs are left out on ``dev`` and what to run instead."""
     cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" and torch.cuda.is_available() else None
     return (f"bfloat16 needs compute capability >= 8.0 (Ampere or newer); {dev} has {cap}. "
             "Use the fp16 runs instead (--precision fp32,fp16,mpkern-fp16)")
 
 
-def _check(cfg: Config) -> None:
+def check_config(cfg: Config) -> None:
     """Raise ValueError naming the setting that is out of range."""
     for name in ("steps", "batch_size", "seq_len", "d_model", "layers", "heads", "classes", "noise_vocab",
                  "val_size", "log_every"):

@@ -16,7 +16,7 @@ Tensor = torch.Tensor
 
 
 # ---- memory -------------------------------------------------------------------------------------
-class _CpuPeak:
+class CpuPeak:
     """Peak RSS growth of this process over a region (Linux: VmHWM reset via /proc/self/clear_refs)."""
 
     def __init__(self) -> None:
@@ -58,7 +58,7 @@ class _CpuPeak:
             return None
 
 
-def _saved_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
+def saved_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
     """Run ``fn`` and count the bytes of the distinct tensors autograd saves for backward."""
     seen: dict[int, int] = {}
 
@@ -75,7 +75,7 @@ def _saved_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
 OTHERS_WARN = 0.25
 
 
-class _OthersCpu:
+class OthersCpu:
     """CPU time other processes used over a region: all busy time in ``/proc/stat`` minus this
     process's own (``/proc/self/stat``), in cores on average. None where /proc is not there."""
 

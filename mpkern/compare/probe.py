@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..measure import cpu_flags, sync
-from .config import _DTYPE_NAME, SIXTEEN_BIT_PARAMS, Config
+from .config import DTYPE_NAME, SIXTEEN_BIT_PARAMS, Config
 from .task import make_task
 
 Tensor = torch.Tensor
@@ -116,7 +116,7 @@ def compute_support(device: str | torch.device, m: int = 1024, k: int = 128, n: 
     ops = {}
     for dt in (torch.float32, torch.bfloat16, torch.float16):
         a, b = a32.to(dt), b32.to(dt)
-        ops[_DTYPE_NAME[dt]] = (lambda a=a, b=b: torch.mm(a, b))
+        ops[DTYPE_NAME[dt]] = (lambda a=a, b=b: torch.mm(a, b))
     with cpu_threads(dev, 1):
         ms = (timer or _min_ms)(ops, dev, reps)
     out["gemm"] = {"shape": [m, k, n], "ms": ms, "threads": 1 if dev.type == "cpu" else None}
@@ -183,7 +183,7 @@ def choose_linear(shapes: Sequence[tuple[int, int, int, bool]], dtype: torch.dty
     from ..matmul import backend_for
 
     dev = torch.device(device)
-    dname = _DTYPE_NAME[dtype]
+    dname = DTYPE_NAME[dtype]
     what = {"torch": f"ATen {dname} GEMM (F.linear)",
             "mpkern": ("mpkern.linear, Triton GEMM" if backend_for(dev) == "triton"
                        else "mpkern.linear: fp32 GEMM of the upcast operands (ATen), one rounding")}
@@ -320,5 +320,5 @@ def measure_device(cfg: Config, base: nn.Module) -> tuple[dict[str, Any], dict[s
         dtypes = {torch.float16 if p.endswith("fp16") else torch.bfloat16
                   for p in cfg.precisions if p in SIXTEEN_BIT_PARAMS}
         for dt in sorted(dtypes, key=str):
-            choice[_DTYPE_NAME[dt]] = choose_linear(shapes, dt, dev, native=support.get(_DTYPE_NAME[dt]))
+            choice[DTYPE_NAME[dt]] = choose_linear(shapes, dt, dev, native=support.get(DTYPE_NAME[dt]))
     return support, choice

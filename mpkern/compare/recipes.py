@@ -1,6 +1,6 @@
 """The table of runs: model, optimizer and training step of each precision recipe.
 
-Every run starts from a copy of the same base model; :func:`_build` returns its model, optimizer
+Every run starts from a copy of the same base model; :func:`build_recipe` returns its model, optimizer
 and one-step function. The 16-bit-param runs differ only in what the optimizer keeps
 (``--optimizer-state``, :func:`~.config.optimizer_state_args`) and in the Linear path (:func:`_linear_path`).
 """
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import _DTYPE_NAME, _SHORT, Config, _state_name, optimizer_state_args
+from .config import DTYPE_NAME, DTYPE_SHORT, Config, state_name, optimizer_state_args
 
 Tensor = torch.Tensor
 
@@ -26,7 +26,9 @@ COMPACT_STATE = "8bit:8bit"
 
 
 @dataclass
-class _Recipe:
+class Recipe:
+    """One run's model, optimizer, step function, autocast context and scaler, as :func:`build_recipe` made them."""
+
     model: nn.Module
     params: list[Tensor]
     opt: torch.optim.Optimizer
@@ -41,18 +43,19 @@ def _fused_ok(device: torch.device) -> dict[str, bool]:
     return {"fused": True} if device.type in ("cuda", "cpu") else {}
 
 
-def _param_dtype(name: str) -> torch.dtype:
+def param_dtype(name: str) -> torch.dtype:
     """The param dtype of run ``name``."""
     if name in ("fp32", "bf16", "fp16"):
         return torch.float32
     return torch.float16 if name.endswith("fp16") else torch.bfloat16
 
 
-def _use_mpkern_linear(cfg: Config, dtype: torch.dtype, device: torch.device,
-                       linear_choice: dict[str, dict[str, Any]] | None) -> bool:
+def use_mpkern_linear(cfg: Config, dtype: torch.dtype, device: torch.device,
+                      linear_choice: dict[str, dict[str, Any]] | None) -> bool:
+    """Whether a run with ``dtype`` params uses mpkern.nn.Linear (``--linear``, else the measured choice)."""
     if cfg.linear != "auto":
         return cfg.linear == "mpkern"
-    choice = (linear_choice or {}).get(_DTYPE_NAME[dtype])
+    choice = (linear_choice or {}).get(DTYPE_NAME[dtype])
     if choice is not None:
         return choice["chosen"] == "mpkern"
     # no measurement given (a direct call): the Triton GEMM on CUDA; on CPU mpkern.linear's fp32
@@ -70,9 +73,9 @@ def _linear_path(model: nn.Module, pdt: torch.dtype, cfg: Config, device: torch.
     how = "auto: measured faster" if cfg.linear == "auto" and linear_choice else f"--linear {cfg.linear}"
     conv1d = sum(type(m).__name__ == "Conv1D" for m in model.modules())  # transformers' GPT-2 projections
     if conv1d:
-        how += f"; {conv1d} Conv1D projections (not torch.nn.Linear) keep ATen's {_DTYPE_NAME[pdt]} GEMM"
-    if not _use_mpkern_linear(cfg, pdt, device, linear_choice):
-        return f"{layers} (ATen {_DTYPE_NAME[pdt]} GEMM); {how}", f"ATen {_SHORT[pdt]}"
+        how += f"; {conv1d} Conv1D projections (not torch.nn.Linear) keep ATen's {DTYPE_NAME[pdt]} GEMM"
+    if not use_mpkern_linear(cfg, pdt, device, linear_choice):
+        return f"{layers} (ATen {DTYPE_NAME[pdt]} GEMM); {how}", f"ATen {DTYPE_SHORT[pdt]}"
     mpnn.convert(model)
     n_conv = sum(isinstance(m, mpnn.Linear) for m in model.modules())
     triton = backend_for(device) == "triton"
@@ -91,11 +94,11 @@ def _torch_optimizer(name: str, cfg: Config, model: nn.Module, device: torch.dev
     if name != "fp32":
         adt = torch.bfloat16 if name == "bf16" else torch.float16
         autocast = (lambda: torch.autocast(device.type, dtype=adt))
-        linear, gemm = f"{layers} under autocast ({_DTYPE_NAME[adt]} GEMM)", f"ATen {_SHORT[adt]} (autocast)"
+        linear, gemm = f"{layers} under autocast ({DTYPE_NAME[adt]} GEMM)", f"ATen {DTYPE_SHORT[adt]} (autocast)"
     if name == "fp16":
         scaler = torch.amp.GradScaler(device.type)
     describe = {"param_dtype": "float32",
-                "compute": "float32" if name == "fp32" else f"autocast {_DTYPE_NAME[adt]}",
+                "compute": "float32" if name == "fp32" else f"autocast {DTYPE_NAME[adt]}",
                 "optimizer": "torch.optim.AdamW(fused)" + (" + GradScaler" if scaler else ""),
                 "clip": "scaler.unscale_ + clip_grad_norm_" if scaler else "clip_grad_norm_",
                 "linear": linear, "gemm": gemm}
@@ -114,7 +117,7 @@ def _mp_optimizer(name: str, cfg: Config, model: nn.Module, device: torch.device
     """The 16-bit-param runs: plain AdamW (bf16-naive) or FusedAdamWMP (mpkern-*)."""
     from .. import FusedAdamWMP
 
-    pdt = _param_dtype(name)
+    pdt = param_dtype(name)
     params = list(model.parameters())
     scaler = None
     if name == "bf16-naive":
@@ -130,8 +133,8 @@ def _mp_optimizer(name: str, cfg: Config, model: nn.Module, device: torch.device
     if name == "mpkern-fp16":
         scaler = torch.amp.GradScaler(device.type)
     args = [f"master_weights={state.get('master_weights', True)!r}",
-            f"state_dtype={_state_name(state.get('state_dtype', torch.float32))}"]
-    describe = {"param_dtype": _DTYPE_NAME[pdt], "compute": _DTYPE_NAME[pdt],
+            f"state_dtype={state_name(state.get('state_dtype', torch.float32))}"]
+    describe = {"param_dtype": DTYPE_NAME[pdt], "compute": DTYPE_NAME[pdt],
                 "optimizer": "mpkern.FusedAdamWMP(" + ", ".join(args) + ")" + (" + GradScaler" if scaler else ""),
                 "clip": "max_grad_norm fused into step" if fused_clip
                 else "mpkern.unscale_(opt, scaler=scaler, max_norm)"}
@@ -171,13 +174,13 @@ def _step_fn(name: str, model: nn.Module, parts: dict[str, Any], clip: float) ->
     return step
 
 
-def _build(name: str, cfg: Config, base: nn.Module, device: torch.device,
-           linear_choice: dict[str, dict[str, Any]] | None = None) -> _Recipe:
+def build_recipe(name: str, cfg: Config, base: nn.Module, device: torch.device,
+                 linear_choice: dict[str, dict[str, Any]] | None = None) -> Recipe:
     """Model, optimizer and step function of run ``name``, from a copy of ``base``.
 
     ``linear_choice``: :func:`choose_linear`'s result per 16-bit dtype name (``--linear auto``)."""
     model = copy.deepcopy(base).to(device)
-    pdt = _param_dtype(name)
+    pdt = param_dtype(name)
     if pdt == torch.float32:
         parts = _torch_optimizer(name, cfg, model, device)
     else:
@@ -186,4 +189,4 @@ def _build(name: str, cfg: Config, base: nn.Module, device: torch.device,
         parts = _mp_optimizer(name, cfg, model, device)
         parts["describe"].update(linear=linear, gemm=gemm)
     step = _step_fn(name, model, parts, cfg.max_grad_norm)
-    return _Recipe(model, parts["params"], parts["opt"], step, parts["autocast"], parts["scaler"], parts["describe"])
+    return Recipe(model, parts["params"], parts["opt"], step, parts["autocast"], parts["scaler"], parts["describe"])

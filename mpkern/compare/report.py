@@ -116,7 +116,8 @@ def _time_box_lessons(results: dict[str, Any]) -> list[str]:
     return out
 
 
-_MEMORY_NOTE = {
+# What the peak-memory column measures, by ``device is CUDA``.
+MEMORY_NOTE = {
     False: ("CPU peak mem = tensor bytes of the run: its weights, masters and moments plus the peak of the tensors "
             "one steady training step creates (activations, grads and the temporaries of each op, counted from "
             "creation to free through the dispatcher; allocator-independent), including the fp32 temporaries inside "
@@ -128,11 +129,12 @@ _MEMORY_NOTE = {
 }
 
 
-def _jsonable(v: Any) -> Any:
+def jsonable(v: Any) -> Any:
+    """``v`` with dtypes as strings and tuples as lists (nested), ready for ``json.dump``."""
     if isinstance(v, dict):
-        return {k: _jsonable(x) for k, x in v.items()}
+        return {k: jsonable(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
+        return [jsonable(x) for x in v]
     if isinstance(v, torch.dtype):
         return str(v)
     return v
@@ -203,7 +205,8 @@ def format_details(results: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _header(results: dict[str, Any]) -> str:
+def format_header(results: dict[str, Any]) -> str:
+    """The lines above the table: device, versions, config, task, native compute and budget of ``results``."""
     c, d, t = results["config"], results["device"], results["task"]
     nat = results.get("native_compute") or {}
     native = "; ".join(f"{k} {'yes' if nat[k]['native'] else 'NO'} ({nat[k]['why']})"
@@ -246,7 +249,7 @@ def write_outputs(results: dict[str, Any], out: str, *, plot: bool = True) -> di
     scaling = "batch_scaling" in results
     body = format_batch_table(results) if scaling else format_table(results) + "\n\n" + format_details(results)
     with open(paths["md"], "w") as f:
-        f.write(_header(results).replace("\n", "  \n") + "\n\n" + body + "\n")
+        f.write(format_header(results).replace("\n", "  \n") + "\n\n" + body + "\n")
     if plot:
         png = os.path.join(out, "batch_scaling.png" if scaling else "compare.png")
         if (plot_batch if scaling else plot_results)(results, png):

@@ -15,9 +15,9 @@ from torch import nn
 from ..measure import device_info
 from . import budget as _budget
 from . import probe as _probe
-from .config import BF16_RUNS, SCHEMA, Config, _check, _no_bf16_message, default_config, default_precisions
-from .memory import _OthersCpu
-from .report import _MEMORY_NOTE, _jsonable, lessons, write_outputs
+from .config import BF16_RUNS, SCHEMA, Config, check_config, no_bf16_message, default_config, default_precisions
+from .memory import OthersCpu
+from .report import MEMORY_NOTE, jsonable, lessons, write_outputs
 from .task import Classifier, HFClassifier, make_task
 from .train import train_one
 from . import batch as _batch
@@ -51,9 +51,9 @@ def _resolve(precisions: Sequence[str] | str | None, device: str | torch.device 
         skipped = {}
         for p in chosen:
             if p in BF16_RUNS and not bf16_supported(dev):
-                raise ValueError(f"precision {p}: {_no_bf16_message(dev)}")
+                raise ValueError(f"precision {p}: {no_bf16_message(dev)}")
     cfg = replace(cfg, precisions=chosen, skipped_precisions=skipped, device=str(dev))
-    _check(cfg)
+    check_config(cfg)
     return cfg
 
 
@@ -81,14 +81,14 @@ def _common(cfg: Config, base: nn.Module, dev_info: dict[str, Any], support: dic
         "versions": {"mpkern": __version__, "torch": torch.__version__, "python": platform.python_version(),
                      "cuda": torch.version.cuda},
         "device": dev_info, "native_compute": support, "linear_choice": linear_choice,
-        "config": _jsonable(asdict(cfg)),
+        "config": jsonable(asdict(cfg)),
         "task": {"name": "query-selected colour class", "vocab": task.vocab, "classes": task.classes,
                  "train_sequences": cfg.steps * cfg.batch_size, "val_sequences": len(task.y_val),
                  "chance_acc": 1.0 / task.classes, "ignore_query_ceiling_acc": 0.5,
                  "tokens_per_step": cfg.batch_size * cfg.seq_len},
         "model": {"class": base.model.__class__.__name__ if isinstance(base, HFClassifier) else "Classifier",
                   "params": sum(p.numel() for p in base.parameters())},
-        "memory_note": _MEMORY_NOTE[torch.device(cfg.device).type == "cuda"],
+        "memory_note": MEMORY_NOTE[torch.device(cfg.device).type == "cuda"],
     }
 
 
@@ -109,7 +109,7 @@ def _find_batch(cfg: Config, base: nn.Module, support: dict[str, Any], linear_ch
     return cfg, {"memory_budget_bytes": budget, "batch_scaling": scaling, "batch_ratio_vs_fp32": _batch.ratios(scaling)}
 
 
-def _load(dev_info: dict[str, Any], others: _OthersCpu) -> None:
+def _load(dev_info: dict[str, Any], others: OthersCpu) -> None:
     if dev_info["type"] == "cpu":
         dev_info["other_processes_cores"] = others.cores()
 
@@ -163,7 +163,7 @@ def _run(cfg: Config, explicit: bool, find_batch: bool, memory_budget: str | int
         print(f"[compare] threads: {support['threads']['threads']} ({support['threads']['why']})", flush=True)
     for info in linear_choice.values():
         print(f"[compare] --linear auto, {info['dtype']}: {info['chosen']} ({info['why']})", flush=True)
-    others = _OthersCpu()
+    others = OthersCpu()
     if find_batch:
         cfg, scaling = _find_batch(cfg, base, support, linear_choice, memory_budget, explicit)
         _load(dev_info, others)

@@ -15,14 +15,14 @@ from .. import _progress, bytemodel
 from ..measure import sync
 from .config import Config
 from .budget import TIME_BOX_WARMUP
-from .memory import LiveBytes, _CpuPeak, _saved_bytes
-from .recipes import _build, _Recipe
+from .memory import LiveBytes, CpuPeak, saved_bytes
+from .recipes import build_recipe, Recipe
 from .task import Task
 
 Tensor = torch.Tensor
 
 
-def _evaluate(r: _Recipe, task: Task, device: torch.device, batch: int = 512) -> float:
+def _evaluate(r: Recipe, task: Task, device: torch.device, batch: int = 512) -> float:
     r.model.eval()
     correct = torch.zeros((), dtype=torch.int64, device=device)
     with torch.no_grad():
@@ -42,7 +42,7 @@ PROFILED_STEP = 1
 class _Loop:
     """The training loop of one run and what it records (losses, loss scales, skips, timing)."""
 
-    def __init__(self, name: str, cfg: Config, r: _Recipe, task: Task, device: torch.device,
+    def __init__(self, name: str, cfg: Config, r: Recipe, task: Task, device: torch.device,
                  deadline_s: float | None) -> None:
         self.name, self.cfg, self.r, self.device = name, cfg, r, device
         self.steps = cfg.steps
@@ -66,7 +66,7 @@ class _Loop:
     def one(self, i: int) -> Tensor:
         x, y = self.batch(i)
         if i == 0:
-            loss, self.act_bytes = _saved_bytes(partial(self.r.step, x, y))
+            loss, self.act_bytes = saved_bytes(partial(self.r.step, x, y))
         elif i == PROFILED_STEP and self.device.type == "cpu":
             with LiveBytes() as meter:
                 loss = self.r.step(x, y)
@@ -130,7 +130,7 @@ class _Loop:
         return 0, None
 
 
-def _peak(device: torch.device, cpu_peak: _CpuPeak, mem_base: int, loop: _Loop,
+def _peak(device: torch.device, cpu_peak: CpuPeak, mem_base: int, loop: _Loop,
           state: bytemodel.StateBytes) -> dict[str, Any]:
     """Peak memory of the run: CUDA max_memory_allocated; CPU the tensor bytes of a steady step
     (persistent state without grads + the peak of the tensors the step created) beside peak RSS."""
@@ -151,7 +151,7 @@ def train_one(name: str, cfg: Config, task: Task, base: nn.Module, *, progress: 
     """Train run ``name`` (one of :data:`PRECISIONS`) for ``cfg.steps`` steps (or its time box,
     ``cfg.time_box[name]`` seconds); return its report."""
     device = torch.device(cfg.device)
-    cpu_peak = _CpuPeak()
+    cpu_peak = CpuPeak()
     mem_base = 0
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -160,7 +160,7 @@ def train_one(name: str, cfg: Config, task: Task, base: nn.Module, *, progress: 
     else:
         cpu_peak.start()
     t_start = time.perf_counter()
-    r = _build(name, cfg, base, device, linear_choice)
+    r = build_recipe(name, cfg, base, device, linear_choice)
     loop = _Loop(name, cfg, r, task, device, cfg.time_box.get(name))
     bar = _progress.bar(cfg.steps, f"{name:<12}", progress)
     loop.run(bar)
@@ -194,7 +194,7 @@ def train_one(name: str, cfg: Config, task: Task, base: nn.Module, *, progress: 
     }
 
 
-def _state_with_grads(r: _Recipe, x: Tensor, y: Tensor) -> bytemodel.StateBytes:
+def _state_with_grads(r: Recipe, x: Tensor, y: Tensor) -> bytemodel.StateBytes:
     """Training-state bytes with the grads materialised: one extra (untimed, unstepped) backward,
     counted, then cleared -- the real tensors of weights, grads, masters and moments."""
     with r.autocast():
