@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -279,7 +280,7 @@ def _add_compare_parser(sub: Any) -> None:
                          "8-bit moments (7.125), remainder-4bit-m (7.625) or 8bit-4bit-m (6.625: a 4-bit "
                          "exp_avg, two codes per byte) -- bf16 / 8-bit moments and 8-bit masters are rounded "
                          "stochastically (docs/storage.md); or any MASTER:MOMENTS of the storage registry, "
-                         "e.g. remainder:8bit"),
+                         "e.g. remainder:8bit")
     pc.add_argument("--linear", choices=("auto", "mpkern", "torch"), default=None,
                     help="Linear layers of the 16-bit-param runs: mpkern.nn.Linear or torch.nn.Linear "
                          "(auto: whichever is faster on this device, measured before the runs -- both accumulate "
@@ -306,7 +307,15 @@ def _add_compare_parser(sub: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``mpkern`` command (exposed for tests and docs)."""
+    return _parser_and_commands()[0]
 
+
+def _parser_and_commands() -> tuple[argparse.ArgumentParser, Mapping[str, argparse.ArgumentParser]]:
+    """The ``mpkern`` parser and its subcommands' parsers by name (each command reports its errors through its own).
+
+    A subcommand added with ``sub.add_parser(name)`` and ``set_defaults(func=...)`` is found by :func:`main`
+    through the public ``choices`` of the subparsers action; nothing else needs registering.
+    """
     p = argparse.ArgumentParser(prog="mpkern", description="mpkern: fused mixed-precision training kernels")
     p.add_argument("--version", action="version", version=f"mpkern {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -356,15 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
                     metavar="FRACTION", help="share of the budget the estimate leaves unused (default 0.1)")
     pp.add_argument("--json", action="store_true", help="print as JSON")
     pp.set_defaults(func=_cmd_plan)
-    return p
+    return p, sub.choices
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mpkern`` console script; returns the exit status."""
-    parser = build_parser()
+    parser, commands = _parser_and_commands()
     args = parser.parse_args(argv)
-    sub = parser._subparsers._group_actions[0].choices[args.cmd]  # the subcommand's parser, for its errors
-    return args.func(args, sub)
+    return args.func(args, commands[args.cmd])  # the subcommand's own parser, for its errors
 
 
 if __name__ == "__main__":
