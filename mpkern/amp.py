@@ -142,9 +142,9 @@ def _inv_scale_tensor(inv_scale: Any, scaler: Any) -> Tensor | float:
             raise ValueError("unscale_: pass either inv_scale or scaler, not both (the scaler's scale is used)")
         if not scaler.is_enabled():
             return 1.0
-        scaler._check_scale_growth_tracker("unscale_")
+        scale = _handoff.scaler_internals(scaler, needs_scale="unscale_").scale
         # like GradScaler.unscale_: the reciprocal in fp64, on the scale's device, no sync
-        return scaler._scale.double().reciprocal().float()
+        return scale.double().reciprocal().float()
     if isinstance(inv_scale, Tensor):
         if inv_scale.numel() != 1 or not inv_scale.is_floating_point():
             raise ValueError(f"unscale_: inv_scale tensor must hold one floating-point value, got shape "
@@ -213,7 +213,7 @@ def _validate(params_or_optimizer: Any, inv_scale: Any, max_norm: Any, norm_type
                       UserWarning, stacklevel=3)
     if enabled is not None:
         _handoff.check_unscale_stage(enabled, optimizer)
-    out_device = (enabled._scale.device if enabled is not None else grads[0].device if grads
+    out_device = (_handoff.scaler_internals(enabled).scale.device if enabled is not None else grads[0].device if grads
                   else inv.device if isinstance(inv, Tensor) else torch.device("cpu"))
     return _Request(optimizer, params, grads, names, inv, enabled, defer, fuses, inf_norm, max_norm_f, reduce_plan,
                     out_device)

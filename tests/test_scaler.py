@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -104,3 +105,88 @@ def test_disabled_scaler_means_inv_scale_one():
     assert float(res.total_norm) == pytest.approx(float(expected), rel=1e-5)
     for p, g in zip(model.parameters(), grads):
         assert torch.equal(p.grad, g)
+
+
+# ---- the GradScaler layout mpkern relies on (issue 29, item 6) -----------------------------------
+def test_grad_scaler_layout_mpkern_relies_on():
+    """Pins what ``mpkern._handoff.scaler_internals`` reads of GradScaler's private layout, checked against
+    GradScaler's public behaviour: a torch upgrade that changes it fails here, not in a training run."""
+    from torch.amp.grad_scaler import OptState
+
+    from mpkern._handoff import record_found_inf, scaler_internals
+
+    assert {"READY", "UNSCALED", "STEPPED"} <= {s.name for s in OptState}
+    model = _model(4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=2.0**6, growth_interval=1000)
+
+    fresh = scaler_internals(scaler)
+    assert fresh.scale is None and fresh.init_scale == 64.0 and fresh.optimizer_state is None
+    with pytest.raises(AssertionError, match="unscale_"):  # GradScaler's own check, naming the caller
+        scaler_internals(scaler, needs_scale="unscale_")
+
+    scaler.scale(model(torch.randn(4, 16, device=DEVICE)).sum()).backward()
+    live = scaler_internals(scaler, opt, needs_scale="unscale_")
+    assert live.scale.numel() == 1 and live.scale.dtype == torch.float32 and live.scale.device.type == DEVICE.type
+    assert float(live.scale) == scaler.get_scale() == 64.0
+    assert live.optimizer_state == {"stage": OptState.READY, "found_inf_per_device": {}}
+
+    scaler.unscale_(opt)  # GradScaler fills the record it keeps for opt: the same dict
+    rec = scaler_internals(scaler, opt).optimizer_state
+    assert rec is live.optimizer_state and rec["stage"] is OptState.UNSCALED
+    ((dev, flag),) = rec["found_inf_per_device"].items()
+    assert dev == live.scale.device and flag.dtype == torch.float32 and float(flag) == 0.0
+
+    # what mpkern writes there is what GradScaler's step and update act on: an overflow recorded
+    # for opt skips its step and backs the scale off
+    before = [p.detach().clone() for p in model.parameters()]
+    record_found_inf(scaler, opt, torch.ones((), device=DEVICE), unscaled=True)
+    scaler.step(opt)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert scaler_internals(scaler, opt).optimizer_state["stage"] is OptState.STEPPED
+    scaler.update()
+    assert scaler.get_scale() == 32.0 and float(scaler_internals(scaler).scale) == 32.0
+    assert scaler_internals(scaler, opt).optimizer_state["stage"] is OptState.READY  # records reset by update()
+
+
+def test_grad_scaler_layout_change_is_a_clear_error():
+    """A GradScaler without the attributes mpkern reads: a RuntimeError naming the torch version, no AttributeError
+    from deep inside a step."""
+    from mpkern._handoff import scaler_internals
+
+    class Changed(torch.amp.GradScaler):
+        def __init__(self):
+            super().__init__(DEVICE.type)
+            del self._per_optimizer_states  # as if torch had renamed it
+
+    with pytest.raises(RuntimeError, match=re.escape(f"torch {torch.__version__}") + ".*_per_optimizer_states"):
+        scaler_internals(Changed(), object())
+
+
+def test_grad_scaler_privates_are_touched_in_one_function():
+    """Every attribute access to a private name of GradScaler anywhere in mpkern/ is inside
+    ``mpkern._handoff.scaler_internals`` (parsed with ``ast``, nothing imported)."""
+    import ast
+    import pathlib
+
+    scaler = torch.amp.GradScaler(DEVICE.type)
+    privates = {n for n in set(dir(type(scaler))) | set(vars(scaler)) if n.startswith("_") and not n.startswith("__")}
+    privates -= {"_device", "_enabled"}  # too generic to tell GradScaler's from another object's
+    assert {"_scale", "_per_optimizer_states", "_check_scale_growth_tracker", "_init_scale"} <= privates
+
+    root = pathlib.Path(mpkern.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+        def visit(node, where):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                where = f"{where}.{node.name}" if where else node.name
+            if isinstance(node, ast.Attribute) and node.attr in privates:
+                found.append((str(path.relative_to(root.parent)), where, node.attr))
+            for child in ast.iter_child_nodes(node):
+                visit(child, where)
+
+        visit(tree, "")
+    places = {(f, w) for f, w, _ in found}
+    assert places == {("mpkern/_handoff.py", "scaler_internals")}, sorted(found)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _progress, bytemodel
+from .._handoff import scaler_internals
 from ..measure import sync
 from .config import Config
 from .budget import TIME_BOX_WARMUP
@@ -88,7 +89,8 @@ class _Loop:
                 self.t0 = time.perf_counter()
             self.losses[i] = self.one(i)
             if self.scales is not None:
-                self.scales[i] = r.scaler._scale.reshape(())  # after update(): the scale the next step uses
+                # after update(): the scale the next step uses (the live tensor: no host sync)
+                self.scales[i] = scaler_internals(r.scaler).scale.reshape(())
             elif self.name in ("mpkern-bf16", "mpkern-8bit") and r.opt.last_found_inf is not None:
                 self.skipped_fused += r.opt.last_found_inf
             self.done = i + 1
@@ -123,8 +125,9 @@ class _Loop:
         r, done = self.r, self.done
         if self.scales is not None:
             sc = self.scales[:done].cpu()
-            prev = torch.cat([torch.tensor([float(r.scaler._init_scale)]), sc[:-1]])
-            return int((sc < prev).sum()), _compress_scales(sc.tolist(), float(r.scaler._init_scale))
+            init = scaler_internals(r.scaler).init_scale
+            prev = torch.cat([torch.tensor([init]), sc[:-1]])
+            return int((sc < prev).sum()), _compress_scales(sc.tolist(), init)
         if self.name in ("mpkern-bf16", "mpkern-8bit"):
             return int(self.skipped_fused.item()), None
         return 0, None
