@@ -3,6 +3,7 @@
 * :func:`unscale_` -- unscale + inf/NaN check + global-norm clip in one fused pass, no host sync.
 * :class:`FusedAdamWMP` -- drop-in AdamW with fp32 master weights, one fused kernel per group.
 * :func:`matmul` / :func:`linear` / :mod:`mpkern.nn` -- fp16/bf16 GEMM with fp32 accumulation.
+* :func:`diagnose` -- where fp16/bf16 breaks a model, why, and the fix (:mod:`mpkern.doctor`).
 * :func:`info` / :func:`bf16_supported` -- what this machine and build can run, and why not.
 
 Backends: ``cuda`` (C++/CUDA), ``triton``, ``cpu`` (C++), ``torch`` (pure PyTorch reference);
@@ -18,6 +19,7 @@ import torch
 from . import _backend, _ops, reference  # noqa: F401  (_ops registers the op schemas and fakes)
 from . import nn  # noqa: E402
 from .amp import NonfiniteEntry, NonfiniteReport, UnscaleResult, clip_grad_norm_, nonfinite_report, unscale_
+from .doctor import Diagnosis, diagnose
 from .matmul import linear, matmul
 from .optim import FusedAdamWMP
 
@@ -31,6 +33,8 @@ __all__ = [
     "nn",
     "bf16_supported",
     "clip_grad_norm_",
+    "diagnose",
+    "Diagnosis",
     "NonfiniteEntry",
     "NonfiniteReport",
     "info",

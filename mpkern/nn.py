@@ -12,6 +12,8 @@
   number of backward calls (micro-batches) until the optimizer clears it. ``weight.grad`` stays
   None; ``FusedAdamWMP`` reads ``main_grad`` first. The bias gradient goes to ``bias.grad``.
 * :func:`convert` swaps every ``torch.nn.Linear`` of a module for :class:`Linear` in place.
+* :func:`keep_fp32` makes chosen modules fp32 islands under autocast (inputs cast to fp32, autocast
+  off inside, parameters fp32) -- reversibly; :func:`kept_fp32` lists them.
 
 What works with ``main_grad``: :class:`mpkern.FusedAdamWMP` (reads it, and consumes it in
 ``step()`` so it cannot accumulate across steps whatever zero_grad the loop calls),
@@ -25,7 +27,10 @@ over params that hold a ``main_grad`` but no ``.grad`` warns.
 
 from __future__ import annotations
 
+import difflib
 import warnings
+import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +43,7 @@ from .matmul import _IN_DTYPES, _fold, linear, matmul, matmul_accumulate_
 
 Tensor = torch.Tensor
 
-__all__ = ["ConvertReport", "Linear", "convert"]
+__all__ = ["ConvertReport", "Fp32Islands", "Linear", "convert", "keep_fp32", "kept_fp32"]
 
 
 def _main_grad(weight: Tensor) -> Tensor:
@@ -216,3 +221,181 @@ def convert(module: nn.Module, *, fp32_main_grad: bool = False, report: bool = F
                           + "; ".join(f"{n or '<root>'}: {why}" for n, why in rep.skipped.items()),
                           UserWarning, stacklevel=2)
     return (module, rep) if report else module
+
+
+# ---- fp32 islands ---------------------------------------------------------------------------------
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+_HALF = (torch.float16, torch.bfloat16)
+_kept: "weakref.WeakKeyDictionary[nn.Module, Fp32Islands]" = weakref.WeakKeyDictionary()
+_active: dict[int, list[tuple[list[Any], torch.dtype | None, bool]]] = {}  # id(module) -> entry stack
+
+
+def _autocast_on() -> list[str]:
+    on = []
+    for dev in _AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(dev):
+                on.append(dev)
+        except (RuntimeError, TypeError, ValueError):  # a device type this torch build does not know
+            continue
+    return on
+
+
+def _cast_tree(x: Any, dtype: torch.dtype) -> Any:
+    """``x`` with every fp16/bf16 tensor (in tuples, lists, dicts) cast to ``dtype``."""
+    if isinstance(x, Tensor):
+        return x.to(dtype) if x.dtype in _HALF or (dtype in _HALF and x.dtype == torch.float32) else x
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+        return type(x)(*(_cast_tree(v, dtype) for v in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(_cast_tree(v, dtype) for v in x)
+    if isinstance(x, dict):
+        return type(x)({k: _cast_tree(v, dtype) for k, v in x.items()}) if type(x) is dict else \
+            _cast_dict_in_place(x, dtype)
+    return x
+
+
+def _cast_dict_in_place(x: Any, dtype: torch.dtype) -> Any:
+    for k in list(x.keys()):  # dict subclasses (HF ModelOutput) keep their type and attributes
+        x[k] = _cast_tree(x[k], dtype)
+    return x
+
+
+def _first_float_dtype(x: Any) -> torch.dtype | None:
+    if isinstance(x, Tensor):
+        return x.dtype if x.is_floating_point() else None
+    items = x.values() if isinstance(x, dict) else x if isinstance(x, (tuple, list)) else ()
+    for v in items:
+        d = _first_float_dtype(v)
+        if d is not None:
+            return d
+    return None
+
+
+def _island_enter(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    on = _autocast_on()
+    ctxs = [torch.autocast(dev, enabled=False) for dev in on]
+    for c in ctxs:
+        c.__enter__()
+    _active.setdefault(id(module), []).append((ctxs, _first_float_dtype((args, kwargs)), bool(on)))
+    return _cast_tree(args, torch.float32), _cast_tree(kwargs, torch.float32)
+
+
+def _island_exit(module: nn.Module, args: tuple, output: Any) -> Any:
+    stack = _active.get(id(module))
+    if not stack:
+        return None
+    ctxs, in_dtype, autocast_was_on = stack.pop()
+    if not stack:
+        del _active[id(module)]
+    for c in reversed(ctxs):
+        c.__exit__(None, None, None)
+    if output is None or autocast_was_on or in_dtype not in _HALF:
+        return None  # under autocast the fp32 output flows on (the next autocast op casts as it needs)
+    return _cast_tree(output, in_dtype)  # a 16-bit-params model: hand the next layer its own dtype back
+
+
+class Fp32Islands:
+    """What :func:`keep_fp32` did: ``names`` (qualified), reversible with :meth:`remove` or ``with``."""
+
+    def __init__(self, model: nn.Module, names: list[str]) -> None:
+        self.names = names
+        self._model = weakref.ref(model)
+        self._handles: list[Any] = []
+        self._dtypes: dict[Tensor, torch.dtype] = {}  # param/buffer -> the dtype it had before
+
+    def _add(self, module: nn.Module) -> None:
+        for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            if t.is_floating_point() and t.dtype != torch.float32:
+                self._dtypes[t] = t.dtype
+                t.data = t.data.float()
+        self._handles.append(module.register_forward_pre_hook(_island_enter, with_kwargs=True))
+        self._handles.append(module.register_forward_hook(_island_exit, always_call=True))
+        _kept[module] = self
+
+    def remove(self) -> None:
+        """Undo: hooks removed, parameters and buffers back to the dtypes they had. Idempotent."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for t, dtype in self._dtypes.items():
+            t.data = t.data.to(dtype)
+        self._dtypes.clear()
+        model = self._model()
+        if model is not None:
+            for name, m in model.named_modules():
+                if name in self.names and _kept.get(m) is self:
+                    del _kept[m]
+
+    def __enter__(self) -> "Fp32Islands":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"Fp32Islands(names={self.names!r})"
+
+
+def keep_fp32(model: nn.Module, names: Iterable[str] | str | None = None,
+              types: type | tuple[type, ...] | None = None) -> Fp32Islands:
+    """Run the named modules (or every module of the given types) of ``model`` in fp32 -- "fp32 islands".
+
+    The lessons' "force FP32 locally" for a numerically sensitive layer (a log-sum-exp, a norm, a
+    custom reduction), without editing the model's code. For each chosen module:
+
+    * its fp16/bf16 inputs are cast to fp32 and autocast is switched off inside its forward (on every
+      device where it is on), so all its ops -- children included -- compute in fp32;
+    * its own floating parameters and buffers (and its children's: they run inside it) are made fp32
+      now (the default recipe, autocast over fp32 parameters, has nothing to cast). With a 16-bit
+      parameters recipe call ``keep_fp32`` after ``model.half()``; the island's outputs are then cast
+      back to the dtype its input came in, so the next 16-bit layer gets what it expects. Under
+      autocast the output stays fp32 (the next autocast op casts as it needs).
+
+    ``names``: qualified names as in ``model.named_modules()`` (a single string is one name);
+    ``types``: a module class or tuple of classes (every instance is kept). At least one is needed.
+    Returns an :class:`Fp32Islands` handle: ``.names`` lists the kept modules; ``.remove()`` (or
+    leaving a ``with keep_fp32(...):`` block) undoes it -- hooks removed, dtypes restored.
+    :func:`kept_fp32` lists the islands of a model; :func:`mpkern.diagnose` reports them.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"keep_fp32: model must be a torch.nn.Module, got {type(model).__name__}")
+    if names is None and types is None:
+        raise ValueError("keep_fp32: give names=[qualified module names] and/or types=(module classes)")
+    if isinstance(names, str):
+        names = [names]
+    wanted = None if names is None else list(names)
+    if wanted is not None and not all(isinstance(n, str) for n in wanted):
+        raise TypeError("keep_fp32: names must be strings (qualified names as in model.named_modules())")
+    if types is not None:
+        tup = types if isinstance(types, tuple) else (types,)
+        if not tup or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in tup):
+            raise TypeError(f"keep_fp32: types must be an nn.Module subclass or a tuple of them, got {types!r}")
+        types = tup
+    modules = dict(model.named_modules())
+    if wanted is not None:
+        missing = [n for n in wanted if n not in modules]
+        if missing:
+            hints = {n: difflib.get_close_matches(n, list(modules), n=3) for n in missing}
+            raise ValueError("keep_fp32: no module named " + "; ".join(
+                f"{n!r}" + (f" (did you mean {', '.join(map(repr, h))}?)" if h else "") for n, h in hints.items()))
+    chosen = [n for n, m in modules.items()
+              if (wanted is not None and n in wanted) or (types is not None and isinstance(m, types))]
+    if types is not None and wanted is None and not chosen:
+        raise ValueError(f"keep_fp32: model has no module of types {[t.__name__ for t in types]}")
+    chosen = [n for n in chosen if modules[n] not in _kept]  # already an island: leave it as it is
+    islands = Fp32Islands(model, chosen)
+    for n in chosen:
+        islands._add(modules[n])
+        for sub in modules[n].modules():
+            if sub is not modules[n]:
+                for t in list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False)):
+                    if t.is_floating_point() and t.dtype != torch.float32 and t not in islands._dtypes:
+                        islands._dtypes[t] = t.dtype
+                        t.data = t.data.float()
+    return islands
+
+
+def kept_fp32(model: nn.Module) -> list[str]:
+    """Qualified names of the modules of ``model`` that :func:`keep_fp32` made fp32 islands."""
+    return [n for n, m in model.named_modules() if m in _kept]
