@@ -3,11 +3,23 @@
 One implementation of each measurement rule: how a call is timed (device synchronised at the
 boundaries, median of repeats, untimed setup before each call), what the memory bandwidth of this
 device is, how the machine is named in result files, and how results are written and plotted.
+
+Device time on a GPU (:func:`event_time`, :func:`graph_time`, :func:`copy_bandwidth`): a call
+timed between two synchronisations measures the host whenever the host side of the call is
+slower than its kernels (a 200-tensor optimizer step: ~0.2-0.35 ms of Python and dispatch against
+0.04-0.2 ms of H200 kernel time). These time *several back-to-back calls* between two CUDA events
+recorded after a device-side hold (``torch.cuda._sleep``) long enough for the host to queue every
+call first, so the device runs them without gaps and the events see kernel time only; each result
+also carries the wall time of the same calls (what a training loop sees) and says whether the
+queue really stayed ahead of the device (``queued_ahead``). Turning event times into per-call times
+(:func:`per_call_ms`) is pure; rates are computed where they are shown
+(:mod:`mpkern.bench.gpu_summary`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -19,7 +31,7 @@ from typing import Any
 import torch
 
 __all__ = ["sync", "time_fn", "measure_bandwidth", "cpu_name", "cpu_flags", "machine_info", "device_info",
-           "write_json", "pyplot"]
+           "write_json", "pyplot", "per_call_ms", "event_time", "graph_time", "copy_bandwidth"]
 
 
 def sync(device: torch.device) -> None:
@@ -65,6 +77,142 @@ def measure_bandwidth(device: torch.device, nbytes: int = 1 << 28) -> dict[str, 
     t_inplace = time_fn(lambda: x.mul_(1.0000001), device, reps=10)
     t_copy = time_fn(lambda: y.copy_(x), device, reps=10)
     return {"inplace_GBps": 2 * nbytes / t_inplace / 1e9, "copy_GBps": 2 * nbytes / t_copy / 1e9}
+
+
+# ---- device time on a GPU: CUDA events over back-to-back calls ------------------------------------
+def per_call_ms(elapsed_ms: list[float], calls: int) -> float:
+    """Median over rounds of ``elapsed / calls``: the per-call time of rounds that each timed
+    ``calls`` back-to-back calls between two events (``elapsed_ms``: one total per round)."""
+    if calls < 1:
+        raise ValueError(f"per_call_ms: calls must be >= 1, got {calls}")
+    if not elapsed_ms:
+        raise ValueError("per_call_ms: no rounds were timed")
+    bad = [e for e in elapsed_ms if not (isinstance(e, (int, float)) and math.isfinite(e) and e >= 0)]
+    if bad:
+        raise ValueError(f"per_call_ms: elapsed times must be finite non-negative numbers, got {bad}")
+    return statistics.median(e / calls for e in elapsed_ms)
+
+
+_CYCLES_PER_MS: dict[int, float] = {}
+
+
+def _cycles_per_ms(device: torch.device) -> float:
+    """GPU clock cycles per millisecond of ``torch.cuda._sleep`` on ``device`` (measured once)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CYCLES_PER_MS:
+        with torch.cuda.device(idx):
+            cycles = 20_000_000
+            torch.cuda._sleep(cycles // 10)  # wakes the clock up
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(cycles)
+            b.record()
+            b.synchronize()
+            _CYCLES_PER_MS[idx] = cycles / max(a.elapsed_time(b), 1e-3)
+    return _CYCLES_PER_MS[idx]
+
+
+def event_time(fn: Callable[[], object], device: torch.device | str = "cuda", *, calls: int = 20, rounds: int = 5,
+               warmup: int = 3) -> dict[str, Any]:
+    """Kernel time and wall time of ``fn()`` on a CUDA device, in ms per call.
+
+    ``kernel_ms``: per round, ``calls`` back-to-back calls between two CUDA events, the first
+    recorded after a device-side hold (``torch.cuda._sleep``) of about three times the host's own
+    time for those calls, so every call is queued before the device starts on them and the events
+    time the kernels without host gaps; the median over ``rounds`` of total / ``calls``.
+    ``wall_ms``: the same calls timed on the host, synchronised before and after (host and device
+    together: what a loop of steps costs). ``queued_ahead``: in how many rounds the device was still
+    in the hold when the last call had been queued (if not, the host was slower than the hold and
+    ``kernel_ms`` may include gaps; a round like that is retried once with a longer hold).
+    ``fn`` must not synchronise with the host (a step that does shows ``queued_ahead`` < rounds).
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"event_time: needs a CUDA device, got {dev}")
+    if calls < 1 or rounds < 1 or warmup < 0:
+        raise ValueError(f"event_time: calls and rounds must be >= 1 and warmup >= 0, got {calls}, {rounds}, {warmup}")
+    with torch.cuda.device(dev):
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        walls = []
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - t0) * 1e3)
+        wall_ms = per_call_ms(walls, calls)
+        hold_ms = min(max(2.0, 3.0 * max(walls)), 5000.0)
+        cycles_per_ms = _cycles_per_ms(dev)
+        elapsed, ahead = [], 0
+        for _ in range(rounds):
+            for attempt in range(2):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(int(hold_ms * cycles_per_ms))
+                start.record()
+                for _ in range(calls):
+                    fn()
+                end.record()
+                was_ahead = not start.query()  # the device is still in the hold: every call is queued
+                end.synchronize()
+                if was_ahead or attempt == 1:
+                    break
+                hold_ms = min(2 * hold_ms, 5000.0)
+            ahead += was_ahead
+            elapsed.append(start.elapsed_time(end))
+    return {"kernel_ms": per_call_ms(elapsed, calls), "wall_ms": wall_ms, "calls": calls, "rounds": rounds,
+            "kernel_ms_rounds": [e / calls for e in elapsed], "wall_ms_rounds": [w / calls for w in walls],
+            "hold_ms": hold_ms, "queued_ahead": ahead}
+
+
+def graph_time(fn: Callable[[], object], device: torch.device | str = "cuda", *, calls: int = 20, rounds: int = 5,
+               warmup: int = 3) -> dict[str, Any]:
+    """``fn()`` captured once in a CUDA graph (after ``warmup`` eager calls on a side stream, as
+    PyTorch's recipe does) and its replay timed like :func:`event_time` (``kernel_ms``: device
+    time per replay; ``wall_ms``: host and device per replay). Capture errors propagate: the caller
+    records them as the row's reason."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"graph_time: needs a CUDA device, got {dev}")
+    with torch.cuda.device(dev):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize()
+        out = event_time(graph.replay, dev, calls=calls, rounds=rounds, warmup=1)
+        torch.cuda.synchronize()
+        del graph
+    return out
+
+
+def copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 1 << 30, *, calls: int = 10,
+                   rounds: int = 5) -> dict[str, Any]:
+    """Device memory bandwidth from a large ``copy_`` (``nbytes`` read + ``nbytes`` written) and an
+    in-place fp32 multiply, each timed with :func:`event_time`. Returns ``{"copy": {...},
+    "inplace": {...}}`` with ``bytes_moved`` and ``kernel_ms``/``wall_ms`` per call (the GB/s,
+    ``bytes_moved / kernel time``, is computed where it is shown). ``nbytes`` should be far larger
+    than the L2 cache (default 1 GiB)."""
+    dev = torch.device(device)
+    if nbytes < 1 << 20:
+        raise ValueError(f"copy_bandwidth: nbytes must be at least 1 MiB, got {nbytes}")
+    n = nbytes // 4
+    x = torch.rand(n, device=dev)
+    y = torch.empty_like(x)
+    res: dict[str, Any] = {}
+    for name, fn in (("copy", lambda: y.copy_(x)), ("inplace", lambda: x.mul_(1.0000001))):
+        t = event_time(fn, dev, calls=calls, rounds=rounds, warmup=2)
+        t["bytes_moved"] = 2 * n * 4
+        res[name] = t
+    return res
 
 
 def cpu_name() -> str:

@@ -1,166 +1,221 @@
 #!/usr/bin/env bash
-# The one GPU check: everything a lent GPU machine (H100/H200, torch >= 2.11, triton >= 3.6
-# already installed, no network) must confirm, in under 8 minutes, one command.
+# The one GPU check: what only a GPU can show, on one lent GPU (H100/H200, torch and triton already
+# installed, no network), in at most 7 min 30 s of stage limits, one command, the summary always last.
 #
-#   bash scripts/gpu_check.sh OUTDIR            run it; logs, JSON and summary.txt under OUTDIR
-#   bash scripts/gpu_check.sh --dry-run [OUTDIR] print the stages and their time limits only
+#   bash scripts/gpu_check.sh [OUTDIR]            run it; logs, JSON and summary.txt under OUTDIR (gpu_out)
+#   bash scripts/gpu_check.sh --dry-run [OUTDIR]  list the stages, their limits and the sum; run nothing
 #
-# Stages (each under its own `timeout`, so a hang cannot eat the others and the summary table is
-# always printed last):
-#   build   pip install -e . for the local GPU's arch only, all cores (MPKERN_BUILD_CUDA=1)
-#   assert  the CUDA kernels are built, can run on this GPU and are the default selection
-#   tests   each tests/test_*.py file on its own (no -x: one failure hides nothing), with a fixed
-#           matmul config (MPKERN_MATMUL_CONFIG=fixed: no autotuning inside tests)
-#   bench   `mpkern bench all --device cuda --json` if that command exists, else the
-#           benchmarks/bench_*.py scripts
-#   compare `mpkern compare --device cuda --steps 60 --warmup 10` if that command exists
+# Every stage runs under its own `timeout` (SIGINT first, so pytest writes its XML and the Python
+# stages mark their JSON "interrupted"; SIGKILL a few seconds later, inside the stage's limit), and
+# every stage is also capped by the total deadline, so the run ends within TOTAL seconds plus the
+# shell's own overhead. The summary (mpkern/bench/gpu_summary.py, standard library only) runs from
+# an EXIT trap: it is printed whatever failed, timed out or was interrupted.
+#
+# Stages, in order (limits in seconds below; `--dry-run` prints them):
+#   precheck      ninja present, torch's CUDA version vs `nvcc --version`, the GPU's compute capability
+#   build         the CUDA extension for this GPU's arch alone (TORCH_CUDA_ARCH_LIST from the precheck)
+#   device        the CUDA kernels are built, run here and are selected; mpkern info; copy bandwidth
+#   tests_gpu     ONE pytest process over the GPU-first files (-k "cuda or triton" in those whose CPU and
+#                 reference variants add nothing on a GPU); JUnit XML + -v log, so tests count per file
+#   unscale, adamw_cuda, adamw_triton, matmul, matmul_tuned
+#                 benchmarks, one process each, each writing its own JSON after every row: kernel time
+#                 from CUDA events over back-to-back calls, wall time, CUDA-graph replay (mpkern/bench/gpu_stages.py)
+#   tests_rest    the other test files, in whatever time the stages above left
+#   summary       GB/s and % of the measured copy bandwidth per kernel and storage mode (bytes from
+#                 mpkern.bytemodel), TFLOP/s against cuBLAS, tests passed/failed/skipped per file
 # It never changes GPU settings (no clocks, persistence mode, MIG or resets) and needs no network.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 
+usage() { sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; }
 DRY=0
-if [[ "${1:-}" == "--dry-run" ]]; then
-  DRY=1
+OUT=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    -h|--help) usage; exit 0 ;;
+    -*) echo "gpu_check.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
+    *) [[ -n "$OUT" ]] && { echo "gpu_check.sh: one OUTDIR only" >&2; exit 2; }; OUT=$1 ;;
+  esac
   shift
+done
+OUT=${OUT:-gpu_out}
+
+TOTAL=450        # 7 min 30 s: the sum of the stage limits below may not exceed it
+SUMMARY_LIMIT=10
+# name|limit (s)|what it runs
+STAGES=(
+  "precheck|15|ninja, torch CUDA vs nvcc --version, GPU capability (mpkern/bench/gpu_precheck.py)"
+  "build|150|MPKERN_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=<this GPU> pip install --no-build-isolation --no-deps -e ."
+  "device|15|CUDA kernels built + selected, mpkern info, copy bandwidth (1 GiB copy_, CUDA events)"
+  "tests_gpu|90|one pytest process over the GPU-first files (list below), MPKERN_MATMUL_CONFIG=fixed"
+  "unscale|20|mpkern.unscale_ on cuda and triton vs the torch recipe, 128M bf16 grads"
+  "adamw_cuda|30|FusedAdamWMP, every storage mode with a cuda kernel, 32M params; + the torch AMP recipe"
+  "adamw_triton|45|FusedAdamWMP, every storage mode with a triton kernel (headline modes first)"
+  "matmul|25|mpkern.matmul, fixed config (no tuning) vs cuBLAS: 4096^3, LLM fwd, wgrad +=main_grad"
+  "matmul_tuned|40|one bf16 shape (LLM fwd 16384x4096x11008) through the autotuner (one tuning) vs cuBLAS"
+  "tests_rest|REST|the other test files, one pytest process"
+  "summary|$SUMMARY_LIMIT|$OUT/summary.txt (mpkern/bench/gpu_summary.py)"
+)
+declare -A LIMIT WHAT
+ORDER=()
+fixed_sum=0
+for s in "${STAGES[@]}"; do
+  IFS='|' read -r name limit what <<< "$s"
+  ORDER+=("$name")
+  WHAT[$name]=$what
+  if [[ $limit != REST ]]; then LIMIT[$name]=$limit; fixed_sum=$((fixed_sum + limit)); fi
+done
+LIMIT[tests_rest]=$((TOTAL - fixed_sum))   # at least this; more when earlier stages end early
+if (( LIMIT[tests_rest] < 0 )); then
+  echo "gpu_check.sh: the fixed stage limits add up to $fixed_sum s, over the total of $TOTAL s" >&2
+  exit 1
 fi
-OUT=${1:-${OUT:-gpu_out}}
 
-# Stage time limits in seconds (sum 465 s = 7 min 45 s), so the whole run fits in 8 minutes.
-T_BUILD=140     # one arch, a few .cu files, all cores
-T_ASSERT=20
-T_TEST_FILE=60  # per test file (a cold Triton cache compiles each kernel variant once)
-T_TESTS=210     # all test files together (files left when this runs out are reported as not run)
-T_BENCH=60
-T_COMPARE=35    # the CUDA default model (GPT-2 small) for 60 steps per run, 10 of them untimed
-T_COMPACT=25    # the compact AdamW variants (issue 15): 6 x 8 steps over 32M params
-
-PY=${PYTHON:-python3}
-CORES=$(nproc 2>/dev/null || echo 8)
-TEST_FILES=$(ls tests/test_*.py)
+# the GPU-first test files: every test of these ...
+GPU_ALL=(test_gpu_paths test_nosync test_streams test_capture test_norm_identity test_kernels_compact
+         test_kernels_m4 test_ops test_moments8)
+# ... and only the cuda/triton variants of these (their cpu / torch-reference variants add nothing here)
+GPU_K=(test_unscale test_matmul test_optim test_optim_generic test_math test_compact_state test_dropin
+       test_scaler test_review test_backend test_bench)
+KEXPR="cuda or triton"
+for f in "${GPU_ALL[@]}"; do KEXPR="$KEXPR or $f.py"; done
+GPU_FILES=()
+for f in "${GPU_ALL[@]}" "${GPU_K[@]}"; do [[ -f tests/$f.py ]] && GPU_FILES+=("tests/$f.py"); done
+REST_FILES=()
+for f in tests/test_*.py; do
+  skip=0
+  for g in "${GPU_FILES[@]}"; do [[ $f == "$g" ]] && skip=1; done
+  [[ $skip -eq 0 ]] && REST_FILES+=("$f")
+done
 
 if [[ $DRY -eq 1 ]]; then
-  echo "gpu_check.sh stages (time limits), output under $OUT:"
-  printf '  %-8s %4ss  %s\n' build "$T_BUILD" "pip install --no-build-isolation --no-deps -e . (TORCH_CUDA_ARCH_LIST=<this GPU>, MAX_JOBS=$CORES)"
-  printf '  %-8s %4ss  %s\n' assert "$T_ASSERT" "mpkern._C.cuda_built, no arch problem, select('cuda') == 'cuda'; mpkern info"
-  printf '  %-8s %4ss  %s\n' tests "$T_TESTS" "each file alone, <= ${T_TEST_FILE}s each, MPKERN_MATMUL_CONFIG=fixed, no -x:"
-  for f in $TEST_FILES; do printf '  %-8s %4s   %s\n' "" "" "$f"; done
-  printf '  %-8s %4ss  %s\n' bench "$T_BENCH" "mpkern bench all --device cuda --json $OUT/bench.json (if 'mpkern bench --help' works), else benchmarks/bench_*.py"
-  printf '  %-8s %4ss  %s\n' compact "$T_COMPACT" "benchmarks/adamw_compact_cpu.py --device cuda (GB/s of each storage mode)"
-  printf '  %-8s %4ss  %s\n' compare "$T_COMPARE" "mpkern compare --device cuda --steps 60 --warmup 10 --out $OUT/compare (if 'mpkern compare --help' works)"
-  printf '  %-8s %4s   %s\n' summary "" "$OUT/summary.txt: tests per file, GB/s and % of copy bandwidth per kernel, GEMM TFLOP/s vs cuBLAS"
-  total=$((T_BUILD + T_ASSERT + T_TESTS + T_BENCH + T_COMPACT + T_COMPARE))
-  echo "  total limit: ${total}s ($((total / 60)) min $((total % 60)) s)"
+  echo "gpu_check.sh stages (time limit in seconds), output under $OUT:"
+  for name in "${ORDER[@]}"; do
+    extra=""
+    [[ $name == tests_rest ]] && extra=" (+ what earlier stages leave unused)"
+    printf '  %-13s %4d s  %s%s\n' "$name" "${LIMIT[$name]}" "${WHAT[$name]}" "$extra"
+    if [[ $name == tests_gpu ]]; then
+      printf '  %-13s %6s  -k "%s"\n' "" "" "$KEXPR"
+      for f in "${GPU_FILES[@]}"; do printf '  %-13s %6s    %s\n' "" "" "$f"; done
+    fi
+    if [[ $name == tests_rest ]]; then
+      for f in "${REST_FILES[@]}"; do printf '  %-13s %6s    %s\n' "" "" "$f"; done
+    fi
+  done
+  sum=0
+  for name in "${ORDER[@]}"; do sum=$((sum + LIMIT[$name])); done
+  echo "total: $sum s ($((sum / 60)) min $((sum % 60)) s; at most $TOTAL s)"
+  [[ $sum -le $TOTAL ]] || { echo "gpu_check.sh: the stage limits exceed $TOTAL s" >&2; exit 1; }
   exit 0
 fi
 
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 MPKERN_BUILD_CUDA=1 MAX_JOBS=$CORES MPKERN_MATMUL_CONFIG=fixed
-unset MPKERN_BACKEND TRITON_INTERPRET
-declare -A STATUS
+# ---- the run --------------------------------------------------------------------------------------
+PY=${PYTHON:-python3}
+mkdir -p "$OUT" || exit 2
+OUT=$(cd "$OUT" && pwd)
 START=$(date +%s)
-stage() {  # stage NAME LIMIT LOG COMMAND...
-  local name=$1 limit=$2 log=$3
-  shift 3
-  local t0=$(date +%s)
-  timeout --kill-after=5 "$limit" "$@" > "$log" 2>&1
+DEADLINE=$((START + TOTAL))
+PYBIN=$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))' 2>/dev/null || true)
+[[ -n "$PYBIN" ]] && export PATH="$PYBIN:$PATH"   # ninja / pip installed next to this python
+export PYTHONUNBUFFERED=1 MPKERN_MATMUL_CONFIG=fixed
+unset MPKERN_BACKEND TRITON_INTERPRET
+CORES=$(nproc 2>/dev/null || echo 8)
+: > "$OUT/stages.tsv"
+for name in "${ORDER[@]}"; do printf '%s\t%s\t%s\n' "$name" "${LIMIT[$name]}" "${WHAT[$name]}"; done > "$OUT/plan.tsv"
+printf '%s\n' "${GPU_FILES[@]}" > "$OUT/tests_gpu.list"
+printf '%s\n' "${REST_FILES[@]}" > "$OUT/tests_rest.list"
+echo "$KEXPR" > "$OUT/tests_gpu.k"
+
+log() { echo "[gpu_check $(date +%H:%M:%S) +$(( $(date +%s) - START ))s] $*"; }
+record() { printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" >> "$OUT/stages.tsv"; }
+skip() { record "$1" "${LIMIT[$1]}" - - "not run ($2)"; log "$1: not run ($2)"; }
+
+CUR=""
+stage() {  # stage NAME COMMAND... : run under min(its limit, what is left before the deadline)
+  local name=$1
+  shift
+  local left=$((DEADLINE - $(date +%s) - SUMMARY_LIMIT))
+  local limit=${LIMIT[$name]}
+  [[ $name == tests_rest ]] && limit=$left
+  (( limit > left )) && limit=$left
+  if (( limit < 5 )); then skip "$name" "no time left"; return 0; fi
+  local grace=8
+  (( limit < 4 * grace )) && grace=$((limit / 4))
+  log "$name: started (limit ${limit} s): $*"
+  local t0
+  t0=$(date +%s)
+  timeout -s INT -k "$grace" "$((limit - grace))" "$@" > "$OUT/$name.log" 2>&1 &
+  CUR=$!
+  wait "$CUR"
   local rc=$?
+  CUR=""
   local dt=$(( $(date +%s) - t0 ))
-  if [[ $rc -eq 124 || $rc -eq 137 ]]; then STATUS[$name]="TIMEOUT after ${dt}s (limit ${limit}s)";
-  elif [[ $rc -ne 0 ]]; then STATUS[$name]="FAILED rc=$rc (${dt}s)";
-  else STATUS[$name]="ok (${dt}s)"; fi
-  echo "[gpu_check] $name: ${STATUS[$name]}"
+  local status
+  case $rc in
+    0) status="ok" ;;
+    124) status="TIMEOUT after ${dt} s (limit ${limit} s)" ;;
+    137) status="KILLED after ${dt} s (limit ${limit} s; did not stop on SIGINT)" ;;
+    *) status="failed rc=$rc after ${dt} s" ;;
+  esac
+  record "$name" "$limit" "$rc" "$dt" "$status"
+  log "$name: $status"
   return $rc
 }
 
-# ---- build (the local arch only; the build adds PTX for it) -------------------------------------
-ARCH=$($PY -c "import torch; c = torch.cuda.get_device_capability(); print(f'{c[0]}.{c[1]}')" 2>/dev/null || echo "9.0")
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$ARCH}
-{
-  nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv 2>/dev/null || true
-  $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-} > "$OUT/env.log" 2>&1
-stage build "$T_BUILD" "$OUT/build.log" $PY -m pip install --no-build-isolation --no-deps -e .
-
-# ---- the CUDA kernels are built and selected ----------------------------------------------------
-stage assert "$T_ASSERT" "$OUT/assert.log" $PY - <<'EOF'
-import mpkern, torch
-from mpkern import _backend
-ext = _backend.native()
-assert ext is not None, _backend.native_error()
-assert ext.cuda_built, "the CUDA kernels were not built"
-problem = _backend.cuda_device_problem(torch.cuda.current_device())
-assert not problem, problem
-sel = _backend.select("cuda")
-assert sel == "cuda", f"default selection on this GPU is {sel!r}, not 'cuda'"
-print("cuda kernels built for", ext.cuda_archs, "and selected on", torch.cuda.get_device_name())
-EOF
-$PY -m mpkern info > "$OUT/info.log" 2>&1
-
-# ---- tests, file by file ------------------------------------------------------------------------
-TESTS_END=$(( $(date +%s) + T_TESTS ))
-echo "file passed failed errors skipped status" > "$OUT/tests.tsv"
-for f in $TEST_FILES; do
-  name=$(basename "$f" .py)
-  left=$(( TESTS_END - $(date +%s) ))
-  if [[ $left -le 5 ]]; then echo "$name - - - - not-run(tests-budget)" >> "$OUT/tests.tsv"; continue; fi
-  limit=$(( left < T_TEST_FILE ? left : T_TEST_FILE ))
-  stage "$name" "$limit" "$OUT/$name.log" $PY -m pytest -q -p no:cacheprovider "$f"
-  line=$(grep -E "(passed|failed|error|skipped)" "$OUT/$name.log" | tail -1)
-  num() { echo "$line" | grep -oE "[0-9]+ $1" | grep -oE "[0-9]+" || echo 0; }
-  echo "$name $(num passed) $(num failed) $(num error) $(num skipped) ${STATUS[$name]%% *}" >> "$OUT/tests.tsv"
-done
-
-# ---- benchmarks and compare ---------------------------------------------------------------------
-if $PY -m mpkern bench --help > /dev/null 2>&1; then
-  # the benchmarks autotune the GEMM (the fixed test config would understate it against cuBLAS)
-  # torchao rows are left out there (a cold compile per shape would eat the stage)
-  stage bench "$T_BENCH" "$OUT/bench.log" env -u MPKERN_MATMUL_CONFIG $PY -m mpkern bench all --device cuda --no-torchao \
-    --json "$OUT/bench.json"
-else
-  echo "[gpu_check] 'mpkern bench' does not exist here: running benchmarks/bench_*.py" | tee "$OUT/bench.log"
-  BENCH_END=$(( $(date +%s) + T_BENCH ))
-  for b in benchmarks/bench_*.py; do
-    left=$(( BENCH_END - $(date +%s) ))
-    [[ $left -le 3 ]] && break
-    stage "$(basename "$b" .py)" "$left" "$OUT/$(basename "$b" .py).log" env -u MPKERN_MATMUL_CONFIG $PY "$b"
-  done
-fi
-stage compact "$T_COMPACT" "$OUT/compact.log" $PY benchmarks/adamw_compact_cpu.py --device cuda
-if $PY -m mpkern compare --help > /dev/null 2>&1; then
-  stage compare "$T_COMPARE" "$OUT/compare.log" $PY -m mpkern compare --device cuda --steps 60 --warmup 10 --out "$OUT/compare" --no-plot --no-progress
-else
-  echo "[gpu_check] 'mpkern compare' does not exist here: skipped" > "$OUT/compare.log"
-fi
-
-# ---- summary (last) -----------------------------------------------------------------------------
-{
-  echo "==================== gpu_check summary ($(( $(date +%s) - START )) s) ===================="
-  head -2 "$OUT/env.log"
-  for s in build assert bench compact compare; do [[ -n "${STATUS[$s]:-}" ]] && printf '%-8s %s\n' "$s" "${STATUS[$s]}"; done
-  echo "--- tests per file ---"
-  column -t "$OUT/tests.tsv" 2>/dev/null || cat "$OUT/tests.tsv"
-  echo "--- kernels (GB/s, % of measured copy bandwidth; GEMM TFLOP/s vs cuBLAS) ---"
-  if [[ -s "$OUT/bench.json" ]]; then
-    $PY - "$OUT/bench.json" <<'EOF' 2>/dev/null || echo "(bench.json present but not summarisable; see bench.log)"
-import json, sys
-data = json.load(open(sys.argv[1]))
-rows = data.get("rows") or data.get("results") or [] if isinstance(data, dict) else data
-bw = (data.get("meta") or {}).get("bandwidth") if isinstance(data, dict) else None
-if bw:
-    print("measured bandwidth:", bw)
-def fmt(v):
-    return f"{v:.3g}" if isinstance(v, float) else ("" if v is None else str(v))
-print(f"{'kernel':<9} {'method':<58} {'ms':>8} {'rate':>14} {'% of bound':>12} {'speedup':>8} {'limit':>6}")
-for r in rows:
-    rate = f"{fmt(r.get('rate'))} {r.get('unit', '')}"
-    pct = fmt(r.get("pct_of_bound"))
-    print(f"{str(r.get('kernel', '?')):<9} {str(r.get('method', ''))[:58]:<58} {fmt(r.get('ms')):>8} {rate:>14} "
-          f"{pct:>12} {fmt(r.get('mpkern_speedup')):>8} {fmt(r.get('byte_model_limit')):>6}")
-EOF
+DONE=0
+finish() {
+  [[ $DONE -eq 1 ]] && return
+  DONE=1
+  if [[ -n "$CUR" ]]; then kill -INT "$CUR" 2>/dev/null; sleep 2; kill -KILL "$CUR" 2>/dev/null; fi
+  local t0
+  t0=$(date +%s)
+  if timeout -k 2 "$SUMMARY_LIMIT" "$PY" mpkern/bench/gpu_summary.py "$OUT" --write > "$OUT/summary.log" 2>&1; then
+    record summary "$SUMMARY_LIMIT" 0 $(( $(date +%s) - t0 )) ok
+    cat "$OUT/summary.txt"
   else
-    for f in "$OUT"/bench_*.log; do [[ -f "$f" ]] && { echo "# $(basename "$f")"; grep -E "GB/s|TFLOP|x " "$f" | tail -8; }; done
+    echo "=== gpu_check: the summary code failed (see $OUT/summary.log); the stages as recorded: ===" \
+      | tee "$OUT/summary.txt"
+    tail -5 "$OUT/summary.log" | tee -a "$OUT/summary.txt"
+    column -t -s $'\t' "$OUT/stages.tsv" 2>/dev/null | tee -a "$OUT/summary.txt" || cat "$OUT/stages.tsv"
   fi
-  echo "--- compact AdamW variants (issue 15; goal >= 85 % of the copy bandwidth above) ---"
-  [[ -f "$OUT/compact.log" ]] && grep -E "GB/s|CUDA" "$OUT/compact.log" | tail -8
-} > "$OUT/summary.txt"
-cat "$OUT/summary.txt"
+  log "done in $(( $(date +%s) - START )) s; everything is under $OUT"
+}
+trap finish EXIT
+trap 'log "interrupted"; exit 130' INT TERM
+
+# ---- precheck -------------------------------------------------------------------------------------
+stage precheck "$PY" mpkern/bench/gpu_precheck.py "$OUT"
+PRE=$?
+ARCH=$(cat "$OUT/arch.txt" 2>/dev/null || true)
+if [[ $PRE -eq 3 || -z "$ARCH" ]]; then
+  for s in build device tests_gpu unscale adamw_cuda adamw_triton matmul matmul_tuned tests_rest; do
+    skip "$s" "no CUDA GPU visible to torch"
+  done
+  exit 1
+fi
+
+# ---- build (this GPU's arch alone) ----------------------------------------------------------------
+if [[ $PRE -eq 4 ]]; then
+  skip build "the toolchain cannot build CUDA: see precheck.log; the Triton paths still run"
+else
+  stage build env MPKERN_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS="$CORES" \
+    "$PY" -m pip install --no-build-isolation --no-deps --no-index --disable-pip-version-check -v -e .
+fi
+stage device "$PY" -m mpkern.bench.gpu_stages device --out "$OUT"
+
+# ---- the GPU-first tests, one process --------------------------------------------------------------
+stage tests_gpu "$PY" -m pytest -p no:cacheprovider -v --tb=short -rfE --durations=25 -o junit_family=xunit1 \
+  --junitxml="$OUT/tests_gpu.xml" -k "$KEXPR" "${GPU_FILES[@]}"
+
+# ---- benchmarks, one process and one JSON each -------------------------------------------------------
+stage unscale "$PY" -m mpkern.bench.gpu_stages unscale --out "$OUT"
+stage adamw_cuda "$PY" -m mpkern.bench.gpu_stages adamw --backend cuda --peer --out "$OUT"
+stage adamw_triton "$PY" -m mpkern.bench.gpu_stages adamw --backend triton --out "$OUT"
+stage matmul "$PY" -m mpkern.bench.gpu_stages matmul --out "$OUT"
+stage matmul_tuned "$PY" -m mpkern.bench.gpu_stages matmul_tuned --out "$OUT"
+
+# ---- the rest of the tests, in what is left -----------------------------------------------------------
+stage tests_rest "$PY" -m pytest -p no:cacheprovider -v --tb=short -rfE -o junit_family=xunit1 \
+  --junitxml="$OUT/tests_rest.xml" "${REST_FILES[@]}"
+exit 0

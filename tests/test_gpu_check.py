@@ -1,0 +1,508 @@
+"""scripts/gpu_check.sh and its Python stages (issue 32 item 1): the dry run lists stages whose limits
+fit in 7 min 30 s, the script always prints its summary, and the summary turns canned stage JSON
+into the right GB/s, % of the measured copy bandwidth, TFLOP/s and tests per file -- every expected
+number computed here from the bytes and times in the canned files, not by the code under test.
+The CUDA-event timing and the stages themselves run only on a GPU (skipped here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from mpkern import measure
+from mpkern.bench import gpu_precheck, gpu_stages, gpu_summary
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
+HAS_CUDA = torch.cuda.is_available()
+needs_bash = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
+                                reason="needs bash and coreutils timeout")
+STAGE_LINE = re.compile(r"^  (?P<name>[a-z_]+)\s+(?P<limit>\d+) s  (?P<what>.+)$")
+
+
+# ---- the script -------------------------------------------------------------------------------------
+def _dry_run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", SCRIPT, "--dry-run", *args], capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+@needs_bash
+def test_dry_run_lists_the_stages_and_their_limits_fit_in_450_s(tmp_path):
+    out = tmp_path / "never_created"
+    p = _dry_run(str(out))
+    assert p.returncode == 0, p.stderr
+    stages = {}
+    for line in p.stdout.splitlines():
+        m = STAGE_LINE.match(line)
+        if m:
+            stages[m["name"]] = int(m["limit"])
+    want = ["precheck", "build", "device", "tests_gpu", "unscale", "adamw_cuda", "adamw_triton", "matmul",
+            "matmul_tuned", "tests_rest", "summary"]
+    assert list(stages) == want, p.stdout
+    assert all(v > 0 for v in stages.values()), stages
+    total = sum(stages.values())
+    assert total <= 450
+    m = re.search(r"^total: (\d+) s", p.stdout, re.M)
+    assert m and int(m.group(1)) == total
+    assert not out.exists(), "a dry run must not create anything"
+    # the tests it names are files of this repository, each in one of the two pytest stages only
+    listed = re.findall(r"^\s+(tests/test_\w+\.py)$", p.stdout, re.M)
+    assert len(listed) == len(set(listed)) and all(os.path.exists(os.path.join(ROOT, f)) for f in listed)
+    on_disk = sorted(f"tests/{f}" for f in os.listdir(os.path.join(ROOT, "tests")) if re.match(r"test_\w+\.py$", f))
+    assert sorted(listed) == on_disk
+    assert "tests/test_gpu_paths.py" in p.stdout.split("tests_rest")[0]  # a GPU-first file comes first
+    assert '-k "cuda or triton' in p.stdout
+
+
+@needs_bash
+def test_script_refuses_unknown_options():
+    p = subprocess.run(["bash", SCRIPT, "--frobnicate"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 2 and "unknown option" in p.stderr
+
+
+@needs_bash
+@pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU path (a GPU machine runs the whole check instead)")
+def test_script_without_a_gpu_still_prints_the_summary(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable)
+    p = subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "mpkern gpu_check summary" in p.stdout
+    text = (out / "summary.txt").read_text()
+    assert "torch.cuda.is_available() is False" in text
+    for stage in ("build", "tests_gpu", "adamw_triton", "matmul_tuned"):
+        assert re.search(rf"^  {stage}\s+\d+ s\s+- s  not run \(no CUDA GPU visible to torch\)$", text, re.M), stage
+    assert json.loads((out / "precheck.json").read_text())["gpu"] is None
+
+
+# ---- pure helpers -----------------------------------------------------------------------------------
+def test_per_call_ms_is_the_median_over_rounds_of_total_over_calls():
+    assert measure.per_call_ms([10.0, 12.0, 11.0], 5) == pytest.approx(2.2)
+    assert measure.per_call_ms([4.0, 100.0, 5.0, 6.0], 2) == pytest.approx(2.75)  # median of 2, 50, 2.5, 3
+    for bad in ([], [1.0, -1.0], [float("nan")]):
+        with pytest.raises(ValueError):
+            measure.per_call_ms(bad, 3)
+    with pytest.raises(ValueError, match="calls"):
+        measure.per_call_ms([1.0], 0)
+
+
+def test_rates_and_their_refusals():
+    assert gpu_summary.gbps(3e9, 1000.0) == pytest.approx(3.0)
+    assert gpu_summary.gbps(960e6, 0.25) == pytest.approx(3840.0)
+    assert gpu_summary.tflops(2 * 4096**3, 0.25) == pytest.approx(549.755813888)
+    for bad in (0, -1.0, float("inf"), None):
+        with pytest.raises(ValueError):
+            gpu_summary.gbps(1.0, bad)
+        with pytest.raises(ValueError):
+            gpu_summary.tflops(1.0, bad)
+
+
+NVCC_OUT = """nvcc: NVIDIA (R) Cuda compiler driver
+Copyright (c) 2005-2025 NVIDIA Corporation
+Built on Wed_Jul_16_07:30:01_PM_PDT_2025
+Cuda compilation tools, release 13.0, V13.0.48
+Build cuda_13.0.r13.0/compiler.36260728_0
+"""
+
+
+def test_precheck_reads_nvcc_and_applies_torchs_version_rule():
+    assert gpu_precheck.parse_nvcc_version(NVCC_OUT) == "13.0"
+    assert gpu_precheck.parse_nvcc_version("Cuda compilation tools, release 12.8, V12.8.93") == "12.8"
+    assert gpu_precheck.parse_nvcc_version("command not found") is None
+    assert gpu_precheck.cuda_version_problem("12.8", "12.8") == ("", False)
+    msg, fatal = gpu_precheck.cuda_version_problem("12.8", "12.6")
+    assert not fatal and "only warns" in msg
+    msg, fatal = gpu_precheck.cuda_version_problem("13.0", "12.8")
+    assert fatal and "major" in msg
+    assert gpu_precheck.cuda_version_problem(None, "12.8")[1] and gpu_precheck.cuda_version_problem("12.8", None)[1]
+    assert gpu_precheck.arch_string((9, 0)) == "9.0" and gpu_precheck.arch_string([8, 6]) == "8.6"
+    assert gpu_precheck.arch_string(None) == ""
+    with pytest.raises(ValueError):
+        gpu_precheck.arch_string((0, -1))
+
+
+def test_stage_file_is_valid_json_after_every_row_and_says_how_it_ended(tmp_path):
+    path = str(tmp_path / "adamw_cuda.json")
+    sf = gpu_stages.StageFile(path, "adamw_cuda", kernel="adamw")
+    assert json.load(open(path))["status"] == "running"
+    t = {"kernel_ms": 0.3, "wall_ms": 0.5, "calls": 20, "rounds": 5, "queued_ahead": 5}
+    row = gpu_stages.mem_row("adamw", "FusedAdamWMP", "cuda", mode="m", bytes_per_param=30,
+                             bytes_source="bytemodel.STEP_TRAFFIC['mpkern']", params=1000, timing=t)
+    sf.add_row(row)
+    on_disk = json.load(open(path))
+    assert on_disk["rows"] == [row] and on_disk["rows"][0]["timing"]["kernel_ms"] == 0.3
+    gpu_stages._mark_ended(str(tmp_path), ["adamw_cuda.json"], "cut off")
+    assert json.load(open(path))["status"] == "interrupted"
+    sf.finish("done")
+    assert json.load(open(path))["status"] == "done"
+    gpu_stages._mark_ended(str(tmp_path), ["adamw_cuda.json"], "late")  # a finished stage stays finished
+    assert json.load(open(path))["status"] == "done"
+    with pytest.raises(ValueError):
+        sf.finish("maybe")
+    with pytest.raises(ValueError):
+        gpu_stages.StageFile(str(tmp_path / "x.txt"), "x")
+
+
+def test_rows_refuse_what_would_make_a_rate_meaningless():
+    t = {"kernel_ms": 1.0, "wall_ms": 1.0}
+    kw = dict(bytes_source="x", params=10, timing=t)
+    with pytest.raises(ValueError, match="bytes_per_param"):
+        gpu_stages.mem_row("unscale", "i", "cuda", bytes_per_param=0, **kw)
+    with pytest.raises(ValueError, match="params"):
+        gpu_stages.mem_row("unscale", "i", "cuda", bytes_per_param=6, bytes_source="x", params=0, timing=t)
+    with pytest.raises(ValueError, match="error"):
+        gpu_stages.mem_row("unscale", "i", "cuda", bytes_per_param=6, bytes_source="x", params=10)
+    with pytest.raises(ValueError, match="positive"):
+        gpu_stages.matmul_row("s", 0, 1, 1, "bf16", "bf16", "c", timing=t, peer="p", peer_timing=t)
+    r = gpu_stages.matmul_row("s", 2, 3, 4, "bf16", "fp32", "c", timing=t, peer="p", peer_timing=t)
+    assert r["flops"] == 2 * 2 * 3 * 4
+
+
+def test_the_byte_counts_the_stages_use_are_the_byte_models():
+    """The stage code takes its bytes from bytemodel (unscale, fp32 step, peer) and, for the compact
+    modes, from the one per-mode count -- which equals bytemodel's for the fp32 mode."""
+    from mpkern import bench, bytemodel
+
+    src = open(gpu_stages.__file__).read()
+    for name in ("UNSCALE_TRAFFIC[\"mpkern\"]", "UNSCALE_TRAFFIC[\"torch\"]", "STEP_TRAFFIC[\"mpkern\"]",
+                 "STEP_TRAFFIC[\"amp_fp32\"]", "step_bytes_per_param(mw, sd)"):
+        assert name in src, name
+    assert bench.step_bytes_per_param(True, "float32") == bytemodel.STEP_TRAFFIC["mpkern"]
+
+
+def test_adamw_stage_plans_every_mode_with_a_kernel_headline_first():
+    from mpkern.optim import storage
+
+    for backend in ("cuda", "triton"):
+        modes = gpu_stages._ordered_modes(backend)
+        assert sorted(map(str, modes)) == sorted(map(str, storage.modes(torch.bfloat16, backend=backend)))
+        head = [m for m in storage.DEFAULT_MODES if m in modes]
+        assert modes[:len(head)] == head
+
+
+# ---- pytest output, real ------------------------------------------------------------------------------
+SAMPLE_TESTS = '''
+import pytest
+
+@pytest.fixture
+def broken_teardown():
+    yield
+    raise RuntimeError("teardown fails")
+
+def test_pass_a():
+    pass
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_pass_param(backend):
+    pass
+
+def test_fail():
+    assert 1 == 2, "one is not two"
+
+def test_skip():
+    pytest.skip("needs a CUDA GPU")
+
+@pytest.mark.xfail(reason="known")
+def test_xfail():
+    assert False
+
+def test_pass_then_teardown_error(broken_teardown):
+    pass
+'''
+
+
+def _run_sample(tmp_path, *extra: str, timeout: float = 120) -> tuple[str, str]:
+    (tmp_path / "test_sample.py").write_text(SAMPLE_TESTS)
+    xml, log = str(tmp_path / "t.xml"), str(tmp_path / "t.log")
+    with open(log, "w") as f:
+        subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-o", "junit_family=xunit1",
+                        f"--junitxml={xml}", "test_sample.py", *extra], cwd=tmp_path, stdout=f,
+                       stderr=subprocess.STDOUT, timeout=timeout, env=dict(os.environ, PYTHONPATH=""))
+    return xml, log
+
+
+def test_tests_are_counted_per_file_from_real_junit_xml_and_from_the_verbose_log(tmp_path):
+    xml, log = _run_sample(tmp_path)
+    # 3 passes; the teardown error makes its passing test an error (counted once)
+    want = {"passed": 3, "failed": 1, "error": 1, "skipped": 1, "xfailed": 1}
+    files, failures = gpu_summary.parse_junit(xml)
+    assert list(files) == ["test_sample.py"]
+    assert {k: files["test_sample.py"][k] for k in want} == want
+    assert any("test_fail" in t and "one is not two" in m for t, m in failures)
+    files, failures = gpu_summary.parse_verbose_log(log)
+    assert {k: files["test_sample.py"][k] for k in want} == want  # the teardown error counted once, as error
+    assert {t.split("::")[1] for t, _ in failures} == {"test_fail", "test_pass_then_teardown_error"}
+
+
+@needs_bash
+def test_pytest_stopped_by_timeout_with_sigint_still_writes_its_xml(tmp_path):
+    """What the tests stages rely on: `timeout -s INT` makes pytest write the JUnit XML of what ran."""
+    (tmp_path / "test_slow.py").write_text(textwrap.dedent('''
+        import time
+        def test_quick():
+            pass
+        def test_slow():
+            time.sleep(60)
+    '''))
+    xml = tmp_path / "t.xml"
+    subprocess.run(["timeout", "-s", "INT", "-k", "20", "8", sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                    "-o", "junit_family=xunit1", f"--junitxml={xml}", "test_slow.py"], cwd=tmp_path,
+                   capture_output=True, timeout=60, env=dict(os.environ, PYTHONPATH=""))
+    files, _ = gpu_summary.parse_junit(str(xml))
+    assert files["test_slow.py"]["passed"] >= 1
+
+
+# ---- the summary on canned stage files ------------------------------------------------------------------
+COPY_BYTES, COPY_MS = 2 * 2**30, 0.52           # 1 GiB read + 1 GiB written in 0.52 ms
+COPY_GBPS = COPY_BYTES / (COPY_MS / 1e3) / 1e9  # 4129.8 GB/s, computed here
+UNSCALE_PARAMS, ADAMW_PARAMS = 128_000_000, 32_000_000
+
+
+def _timing(kernel_ms, wall_ms, ahead=5):
+    return {"kernel_ms": kernel_ms, "wall_ms": wall_ms, "calls": 20, "rounds": 5, "queued_ahead": ahead}
+
+
+def _mem(kernel, impl, backend, bpp, params, k, w, g=None, gerr=None, mode=None, peer=False):
+    return {"kernel": kernel, "impl": impl, "backend": backend, "mode": mode, "peer": peer, "bytes_per_param": bpp,
+            "bytes_source": "bytemodel", "params": params, "timing": _timing(k, w),
+            "graph": None if g is None else _timing(g, g + 0.01), "graph_error": gerr, "error": None}
+
+
+FP32, INT8 = "fp32 master + fp32 moments", "8-bit master + 8-bit moments"
+CANNED = {
+    "device.json": {"stage": "device", "status": "done", "checks": {"cuda_built": True, "selected": "cuda"},
+                    "bandwidth": {"copy": {"bytes_moved": COPY_BYTES, "kernel_ms": COPY_MS, "wall_ms": 0.6},
+                                  "inplace": {"bytes_moved": COPY_BYTES, "kernel_ms": 0.55, "wall_ms": 0.6}}},
+    "unscale.json": {"stage": "unscale", "status": "done", "rows": [
+        _mem("unscale", "mpkern.unscale_ (cuda)", "cuda", 6, UNSCALE_PARAMS, 0.21, 0.35, g=0.20),
+        _mem("unscale", "mpkern.unscale_ (triton)", "triton", 6, UNSCALE_PARAMS, 0.25, 0.30,
+             gerr="RuntimeError: table lookup missed during capture"),
+        _mem("unscale", "torch recipe", "torch", 10, UNSCALE_PARAMS, 0.40, 0.90, g=0.39, peer=True)]},
+    "adamw_cuda.json": {"stage": "adamw_cuda", "status": "done", "kernel": "adamw", "backend": "cuda",
+                        "planned": [FP32, INT8, "torch AMP recipe, fp32 params"], "rows": [
+        _mem("adamw", "FusedAdamWMP", "cuda", 30, ADAMW_PARAMS, 0.26, 0.45, g=0.25, mode=FP32),
+        _mem("adamw", "FusedAdamWMP", "cuda", 14.25, ADAMW_PARAMS, 0.15, 0.42, g=0.14, mode=INT8),
+        _mem("adamw", "torch AMP recipe, fp32 params", "torch", 48, ADAMW_PARAMS, 0.44, 0.80, g=0.43, peer=True)]},
+    "adamw_triton.json": {"stage": "adamw_triton", "status": "interrupted", "kernel": "adamw", "backend": "triton",
+                          "error": "interrupted (SIGINT: the stage's time limit)",
+                          "planned": [FP32, INT8, "remainder + bf16 moments"], "rows": [
+        _mem("adamw", "FusedAdamWMP", "triton", 30, ADAMW_PARAMS, 0.30, 0.50, g=0.29, mode=FP32)]},
+    "matmul.json": {"stage": "matmul", "status": "done", "rows": [
+        {"kernel": "matmul", "shape": "square 4096^3", "M": 4096, "N": 4096, "K": 4096, "dtype": "bf16", "out": "bf16",
+         "config": "fixed 128x128x32", "flops": 2.0 * 4096**3, "timing": _timing(0.25, 0.26),
+         "peer": "torch.matmul (cuBLAS)", "peer_timing": _timing(0.20, 0.21), "error": None},
+        {"kernel": "matmul", "shape": "fwd 4096x4096x11008", "M": 4096, "N": 11008, "K": 4096, "dtype": "fp16",
+         "out": "fp32", "config": "fixed 128x128x32", "flops": None, "timing": None, "peer": "torch.mm(out_dtype=fp32)",
+         "peer_timing": None, "error": "OutOfResources: shared memory"}]},
+}
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="9">
+<testcase classname="tests.test_a" name="test_x[cuda]" file="tests/test_a.py" line="3" time="0.25"/>
+<testcase classname="tests.test_a" name="test_x[triton]" file="tests/test_a.py" line="3" time="0.25"/>
+<testcase classname="tests.test_a" name="test_y" file="tests/test_a.py" line="9" time="0.5"/>
+<testcase classname="tests.test_a" name="test_z" file="tests/test_a.py" line="12" time="1.0">
+<failure message="AssertionError: found_inf differs">trace</failure></testcase>
+<testcase classname="tests.test_a" name="test_w" file="tests/test_a.py" line="20" time="0.0">
+<skipped type="pytest.skip" message="needs two GPUs">skip</skipped></testcase>
+<testcase classname="tests.test_b.TestCapture" name="test_replay" line="5" time="2.0"/>
+<testcase classname="tests.test_b.TestCapture" name="test_table" line="9" time="0.5">
+<error message="RuntimeError: CUDA error: an illegal memory access">trace</error></testcase>
+<testcase classname="tests.test_b.TestCapture" name="test_x" line="19" time="0.0">
+<skipped type="pytest.xfail" message="issue 32 item 3"/></testcase>
+</testsuite></testsuites>"""
+REST_LOG = """============================= test session starts ==============================
+tests/test_d.py::test_one PASSED                                         [ 25%]
+tests/test_d.py::test_two PASSED                                         [ 50%]
+tests/test_d.py::test_two ERROR                                          [ 50%]
+tests/test_d.py::test_three[cuda-fp32] SKIPPED (needs a CUDA GPU)        [ 75%]
+tests/test_d.py::test_four
+"""
+PLAN = [("precheck", 15), ("build", 150), ("device", 15), ("tests_gpu", 90), ("unscale", 20), ("adamw_cuda", 30),
+        ("adamw_triton", 45), ("matmul", 25), ("matmul_tuned", 40), ("tests_rest", 10), ("summary", 10)]
+
+
+def _canned(tmp_path) -> str:
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, data in CANNED.items():
+        (out / name).write_text(json.dumps(data))
+    (out / "precheck.json").write_text(json.dumps({
+        "python": "3.12.3", "torch": "2.11.0+cu128", "torch_cuda": "12.8", "triton": "3.6.0", "numpy": "2.4.0",
+        "ninja": "1.11.1", "nvcc": "12.8", "cuda_match": "ok", "arch": "9.0", "driver": "570.1", "problems": [],
+        "gpu": {"name": "NVIDIA H200", "arch": "9.0", "sms": 132, "memory_bytes": 141 * 2**30,
+                "l2_bytes": 60 * 2**20}}))
+    (out / "plan.tsv").write_text("".join(f"{n}\t{lim}\twhat {n}\n" for n, lim in PLAN))
+    (out / "stages.tsv").write_text("precheck\t15\t0\t3\tok\nbuild\t150\t0\t97\tok\ndevice\t15\t0\t9\tok\n"
+                                    "tests_gpu\t90\t1\t88\tfailed rc=1 after 88 s\nunscale\t20\t0\t12\tok\n"
+                                    "adamw_cuda\t30\t0\t25\tok\n"
+                                    "adamw_triton\t45\t124\t45\tTIMEOUT after 45 s (limit 45 s)\n"
+                                    "matmul\t25\t0\t20\tok\n")
+    (out / "adamw_triton.log").write_text("compiling...\n\nKeyboardInterrupt: signal 2\n")
+    (out / "tests_gpu.xml").write_text(JUNIT)
+    (out / "tests_gpu.list").write_text("tests/test_a.py\ntests/test_b.py\ntests/test_c.py\n")
+    (out / "tests_gpu.k").write_text("cuda or triton\n")
+    (out / "tests_rest.log").write_text(REST_LOG)
+    (out / "tests_rest.list").write_text("tests/test_d.py\n")
+    return str(out)
+
+
+def _table(text: str, first_header: str) -> tuple[list[str], list[list[str]]]:
+    """The table whose header line starts with ``first_header``: header cells and row cells (split on 2+ spaces)."""
+    lines = text.splitlines()
+    i = next(k for k, ln in enumerate(lines) if ln.startswith(first_header + "  "))
+    rows = []
+    for ln in lines[i + 2:]:
+        if not ln.strip() or ln.startswith("  ") or ln.startswith("---") or ln.startswith("="):
+            break
+        rows.append(re.split(r"\s{2,}", ln.strip()))
+    return re.split(r"\s{2,}", lines[i].strip()), rows
+
+
+def _num(cell: str) -> float:
+    return float(cell.split()[0].rstrip("x%"))
+
+
+def test_summary_of_canned_stages_has_every_number_right(tmp_path):
+    out = _canned(tmp_path)
+    text = gpu_summary.summarize(out)
+    assert f"measured copy bandwidth: {COPY_GBPS:.0f} GB/s" in text
+    header, rows = _table(text, "kernel")
+    assert header == gpu_summary.MEMORY_HEADER
+    by = {(r[0], r[1], r[2]): r for r in rows}
+    col = {h: i for i, h in enumerate(header)}
+    measured = [r for r in CANNED["unscale.json"]["rows"] + CANNED["adamw_cuda.json"]["rows"]
+                + CANNED["adamw_triton.json"]["rows"]]
+    peer_ms = {"unscale": 0.40, "adamw": 0.44}
+    peer_bpp = {"unscale": 10, "adamw": 48}
+    for r in measured:
+        cells = by[(r["kernel"], r["backend"], r["mode"] or r["impl"])]
+        assert len(cells) == len(header) and all(c.strip() for c in cells), cells  # every column filled
+        nbytes = r["bytes_per_param"] * r["params"]
+        k_ms, w_ms = r["timing"]["kernel_ms"], r["timing"]["wall_ms"]
+        want = nbytes / (k_ms * 1e-3) / 1e9
+        assert _num(cells[col["GB/s"]]) == pytest.approx(want, rel=5e-3)
+        assert _num(cells[col["% copy"]]) == pytest.approx(100 * want / COPY_GBPS, abs=0.5)
+        assert _num(cells[col["kernel ms"]]) == pytest.approx(k_ms)
+        assert _num(cells[col["wall ms"]]) == pytest.approx(w_ms)
+        ratio = w_ms / k_ms
+        assert cells[col["wall/kernel"]] == (f"host-bound {ratio:.1f}x" if ratio > 1.5 else f"device {ratio:.1f}x")
+        assert cells[col["queued"]] == "yes"
+        if r["graph"] is not None:
+            g_want = nbytes / (r["graph"]["kernel_ms"] * 1e-3) / 1e9
+            assert _num(cells[col["graph GB/s"]]) == pytest.approx(g_want, rel=5e-3)
+            assert _num(cells[col["graph % copy"]]) == pytest.approx(100 * g_want / COPY_GBPS, abs=0.5)
+        else:
+            assert cells[col["graph ms"]] == "capture failed"
+            assert (f"  unscale triton {r['impl']}: CUDA-graph capture failed: RuntimeError: table lookup missed "
+                    "during capture") in text.splitlines()
+        vs = cells[col["vs torch (limit)"]]
+        if r["peer"]:
+            assert vs == "(peer)"
+        else:
+            speed = peer_ms[r["kernel"]] / k_ms
+            lim = peer_bpp[r["kernel"]] / r["bytes_per_param"]
+            assert vs == f"{speed:.2f}x (limit {lim:.2f}x)"
+    # the stage cut off by its limit: what it measured, then its planned modes as not run
+    assert len(rows) == len(measured)
+    for mode in (INT8, "remainder + bf16 moments"):
+        assert f"  adamw triton {mode}: not run (the stage ended first)" in text.splitlines()
+    assert "adamw_triton: interrupted, 1 of 3 rows" in text
+    assert re.search(r"^  adamw_triton\s+45 s\s+45 s  TIMEOUT after 45 s", text, re.M)
+    assert "| KeyboardInterrupt: signal 2" in text  # the end of a failed stage's log
+
+
+def test_summary_matmul_tflops_against_cublas(tmp_path):
+    text = gpu_summary.summarize(_canned(tmp_path))
+    header, rows = _table(text, "shape")
+    assert header == gpu_summary.MATMUL_HEADER
+    (ok,) = rows
+    col = {h: i for i, h in enumerate(header)}
+    flops = 2.0 * 4096**3
+    assert len(ok) == len(header) and all(c.strip() for c in ok)
+    assert _num(ok[col["TFLOP/s"]]) == pytest.approx(flops / 0.25e-3 / 1e12, rel=5e-3)
+    assert _num(ok[col["peer TFLOP/s"]]) == pytest.approx(flops / 0.20e-3 / 1e12, rel=5e-3)
+    assert ok[col["mpkern/peer"]] == f"{0.20 / 0.25:.2f}x"
+    assert ok[col["peer"]] == "torch.matmul (cuBLAS)"
+    assert "  fwd 4096x4096x11008 fp16->fp32 (fixed 128x128x32): failed: OutOfResources: shared memory" in text
+    assert "matmul_tuned: not run" in text
+
+
+def test_summary_tests_per_file(tmp_path):
+    text = gpu_summary.summarize(_canned(tmp_path))
+    gpu, rest = text.split("--- tests_gpu")[1].split("--- tests_rest")
+    _h, rows = _table(gpu, "file")
+    got = {r[0]: r[1:] for r in rows}
+    #                     passed failed error skipped xfailed seconds status
+    assert got["tests/test_a.py"] == ["3", "1", "0", "1", "0", "2.0", "ran"]
+    assert got["tests/test_b.py"] == ["1", "0", "1", "0", "1", "2.5", "ran"]  # no file attribute: from classname
+    assert got["tests/test_c.py"] == ["0", "0", "0", "0", "0", "-", "not run"]
+    assert got["total"] == ["4", "1", "1", "1", "1"]
+    assert "FAILED tests/test_a.py::test_z: AssertionError: found_inf differs" in gpu
+    assert "-k 'cuda or triton'" in gpu and "failed rc=1 after 88 s" in gpu
+    _h, rows = _table(rest, "file")
+    assert {r[0]: r[1:] for r in rows}["tests/test_d.py"] == ["1", "0", "1", "1", "0", "-", "ran"]
+    assert "from log" in rest  # no XML: the -v log, up to the test that was running
+
+
+def test_summary_of_an_empty_or_damaged_folder_says_so(tmp_path):
+    text = gpu_summary.summarize(str(tmp_path))
+    assert "precheck: not run" in text and "measured copy bandwidth: not run" in text
+    assert "unscale: not run" in text and "matmul: not run" in text
+    (tmp_path / "unscale.json").write_text("{not json")
+    (tmp_path / "device.json").write_text(json.dumps({"stage": "device", "status": "failed",
+                                                      "error": "no CUDA GPU visible to torch"}))
+    (tmp_path / "tests_gpu.xml").write_text("<testsuites><testsuite>")  # cut off mid-write
+    text = gpu_summary.summarize(str(tmp_path))
+    assert "unscale: unreadable (JSONDecodeError" in text
+    assert "not measured (no CUDA GPU visible to torch)" in text
+    assert "--- tests_gpu: tests per file (from nothing" in text
+
+
+def test_summary_command_line(tmp_path):
+    out = _canned(tmp_path)
+    script = os.path.join(ROOT, "mpkern", "bench", "gpu_summary.py")
+    p = subprocess.run([sys.executable, script, out, "--write"], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=""), cwd=str(tmp_path))  # runs without mpkern importable
+    assert p.returncode == 0, p.stderr
+    assert open(os.path.join(out, "summary.txt")).read() == p.stdout
+    p = subprocess.run([sys.executable, script, str(tmp_path / "missing")], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "not a folder" in p.stderr
+
+
+# ---- on a GPU only ---------------------------------------------------------------------------------------
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+@requires_cuda
+def test_event_time_queues_ahead_and_graph_time_replays_the_call():
+    x = torch.zeros(1 << 20, device="cuda")
+    y = torch.empty_like(x)
+    t = measure.event_time(lambda: y.copy_(x), calls=10, rounds=3, warmup=1)
+    assert t["kernel_ms"] > 0 and t["wall_ms"] > 0 and len(t["kernel_ms_rounds"]) == 3
+    assert t["queued_ahead"] == 3, t  # the hold outlasted the host's queueing in every round
+    counter = torch.zeros((), device="cuda")
+    g = measure.graph_time(lambda: counter.add_(1), calls=10, rounds=3, warmup=2)
+    torch.cuda.synchronize()
+    replays = int(counter.item()) - 2  # the eager warm-up calls; capture itself runs nothing
+    assert g["kernel_ms"] > 0 and replays >= 1 + 2 * 3 * 10 and (replays - 1) % 10 == 0
+    bw = measure.copy_bandwidth("cuda", 1 << 26, calls=3, rounds=2)
+    assert bw["copy"]["bytes_moved"] == 2 * (1 << 26) and bw["copy"]["kernel_ms"] > 0
+
+
+@requires_cuda
+def test_small_stages_end_to_end_on_the_gpu(tmp_path):
+    out = str(tmp_path)
+    assert gpu_stages.stage_unscale(out, params=2_000_000, tensors=7) == 0
+    assert gpu_stages.stage_adamw(out, "cuda", peer=True, params=2_000_000, tensors=7,
+                                  modes=[(True, "float32"), ("8bit", "8bit")]) == 0
+    data = json.load(open(os.path.join(out, "adamw_cuda.json")))
+    assert data["status"] == "done" and len(data["rows"]) == 3
+    assert [r["error"] for r in data["rows"]] == [None] * 3, data["rows"]
+    text = gpu_summary.summarize(out)
+    assert "mpkern.unscale_ (cuda)" in text and "(peer)" in text
