@@ -305,6 +305,62 @@ def _add_compare_parser(sub: Any) -> None:
     pc.set_defaults(func=_cmd_compare)
 
 
+def _cmd_doctor(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .doctor import command
+
+    device = _resolve_device(args.device, parser)
+    dtypes = args.dtype or ["fp16", "bf16"]
+    if "bf16" in dtypes and device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_bf16_supported():
+            print("[doctor] leaving out bf16: this GPU has no native bf16 (compute capability < 8.0)")
+            dtypes = [d for d in dtypes if d != "bf16"]
+    command.run(args.model or ["compare", "gpt2"], dtypes, device=device, recipe=args.recipe, full=args.full,
+                loss_scale=args.loss_scale, out=args.out, as_json=args.json, plot=not args.no_plot, seed=args.seed)
+    return 0
+
+
+def _choices(allowed: tuple[str, ...], what: str):
+    def parse(s: str) -> list[str]:
+        items = [x.strip() for x in s.split(",") if x.strip()]
+        bad = [x for x in items if x not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{what} must be a comma list of {', '.join(allowed)}; got {s!r}")
+        return items
+    return parse
+
+
+def _add_doctor_parser(sub: Any) -> None:
+    """The ``doctor`` subcommand's flags."""
+    from .doctor.models import MODELS
+
+    pd = sub.add_parser(
+        "doctor", help="find the layers where fp16/bf16 breaks a model, say why, and the fix",
+        description="Run each model once in fp32 and once in the 16-bit recipe on the same inputs and measure "
+                    "every module: its own error (alone, on the fp32 input), the accumulated error, headroom to "
+                    "the dtype's max, inf/NaN appearing, values below the smallest normal, and every gradient at "
+                    "the loss scale; then print the findings with their fixes (mpkern.diagnose).")
+    pd.add_argument("--model", type=_choices(MODELS, "--model"), default=None, metavar="LIST",
+                    help="comma list of compare (the built-in compare classifier), gpt2 (GPT-2 LM from its config), "
+                         "bert (BERT sequence classifier from its config); default compare,gpt2. Random weights, "
+                         "no download; needs transformers for gpt2/bert")
+    pd.add_argument("--dtype", type=_choices(("fp16", "bf16"), "--dtype"), default=None, metavar="LIST",
+                    help="comma list of fp16,bf16 (default both)")
+    pd.add_argument("--recipe", choices=("autocast", "params"), default="autocast",
+                    help="autocast (fp32 params + torch.autocast, default) or params (a 16-bit copy of the model)")
+    pd.add_argument("--full", action="store_true",
+                    help="the Hugging Face models at full size (GPT-2 small, BERT-base) instead of 2 layers x 128")
+    pd.add_argument("--loss-scale", type=_positive_float, default=None,
+                    help="loss scale the gradients are judged at (default: GradScaler's first, 2^16, for fp16; 1 for bf16)")
+    pd.add_argument("--device", type=_device, default=None, help="cpu or cuda (default: cuda if available)")
+    pd.add_argument("--seed", type=_nonneg_int, default=0, help="seed of weights and inputs (default 0)")
+    pd.add_argument("--json", action="store_true", help="print the diagnoses as JSON (progress goes to stderr)")
+    pd.add_argument("--out", default=None, help="directory for doctor.json and a plot (PNG) per diagnosis")
+    pd.add_argument("--no-plot", action="store_true", help="with --out: no PNG plots")
+    pd.set_defaults(func=_cmd_doctor)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``mpkern`` command (exposed for tests and docs)."""
     return _parser_and_commands()[0]
@@ -345,6 +401,8 @@ def _parser_and_commands() -> tuple[argparse.ArgumentParser, Mapping[str, argpar
 
     bench.add_adamw_arguments(pb)  # --modes, --torchao-params, --no-torchao, --no-host-time
     pb.set_defaults(func=_cmd_bench)
+
+    _add_doctor_parser(sub)
 
     pp = sub.add_parser(
         "plan", help="memory per recipe for a model of N params (bytes/param measured from real optimizer state)",
