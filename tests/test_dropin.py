@@ -3,7 +3,7 @@
 The generic torch.optim tests re-expressed for FusedAdamWMP are in test_optim_generic.py; this
 file covers the points specific to mpkern: re-seeding masters after external writes, main_grad
 lifetime, deferred vs applied unscale, masters out, warnings for silent no-ops, the overflow
-report, and the README snippet.
+report, and the training loop of docs/api.md.
 """
 
 from __future__ import annotations
@@ -326,13 +326,14 @@ def test_convert_reports_skipped_linear_like_layers():
     assert any(name.startswith("self_attn") for name in report.skipped)
 
 
-def test_readme_usage_snippet_runs_on_cpu():
-    """The README's usage block, executed as written (on this machine's device)."""
-    text = (ROOT / "README.md").read_text()
-    block = re.search(r"## Usage\n.*?```python\n(.*?)```", text, re.DOTALL)
-    assert block is not None, "README has no Usage code block"
+def test_api_reference_training_loop_runs_on_cpu():
+    """The training loop of docs/api.md (the README's usage block before it moved), executed as written
+    (on this machine's device)."""
+    text = (ROOT / "docs" / "api.md").read_text()
+    block = re.search(r"## A training loop[^\n]*\n.*?```python\n(.*?)```", text, re.DOTALL)
+    assert block is not None, "docs/api.md has no training-loop code block"
     ns: dict = {}
-    exec(compile(block.group(1), "README-usage", "exec"), ns)
+    exec(compile(block.group(1), "api-md-training-loop", "exec"), ns)
     res, model, scaler = ns["res"], ns["model"], ns["scaler"]
     # four steps ran through the scaler: finite params, a finite positive unscaled norm, and the
     # scaler's state advanced past the unscale (update() ran)

@@ -22,7 +22,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from test_trainer import LEN, VOCAB, Counting  # the same counting task as the README recipe
+from test_trainer import LEN, VOCAB, Counting  # the same counting task as the first Trainer recipe
 
 import mpkern
 

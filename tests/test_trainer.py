@@ -1,4 +1,4 @@
-"""The Hugging Face Trainer recipe of the README: FusedAdamWMP on a bf16 model, checkpoint resume.
+"""The Hugging Face Trainer recipe (docs/recipes.md): FusedAdamWMP on a bf16 model, checkpoint resume.
 
 A tiny randomly initialised GPT-2 built from a config (no download) learns a counting pattern on
 CPU. Checks: the loss falls; a run resumed from a checkpoint continues the uninterrupted run's
@@ -36,7 +36,7 @@ class Counting(torch.utils.data.Dataset):
 
 
 def make_trainer(out_dir: str, max_steps: int) -> transformers.Trainer:
-    """The README recipe: bf16 model, FusedAdamWMP (fp32 masters, clipping fused), Trainer clipping off."""
+    """The recipe of docs/recipes.md: bf16 model, FusedAdamWMP (fp32 masters, clipping fused), Trainer clipping off."""
     cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=LEN, n_embd=32, n_layer=2, n_head=2,
                                   bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
