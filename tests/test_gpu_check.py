@@ -302,6 +302,10 @@ CANNED = {
          "out": "fp32", "config": "fixed 128x128x32", "flops": None, "timing": None, "peer": "torch.mm(out_dtype=fp32)",
          "peer_timing": None, "error": "OutOfResources: shared memory"}]},
 }
+CANNED["matmul_tuned.json"] = {"stage": "matmul_tuned", "status": "interrupted", "rows": [
+    {"kernel": "matmul", "shape": "fwd 16384x4096x11008", "M": 16384, "N": 11008, "K": 4096, "dtype": "bf16",
+     "out": "bf16", "config": "tuned", "flops": 2.0 * 16384 * 11008 * 4096, "timing": None,
+     "peer": "torch.matmul (cuBLAS)", "peer_timing": _timing(2.2, 2.3), "error": "autotuning did not finish"}]}
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="9">
 <testcase classname="tests.test_a" name="test_x[cuda]" file="tests/test_a.py" line="3" time="0.25"/>
 <testcase classname="tests.test_a" name="test_x[triton]" file="tests/test_a.py" line="3" time="0.25"/>
@@ -430,7 +434,10 @@ def test_summary_matmul_tflops_against_cublas(tmp_path):
     assert ok[col["mpkern/peer"]] == f"{0.20 / 0.25:.2f}x"
     assert ok[col["peer"]] == "torch.matmul (cuBLAS)"
     assert "  fwd 4096x4096x11008 fp16->fp32 (fixed 128x128x32): failed: OutOfResources: shared memory" in text
-    assert "matmul_tuned: not run" in text
+    tuned_peer = 2.0 * 16384 * 11008 * 4096 / 2.2e-3 / 1e12  # the cuBLAS row a cut-off tuning leaves
+    assert ("  fwd 16384x4096x11008 bf16->bf16 (tuned): failed: autotuning did not finish; torch.matmul (cuBLAS): "
+            f"{tuned_peer:.0f} TFLOP/s (2.2 ms)") in text
+    assert "matmul_tuned: interrupted, 1 rows" in text
 
 
 def test_summary_tests_per_file(tmp_path):
@@ -473,6 +480,119 @@ def test_summary_command_line(tmp_path):
     assert open(os.path.join(out, "summary.txt")).read() == p.stdout
     p = subprocess.run([sys.executable, script, str(tmp_path / "missing")], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "not a folder" in p.stderr
+
+
+# ---- the stages' plumbing on the CPU, with a stand-in timer ------------------------------------------------
+@pytest.fixture
+def fake_timer(monkeypatch):
+    """event_time runs the call 3 times and reports fixed times; graph capture fails (no CUDA)."""
+    calls = []
+
+    def event_time(fn, device="cuda", *, calls_=None, **kw):
+        for _ in range(3):
+            fn()
+        calls.append(fn)
+        return {"kernel_ms": 0.5, "wall_ms": 2.0, "calls": kw.get("calls", 20), "rounds": kw.get("rounds", 5),
+                "queued_ahead": kw.get("rounds", 5)}
+
+    def graph_time(fn, device="cuda", **kw):
+        raise RuntimeError("CUDA graphs need a GPU")
+
+    monkeypatch.setattr(measure, "event_time", event_time)
+    monkeypatch.setattr(measure, "graph_time", graph_time)
+    return calls
+
+
+def _device_json(out, copy_ms=COPY_MS):
+    with open(os.path.join(out, "device.json"), "w") as f:
+        json.dump({"stage": "device", "status": "done",
+                   "bandwidth": {"copy": {"bytes_moved": COPY_BYTES, "kernel_ms": copy_ms}}}, f)
+
+
+def test_unscale_stage_rows_on_the_cpu_backend(tmp_path, fake_timer):
+    from mpkern import bytemodel
+
+    out = str(tmp_path)
+    assert gpu_stages.stage_unscale(out, params=30_000, tensors=4, device="cpu", backends=("cpu", "cuda")) == 0
+    data = json.load(open(os.path.join(out, "unscale.json")))
+    assert data["status"] == "done" and data["planned"] == ["mpkern.unscale_ (cpu)", "mpkern.unscale_ (cuda)",
+                                                            "torch recipe"]
+    cpu, cuda, peer = data["rows"]
+    assert cpu["bytes_per_param"] == bytemodel.UNSCALE_TRAFFIC["mpkern"] and cpu["params"] == 30_000
+    assert cpu["timing"]["kernel_ms"] == 0.5 and cpu["graph"] is None and "CUDA graphs" in cpu["graph_error"]
+    assert cuda["timing"] is None and cuda["error"].startswith("backend unavailable")
+    assert peer["peer"] and peer["bytes_per_param"] == bytemodel.UNSCALE_TRAFFIC["torch"]
+    _device_json(out)
+    text = gpu_summary.summarize(out)
+    want = 6 * 30_000 / 0.5e-3 / 1e9  # 0.36 GB/s
+    _h, rows = _table(text, "kernel")
+    (row,) = [r for r in rows if r[2] == "mpkern.unscale_ (cpu)"]
+    assert _num(row[6]) == pytest.approx(want, rel=5e-3)
+    assert row[-1] == f"{0.5 / 0.5:.2f}x (limit {10 / 6:.2f}x)"
+    assert "unscale cuda mpkern.unscale_ (cuda): failed: backend unavailable" in text
+
+
+def test_unscale_stage_really_clips_the_grads_it_times(tmp_path, fake_timer):
+    """inv_scale 1 and max_norm 1: after the timed calls the grads' global norm is max_norm (what
+    keeps repeated in-place calls from decaying the grads during the timing)."""
+    import inspect
+
+    gpu_stages.stage_unscale(str(tmp_path), params=30_000, tensors=4, device="cpu", backends=("cpu",))
+    _ours, peer = fake_timer
+    grads = inspect.getclosurevars(peer).nonlocals["grads"]  # the bf16 grads both rows timed, in place
+    assert len(grads) == 4 and sum(g.numel() for g in grads) == 30_000
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads]))
+    assert float(norm) == pytest.approx(1.0, rel=1e-2)  # they started at N(0, 64^2): norm ~11000
+
+
+def test_adamw_stage_rows_on_the_cpu_backend(tmp_path, fake_timer):
+    from mpkern import bench, bytemodel
+
+    out = str(tmp_path)
+    modes = [(True, "float32"), ("8bit", "8bit")]
+    assert gpu_stages.stage_adamw(out, "cpu", peer=True, params=30_000, tensors=4, modes=modes, device="cpu") == 0
+    data = json.load(open(os.path.join(out, "adamw_cpu.json")))
+    assert data["status"] == "done" and len(data["planned"]) == 3
+    fp32, int8, peer = data["rows"]
+    assert [r["error"] for r in data["rows"]] == [None] * 3, data["rows"]
+    assert fp32["bytes_per_param"] == bytemodel.STEP_TRAFFIC["mpkern"]
+    assert int8["bytes_per_param"] == bench.step_bytes_per_param("8bit", "8bit")
+    assert peer["bytes_per_param"] == bytemodel.STEP_TRAFFIC["amp_fp32"] and peer["peer"]
+    assert fp32["mode"] == bench.mode_label(True, "float32") and fp32["first_step_s"] > 0
+    _device_json(out)
+    text = gpu_summary.summarize(out)
+    _h, rows = _table(text, "kernel")
+    by = {r[2]: r for r in rows}
+    for r in (fp32, int8, peer):
+        cells = by[r["mode"] or r["impl"]]
+        assert _num(cells[6]) == pytest.approx(r["bytes_per_param"] * 30_000 / 0.5e-3 / 1e9, rel=5e-3)
+        assert cells[10] == "-" and cells[8] == "capture failed"
+    assert by[fp32["mode"]][-1] == f"1.00x (limit {48 / 30:.2f}x)"
+    with pytest.raises(ValueError, match="backend"):
+        gpu_stages.stage_adamw(out, "tpu", device="cpu")
+
+
+def test_matmul_stage_rows_on_the_cpu(tmp_path, fake_timer, monkeypatch):
+    monkeypatch.setenv("MPKERN_MATMUL_CONFIG", "")  # the stage sets it; restored after the test
+    out = str(tmp_path)
+    cases = [("square 64^3", 64, 64, 64, "square", "bf16"), ("wgrad 48x32 (red. 40)", 48, 32, 40, "wgrad", "bf16")]
+    assert gpu_stages.stage_matmul(out, device="cpu", cases=cases) == 0
+    data = json.load(open(os.path.join(out, "matmul.json")))
+    got = [(r["shape"], r["out"], r["error"]) for r in data["rows"]]
+    assert got == [("square 64^3", "bf16", None), ("square 64^3", "fp32", None),
+                   ("wgrad 48x32 (red. 40)", "bf16", None), ("wgrad 48x32 (red. 40)", "fp32", None),
+                   ("wgrad 48x32 (red. 40)", "+=main_grad", None)]
+    assert data["planned"] == [f"{s} bf16->{o}" for s, o, _ in got]
+    assert data["rows"][0]["flops"] == 2 * 64**3 and data["rows"][2]["flops"] == 2 * 48 * 32 * 40
+    text = gpu_summary.summarize(out)
+    _h, rows = _table(text, "shape")
+    assert len(rows) == 5 and _num(rows[0][4]) == pytest.approx(2 * 64**3 / 0.5e-3 / 1e12, rel=5e-3)
+    assert "not run (the stage ended first)" not in text
+    # the tuned stage: its provisional row (peer timed, tuning pending) is replaced by the finished one
+    assert gpu_stages.stage_matmul(out, tuned=True, device="cpu", cases=cases[:1]) == 0
+    (row,) = json.load(open(os.path.join(out, "matmul_tuned.json")))["rows"]
+    assert row["error"] is None and row["tuning_s"] >= 0 and row["config"].startswith("tuned")
+    assert row["timing"]["kernel_ms"] == 0.5 and row["peer_timing"]["kernel_ms"] == 0.5
 
 
 # ---- on a GPU only ---------------------------------------------------------------------------------------

@@ -87,8 +87,17 @@ class StageFile:
         self.data.update(items)
         self.write()
 
-    def add_row(self, row: dict[str, Any]) -> None:
+    def add_row(self, row: dict[str, Any]) -> int:
+        """Append ``row`` (written at once); returns its index for :meth:`replace_row`."""
         self.data["rows"].append(row)
+        self.write()
+        return len(self.data["rows"]) - 1
+
+    def replace_row(self, index: int, row: dict[str, Any]) -> None:
+        """Put ``row`` in place of row ``index`` (a provisional row completed) and write."""
+        if not 0 <= index < len(self.data["rows"]):
+            raise IndexError(f"StageFile.replace_row: no row {index} (the stage has {len(self.data['rows'])})")
+        self.data["rows"][index] = row
         self.write()
 
     def finish(self, status: str = "done", error: str | None = None) -> None:
@@ -172,10 +181,18 @@ def _times(fn: Callable[[], object], dev: Any, graph: bool = True) -> tuple[dict
     try:
         return t, graph_time(fn, dev, calls=CALLS, rounds=ROUNDS, warmup=WARMUP), None
     except Exception as e:  # noqa: BLE001 -- a capture that fails is a result of the run, written down
-        import torch
+        from mpkern.measure import sync
 
-        torch.cuda.synchronize()
+        sync(dev)
         return t, None, _why(e)
+
+
+def _free(dev: Any) -> None:
+    """Give the caching allocator's free blocks back between rows (GPU only)."""
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _sizes(total: int, count: int) -> list[int]:
@@ -228,18 +245,22 @@ def stage_device(out: str) -> int:
     return 0 if ok else 1
 
 
-def stage_unscale(out: str, params: int | None = None, tensors: int | None = None) -> int:
-    """``mpkern.unscale_`` on the cuda and triton backends and PyTorch's recipe, same bf16 grads."""
+def stage_unscale(out: str, params: int | None = None, tensors: int | None = None, *, device: Any = None,
+                  backends: tuple[str, ...] = ("cuda", "triton")) -> int:
+    """``mpkern.unscale_`` on the cuda and triton backends and PyTorch's recipe, same bf16 grads.
+    ``device``/``backends``: the current GPU and its two backends unless given (a CPU test drives
+    the stage's plumbing on the cpu backend with a stand-in timer)."""
     import torch
 
     import mpkern
     from mpkern import _backend, bytemodel
 
     total, count = params or SIZES["unscale"][0], tensors or SIZES["unscale"][1]
-    sf = StageFile(os.path.join(out, "unscale.json"), "unscale", kernel="unscale", backend="cuda, triton, torch")
-    dev = _gpu()
+    sf = StageFile(os.path.join(out, "unscale.json"), "unscale", kernel="unscale",
+                   backend=", ".join((*backends, "torch")))
+    dev = _gpu() if device is None else torch.device(device)
     sf.set(meta=_meta(dev, params=total, tensors=count, max_norm=1.0),
-           planned=["mpkern.unscale_ (cuda)", "mpkern.unscale_ (triton)", "torch recipe"])
+           planned=[f"mpkern.unscale_ ({b})" for b in backends] + ["torch recipe"])
     gen = torch.Generator(device=dev).manual_seed(0)
     ps = []
     for n in _sizes(total, count):
@@ -249,7 +270,7 @@ def stage_unscale(out: str, params: int | None = None, tensors: int | None = Non
     grads = [p.grad for p in ps]
     inv = torch.tensor(INV_SCALE, device=dev)
     ours, theirs = bytemodel.UNSCALE_TRAFFIC["mpkern"], bytemodel.UNSCALE_TRAFFIC["torch"]
-    for name in ("cuda", "triton"):
+    for name in backends:
         impl = f"mpkern.unscale_ ({name})"
         why = _backend_ok(name, dev)
         if why:
@@ -302,23 +323,25 @@ def _ordered_modes(backend: str) -> list[tuple[Any, str]]:
 
 
 def stage_adamw(out: str, backend: str, *, peer: bool = False, params: int | None = None,
-                tensors: int | None = None, modes: list[tuple[Any, str]] | None = None) -> int:
+                tensors: int | None = None, modes: list[tuple[Any, str]] | None = None, device: Any = None) -> int:
     """``mpkern.unscale_(opt)`` + ``FusedAdamWMP.step`` on bf16 params in every storage mode on ``backend``
-    (and with ``peer`` the AMP recipe on fp32 params) -> ``adamw_<backend>.json``."""
+    (and with ``peer`` the AMP recipe on fp32 params) -> ``adamw_<backend>.json``. ``device``: the
+    current GPU unless given (``backend`` must then run there)."""
     import torch
 
     import mpkern
     from mpkern import _backend, bytemodel
+    from mpkern.measure import sync
     from mpkern.optim import storage
 
     from .common import ADAMW_LR, ADAMW_MAX_NORM, unscale_clip
     from .modes import mode_label, optimizer_kwargs, step_bytes_per_param
 
-    if backend not in ("cuda", "triton"):
-        raise ValueError(f"stage_adamw: backend must be cuda or triton, got {backend!r}")
+    if backend not in _backend.BACKENDS:
+        raise ValueError(f"stage_adamw: backend must be one of {_backend.BACKENDS}, got {backend!r}")
     total, count = params or SIZES["adamw"][0], tensors or SIZES["adamw"][1]
     sf = StageFile(os.path.join(out, f"adamw_{backend}.json"), f"adamw_{backend}", kernel="adamw", backend=backend)
-    dev = _gpu()
+    dev = _gpu() if device is None else torch.device(device)
     mode_list = list(modes) if modes is not None else _ordered_modes(backend)
     no_kernel = [storage.label(mw, sd) for mw, sd in storage.modes(torch.bfloat16) if (mw, sd) not in mode_list]
     sf.set(meta=_meta(dev, params=total, tensors=count, lr=ADAMW_LR, max_norm=ADAMW_MAX_NORM, capturable=True,
@@ -353,7 +376,7 @@ def stage_adamw(out: str, backend: str, *, peer: bool = False, params: int | Non
 
                 t0 = time.perf_counter()
                 step()  # the first step: state, tables (and on triton, the kernel's compile)
-                torch.cuda.synchronize()
+                sync(dev)
                 first_s = time.perf_counter() - t0
                 t, g, gerr = _times(step, dev)
             sf.add_row(mem_row("adamw", "FusedAdamWMP", backend, mode=label, bytes_per_param=bpp, bytes_source=src,
@@ -366,7 +389,7 @@ def stage_adamw(out: str, backend: str, *, peer: bool = False, params: int | Non
             sf.add_row(mem_row("adamw", "FusedAdamWMP", backend, mode=label, bytes_per_param=bpp, bytes_source=src,
                                params=total, error=_why(e)))
         del opt
-        torch.cuda.empty_cache()
+        _free(dev)
     if peer:
         impl = "torch AMP recipe, fp32 params"
         bpp = bytemodel.STEP_TRAFFIC["amp_fp32"]
@@ -374,7 +397,7 @@ def stage_adamw(out: str, backend: str, *, peer: bool = False, params: int | Non
             pa = [torch.nn.Parameter(w.clone()) for w in init]
             for p, x in zip(pa, grads16):
                 p.grad = x.float()
-            opt_a = torch.optim.AdamW(pa, lr=ADAMW_LR, fused=True, capturable=True)
+            opt_a = torch.optim.AdamW(pa, lr=ADAMW_LR, fused=True, capturable=dev.type == "cuda")
 
             def recipe() -> None:
                 unscale_clip(pa, inv)
@@ -415,18 +438,20 @@ def _operands(layout: str, m: int, n: int, k: int, dt: Any, dev: Any) -> tuple[A
     if layout == "fwd":  # x @ weight.t()
         return torch.randn(m, k, device=dev, dtype=dt) * 0.1, torch.randn(n, k, device=dev, dtype=dt).t()
     if layout == "wgrad":  # grad_out.t() @ x
-        return torch.randn(k, m, device=dev, dtype=dt).t() * 0.1, torch.randn(k, n, device=dev, dtype=dt)
+        return (torch.randn(k, m, device=dev, dtype=dt) * 0.1).t(), torch.randn(k, n, device=dev, dtype=dt)
     raise ValueError(f"unknown layout {layout!r}")
 
 
-def stage_matmul(out: str, tuned: bool = False) -> int:
+def stage_matmul(out: str, tuned: bool = False, *, device: Any = None,
+                 cases: list[tuple[str, int, int, int, str, str]] | None = None) -> int:
     """GEMM rows against cuBLAS: the fixed config (``tuned=False`` -> ``matmul.json``) or one tuned
-    bf16 shape (``matmul_tuned.json``)."""
+    bf16 shape (``matmul_tuned.json``). ``device``/``cases`` (``(name, M, N, K, layout, dtypes)``,
+    layout ``square``/``fwd``/``wgrad``): the current GPU and :func:`_mm_cases` unless given."""
     import torch
 
     import mpkern
     from mpkern.matmul import matmul_accumulate_
-    from mpkern.measure import event_time
+    from mpkern.measure import event_time, sync
     from mpkern.triton_kernels import matmul as tk
 
     from .matmul import DTYPES, _has_mm_out_dtype, wgrad_accumulate_peer
@@ -437,11 +462,11 @@ def stage_matmul(out: str, tuned: bool = False) -> int:
         os.environ["MPKERN_MATMUL_CONFIG"] = "fixed"
     name = "matmul_tuned" if tuned else "matmul"
     sf = StageFile(os.path.join(out, f"{name}.json"), name, kernel="matmul")
-    dev = _gpu()
+    dev = _gpu() if device is None else torch.device(device)
     fixed = "fixed " + "x".join(str(tk.FIXED_CONFIG[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
     sf.set(meta=_meta(dev, config="autotuned" if tuned else fixed))
     mm_out = _has_mm_out_dtype(dev)
-    cases = _mm_cases(tuned)
+    cases = _mm_cases(tuned) if cases is None else list(cases)
     planned = []
     for shape, _m, _n, _k, layout, dts in cases:
         for d in dts.split(","):
@@ -460,30 +485,36 @@ def stage_matmul(out: str, tuned: bool = False) -> int:
                     peer, peer_fn = "torch.matmul (cuBLAS)", (lambda a=a, b=b: torch.matmul(a, b))
                 elif mm_out:
                     peer = "torch.mm(out_dtype=fp32)"
-                    peer_fn = (lambda a=a, b=b: torch.mm(a, b, out_dtype=torch.float32))
+                    peer_fn = (lambda a=a, b=b: torch.mm(a, b, out_dtype=torch.float32))  # noqa: E731
                 else:
                     peer, peer_fn = "torch.matmul + .float()", (lambda a=a, b=b: torch.matmul(a, b).float())
-                cfg = fixed
+                cfg = "tuned" if tuned else fixed
                 extra: dict[str, Any] = {}
+                pt = idx = None
                 try:
-                    if tuned:
+                    pt = event_time(peer_fn, dev, calls=CALLS, rounds=ROUNDS, warmup=WARMUP)
+                    if tuned:  # the peer's row first: a tuning cut off by the stage limit leaves it
+                        idx = sf.add_row(matmul_row(shape, m, n, k, dname, oname, cfg, timing=None, peer=peer,
+                                                    peer_timing=pt, error="autotuning did not finish"))
                         t0 = time.perf_counter()
                         mpkern.matmul(a, b, out_dtype=od)  # the one tuning run of this shape
-                        torch.cuda.synchronize()
+                        sync(dev)
                         extra["tuning_s"] = time.perf_counter() - t0
                         best = getattr(tk._matmul_kernel_tuned, "best_config", None)
                         cfg = f"tuned {best}" if best is not None else "tuned"
                     t = event_time(lambda a=a, b=b, od=od: mpkern.matmul(a, b, out_dtype=od), dev, calls=CALLS,
                                    rounds=ROUNDS, warmup=WARMUP)
-                    pt = event_time(peer_fn, dev, calls=CALLS, rounds=ROUNDS, warmup=WARMUP)
-                    sf.add_row(matmul_row(shape, m, n, k, dname, oname, cfg, timing=t, peer=peer, peer_timing=pt,
-                                          **extra))
+                    row = matmul_row(shape, m, n, k, dname, oname, cfg, timing=t, peer=peer, peer_timing=pt, **extra)
                     _log(f"matmul {shape} {dname}->{oname} ({cfg}): {t['kernel_ms']:.3f} ms, {peer} "
                          f"{pt['kernel_ms']:.3f} ms")
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc()
-                    sf.add_row(matmul_row(shape, m, n, k, dname, oname, cfg, timing=None, peer=peer,
-                                          peer_timing=None, error=_why(e), **extra))
+                    row = matmul_row(shape, m, n, k, dname, oname, cfg, timing=None, peer=peer, peer_timing=pt,
+                                     error=_why(e), **extra)
+                if idx is None:
+                    sf.add_row(row)
+                else:
+                    sf.replace_row(idx, row)
             if layout == "wgrad" and not tuned:
                 mg = torch.zeros(m, n, device=dev, dtype=torch.float32)
                 peer, fn = wgrad_accumulate_peer(dev)
@@ -500,7 +531,7 @@ def stage_matmul(out: str, tuned: bool = False) -> int:
                                           peer_timing=None, error=_why(e)))
                 del mg
             del a, b
-            torch.cuda.empty_cache()
+            _free(dev)
     sf.finish()
     return 0
 

@@ -336,7 +336,9 @@ def matmul_rows(rows: list[dict[str, Any]]) -> tuple[list[list[str]], list[str]]
         flops = r.get("flops")
         k_ms, p_ms = _ms(r.get("timing")), _ms(r.get("peer_timing"))
         if r.get("error") or k_ms is None or not isinstance(flops, (int, float)):
-            notes.append(f"{shape} {dt} ({cfg}): failed: {str(r.get('error') or 'no kernel time')[:200]}")
+            peer = (f"; {r.get('peer', 'peer')}: {tflops(flops, p_ms):.0f} TFLOP/s ({_fmt(p_ms)} ms)"
+                    if p_ms and isinstance(flops, (int, float)) else "")
+            notes.append(f"{shape} {dt} ({cfg}): failed: {str(r.get('error') or 'no kernel time')[:200]}{peer}")
             continue
         ours = tflops(flops, k_ms)
         theirs = tflops(flops, p_ms) if p_ms else None
