@@ -29,6 +29,8 @@ there, loudly, and not in a training run.
 
 from __future__ import annotations
 
+import warnings
+
 import weakref
 from typing import Any, NamedTuple
 
@@ -152,4 +154,7 @@ def check_unscale_stage(scaler: torch.amp.GradScaler, opt: Any) -> None:
     if stage is OptState.UNSCALED:
         raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
     if stage is OptState.STEPPED:
-        raise RuntimeError("unscale_() is being called after step().")
+        fix = ("scaler.update() was not called after the last scaler.step(optimizer) -- call scaler.update() once "
+               "per iteration, after scaler.step(); without it the loss scale never backs off or grows")
+        warnings.warn(f"mpkern.unscale_: {fix}", UserWarning, stacklevel=4)
+        raise RuntimeError(f"unscale_() is being called after step(): {fix}.")

@@ -394,3 +394,42 @@ def test_doctor_cli_rejects_unknown_model(capsys):
     with pytest.raises(SystemExit):
         main(["doctor", "--model", "llama"])
     assert "--model must be a comma list" in capsys.readouterr().err
+
+
+# ---- mistakes caught where they happen ----------------------------------------------------------
+def test_step_inside_autocast_warns_once_with_the_fix():
+    import warnings
+
+    m = nn.Linear(4, 4)
+    opt = mpkern.FusedAdamWMP(m.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                m(torch.randn(2, 4)).float().sum().backward()
+                opt.step()
+            opt.zero_grad()
+    mine = [w for w in got if "inside a torch.autocast region" in str(w.message)]
+    assert len(mine) == 1 and "outside" in str(mine[0].message)
+    assert mine[0].filename == __file__  # points at the caller's step() line
+    opt2 = mpkern.FusedAdamWMP(m.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            m(torch.randn(2, 4)).float().sum().backward()
+        opt2.step()
+    assert not [w for w in got if "autocast" in str(w.message)]
+
+
+def test_unscale_without_scaler_update_warns_with_the_fix():
+    m = nn.Linear(4, 4)
+    opt = mpkern.FusedAdamWMP(m.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(m(torch.randn(2, 4)).sum()).backward()
+    mpkern.unscale_(opt, scaler=scaler, max_norm=1.0)
+    scaler.step(opt)  # ... and no scaler.update()
+    opt.zero_grad()
+    scaler.scale(m(torch.randn(2, 4)).sum()).backward()
+    with pytest.warns(UserWarning, match=r"call scaler.update\(\) once per iteration"):
+        with pytest.raises(RuntimeError, match="after step"):
+            mpkern.unscale_(opt, scaler=scaler, max_norm=1.0)

@@ -119,6 +119,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
     # the eager fast path: the prepared kernel lists cached and re-validated in C++ each step
     # (see .step_cache); False always takes the full path (tests compare the two)
     _mpkern_step_cache = True
+    _mpkern_warned_autocast = False  # step() inside autocast is told once per optimizer
 
     def __init__(
         self,
@@ -317,6 +318,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._mpkern_warned_autocast and not torch.compiler.is_compiling():
+            self._mpkern_warned_autocast = _warn_if_autocast()
         if torch.compiler.is_compiling():
             # replayed by every compiled call: compiled steps write the params through functionalized
             # copies (their version counters move) and record no stamps
