@@ -386,6 +386,20 @@ class FusedAdamWMP(torch.optim.Optimizer):
         checkpoint.load(self, state_dict)
 
 
+def _warn_if_autocast() -> bool:
+    """Warn (and return True) when ``step()`` runs inside an autocast region -- the lessons' "optimizer
+    math outside autocast". Host-side flags only, no sync."""
+    on = [d for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)]
+    if on:
+        warnings.warn(
+            f"FusedAdamWMP.step() called inside a torch.autocast region ({', '.join(on)}): the optimizer step "
+            "belongs outside autocast -- end the `with torch.autocast(...)` block after the forward pass and the "
+            "loss, then call backward, (scaler.)step and scaler.update() outside it. mpkern's kernels compute in "
+            "fp32 either way, but a closure, LR scheduler or other optimizer step under autocast would not. "
+            "(Told once per optimizer.)", UserWarning, stacklevel=5)
+    return bool(on)
+
+
 def _check_adamw_args(lr: Any, betas: Any, eps: float, weight_decay: float, differentiable: bool) -> None:
     """``torch.optim.AdamW``'s argument checks, with its messages."""
     if isinstance(lr, Tensor):
