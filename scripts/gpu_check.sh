@@ -59,29 +59,47 @@ STAGES=(
 )
 declare -A LIMIT WHAT
 ORDER=()
-fixed_sum=0
 for s in "${STAGES[@]}"; do
   IFS='|' read -r name limit what <<< "$s"
   ORDER+=("$name")
   WHAT[$name]=$what
-  if [[ $limit != REST ]]; then LIMIT[$name]=$limit; fixed_sum=$((fixed_sum + limit)); fi
+  [[ $limit != REST ]] && LIMIT[$name]=$limit
 done
+# GPU_CHECK_LIMITS="build=6,tests_gpu=4": other limits for some stages (the script's own tests use it)
+if [[ -n "${GPU_CHECK_LIMITS:-}" ]]; then
+  IFS=',' read -ra pairs <<< "$GPU_CHECK_LIMITS"
+  for kv in "${pairs[@]}"; do
+    k=${kv%%=*} v=${kv#*=}
+    if [[ -z "${WHAT[$k]+x}" || $k == tests_rest || ! $v =~ ^[0-9]+$ ]]; then
+      echo "gpu_check.sh: GPU_CHECK_LIMITS: '$kv' is not STAGE=SECONDS for a stage other than tests_rest" >&2
+      exit 2
+    fi
+    LIMIT[$k]=$v
+  done
+fi
+fixed_sum=0
+for name in "${ORDER[@]}"; do [[ $name != tests_rest ]] && fixed_sum=$((fixed_sum + LIMIT[$name])); done
 LIMIT[tests_rest]=$((TOTAL - fixed_sum))   # at least this; more when earlier stages end early
 if (( LIMIT[tests_rest] < 0 )); then
   echo "gpu_check.sh: the fixed stage limits add up to $fixed_sum s, over the total of $TOTAL s" >&2
   exit 1
 fi
 
-# the GPU-first test files: every test of these ...
-GPU_ALL=(test_gpu_paths test_nosync test_streams test_capture test_norm_identity test_kernels_compact
-         test_kernels_m4 test_ops test_moments8)
-# ... and only the cuda/triton variants of these (their cpu / torch-reference variants add nothing here)
-GPU_K=(test_unscale test_matmul test_optim test_optim_generic test_math test_compact_state test_dropin
-       test_scaler test_review test_backend test_bench)
+# the GPU-first test files, in the order they run (most GPU-specific first; a CUDA error that breaks
+# the process's context shows as the first failure of the list): "all" runs every test of the file,
+# "k" only its cuda/triton variants (its cpu and torch-reference variants add nothing on a GPU)
+GPU_FIRST=(test_gpu_paths:all test_nosync:all test_capture:all test_streams:all test_unscale:k test_ops:all
+           test_kernels_compact:all test_kernels_m4:all test_norm_identity:all test_optim:k test_matmul:k
+           test_optim_generic:k test_math:k test_compact_state:k test_dropin:k test_scaler:k test_review:k
+           test_backend:k test_bench:k test_moments8:all)
 KEXPR="cuda or triton"
-for f in "${GPU_ALL[@]}"; do KEXPR="$KEXPR or $f.py"; done
 GPU_FILES=()
-for f in "${GPU_ALL[@]}" "${GPU_K[@]}"; do [[ -f tests/$f.py ]] && GPU_FILES+=("tests/$f.py"); done
+for entry in "${GPU_FIRST[@]}"; do
+  f=${entry%%:*}
+  [[ -f tests/$f.py ]] || continue
+  GPU_FILES+=("tests/$f.py")
+  [[ ${entry##*:} == all ]] && KEXPR="$KEXPR or $f.py"
+done
 REST_FILES=()
 for f in tests/test_*.py; do
   skip=0
@@ -131,7 +149,7 @@ log() { echo "[gpu_check $(date +%H:%M:%S) +$(( $(date +%s) - START ))s] $*"; }
 record() { printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" >> "$OUT/stages.tsv"; }
 skip() { record "$1" "${LIMIT[$1]}" - - "not run ($2)"; log "$1: not run ($2)"; }
 
-CUR=""
+CUR="" CUR_NAME="" CUR_T0=0
 stage() {  # stage NAME COMMAND... : run under min(its limit, what is left before the deadline)
   local name=$1
   shift
@@ -146,7 +164,7 @@ stage() {  # stage NAME COMMAND... : run under min(its limit, what is left befor
   local t0
   t0=$(date +%s)
   timeout -s INT -k "$grace" "$((limit - grace))" "$@" > "$OUT/$name.log" 2>&1 &
-  CUR=$!
+  CUR=$! CUR_NAME=$name CUR_T0=$t0
   wait "$CUR"
   local rc=$?
   CUR=""
@@ -167,7 +185,12 @@ DONE=0
 finish() {
   [[ $DONE -eq 1 ]] && return
   DONE=1
-  if [[ -n "$CUR" ]]; then kill -INT "$CUR" 2>/dev/null; sleep 2; kill -KILL "$CUR" 2>/dev/null; fi
+  if [[ -n "$CUR" ]]; then  # the run was stopped inside a stage: stop it too, and say so
+    kill -INT "$CUR" 2>/dev/null
+    sleep 2
+    kill -KILL "$CUR" 2>/dev/null
+    record "$CUR_NAME" "${LIMIT[$CUR_NAME]}" 130 $(( $(date +%s) - CUR_T0 )) "interrupted (the run was stopped)"
+  fi
   local t0
   t0=$(date +%s)
   if timeout -k 2 "$SUMMARY_LIMIT" "$PY" mpkern/bench/gpu_summary.py "$OUT" --write > "$OUT/summary.log" 2>&1; then
@@ -196,11 +219,19 @@ if [[ $PRE -eq 3 || -z "$ARCH" ]]; then
 fi
 
 # ---- build (this GPU's arch alone) ----------------------------------------------------------------
+# Without an install mpkern.triton_kernels cannot even be imported (the install maps it), so a CUDA
+# build that fails is followed, inside the same limit, by one without the CUDA kernels: the Triton
+# paths and the tests still run (the stage then ends with rc=3 and says so at the end of build.log).
+PIP_E="$PY -m pip install --no-build-isolation --no-deps --no-index --disable-pip-version-check -v -e ."
+export TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS="$CORES"
 if [[ $PRE -eq 4 ]]; then
-  skip build "the toolchain cannot build CUDA: see precheck.log; the Triton paths still run"
+  stage build bash -c "echo '[gpu_check] the toolchain cannot build CUDA (precheck.log): building without it'; \
+    MPKERN_BUILD_CUDA=0 $PIP_E"
 else
-  stage build env MPKERN_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS="$CORES" \
-    "$PY" -m pip install --no-build-isolation --no-deps --no-index --disable-pip-version-check -v -e .
+  stage build bash -c "MPKERN_BUILD_CUDA=1 $PIP_E && exit 0; \
+    echo '[gpu_check] the CUDA build failed: building without the CUDA kernels'; \
+    MPKERN_BUILD_CUDA=0 $PIP_E; rc=\$?; \
+    echo \"[gpu_check] the CUDA build failed; the build without CUDA kernels ended with rc=\$rc\"; exit 3"
 fi
 stage device "$PY" -m mpkern.bench.gpu_stages device --out "$OUT"
 

@@ -82,6 +82,87 @@ def test_script_without_a_gpu_still_prints_the_summary(tmp_path):
     assert json.loads((out / "precheck.json").read_text())["gpu"] is None
 
 
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+# a stand-in python for gpu_check.sh: a GPU that is there, a build that hangs and ignores SIGINT,
+# a tests stage that runs until stopped; the summary (and the script's own questions) run for real
+echo "$*" >> "$FAKE_DIR/calls.log"
+case "$*" in
+  -c*|*gpu_summary.py*) exec "$REAL_PY" "$@" ;;
+  *gpu_precheck.py*)
+    out=${@: -1}; echo 9.0 > "$out/arch.txt"
+    echo '{"gpu": {"name": "Fake GPU", "arch": "9.0"}, "problems": []}' > "$out/precheck.json"; exit 0 ;;
+  *"-m pip"*)
+    [[ $FAKE_PIP == quick ]] && exit 0
+    trap '' INT; echo $$ > "$FAKE_DIR/pip.pid"; sleep 60; exit 0 ;;
+  *tests_gpu.xml*) echo $$ > "$FAKE_DIR/pytest.pid"; sleep 60; exit 0 ;;
+  *) exit 0 ;;
+esac
+"""
+
+
+def _fake_env(tmp_path, **extra: str) -> dict[str, str]:
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    return dict(os.environ, PYTHON=str(fake), REAL_PY=sys.executable, FAKE_DIR=str(tmp_path), **extra)
+
+
+def _alive(pid_file) -> bool:
+    try:
+        os.kill(int(open(pid_file).read()), 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@needs_bash
+def test_every_stage_is_stopped_at_its_limit_and_the_summary_still_comes(tmp_path):
+    out = tmp_path / "out"
+    env = _fake_env(tmp_path, GPU_CHECK_LIMITS="build=6,tests_gpu=5")
+    p = subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    stages = gpu_summary.read_stages(str(out))
+    assert stages["build"]["rc"] in (124, 137) and stages["build"]["seconds"] <= 7, stages["build"]
+    assert stages["build"]["status"].startswith(("KILLED", "TIMEOUT"))  # it ignored SIGINT: SIGKILL ended it
+    assert stages["tests_gpu"]["rc"] == 124 and stages["tests_gpu"]["seconds"] <= 6
+    assert stages["tests_gpu"]["status"] == f"TIMEOUT after {stages['tests_gpu']['seconds']} s (limit 5 s)"
+    for name in ("precheck", "device", "unscale", "adamw_cuda", "adamw_triton", "matmul", "matmul_tuned",
+                 "tests_rest"):
+        assert stages[name]["status"] == "ok", (name, stages[name])
+    assert not _alive(tmp_path / "pip.pid") and not _alive(tmp_path / "pytest.pid")
+    assert "mpkern gpu_check summary" in p.stdout and (out / "summary.txt").read_text() in p.stdout
+    calls = (tmp_path / "calls.log").read_text()
+    assert "-m mpkern.bench.gpu_stages adamw --backend triton" in calls
+    assert calls.count("-m pytest") == 2  # one process for the GPU-first files, one for the rest
+
+
+@needs_bash
+def test_an_interrupted_run_stops_its_stage_and_prints_the_summary(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    env = _fake_env(tmp_path, FAKE_PIP="quick")
+    proc = subprocess.Popen(["bash", SCRIPT, str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=env)
+    try:
+        t0 = time.monotonic()
+        while not (tmp_path / "pytest.pid").exists() and time.monotonic() - t0 < 60:
+            time.sleep(0.2)
+        assert (tmp_path / "pytest.pid").exists(), "the tests stage never started"
+        proc.send_signal(signal.SIGTERM)
+        stdout, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "mpkern gpu_check summary" in stdout and "interrupted" in stdout
+    time.sleep(1)
+    assert not _alive(tmp_path / "pytest.pid")
+    assert gpu_summary.read_stages(str(out))["tests_gpu"]["status"] == "interrupted (the run was stopped)"
+    assert re.search(r"^  tests_gpu\s+90 s\s+\d+ s  interrupted", (out / "summary.txt").read_text(), re.M)
+
+
 # ---- pure helpers -----------------------------------------------------------------------------------
 def test_per_call_ms_is_the_median_over_rounds_of_total_over_calls():
     assert measure.per_call_ms([10.0, 12.0, 11.0], 5) == pytest.approx(2.2)
