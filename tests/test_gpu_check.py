@@ -681,7 +681,7 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
 @requires_cuda
-def test_event_time_queues_ahead_and_graph_time_replays_the_call():
+def test_cuda_event_time_queues_ahead_and_graph_time_replays_the_call():
     x = torch.zeros(1 << 20, device="cuda")
     y = torch.empty_like(x)
     t = measure.event_time(lambda: y.copy_(x), calls=10, rounds=3, warmup=1)
@@ -697,7 +697,7 @@ def test_event_time_queues_ahead_and_graph_time_replays_the_call():
 
 
 @requires_cuda
-def test_small_stages_end_to_end_on_the_gpu(tmp_path):
+def test_cuda_small_stages_end_to_end(tmp_path):
     out = str(tmp_path)
     assert gpu_stages.stage_unscale(out, params=2_000_000, tensors=7) == 0
     assert gpu_stages.stage_adamw(out, "cuda", peer=True, params=2_000_000, tensors=7,
