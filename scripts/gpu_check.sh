@@ -130,10 +130,21 @@ if [[ $DRY -eq 1 ]]; then
 fi
 
 # ---- the run --------------------------------------------------------------------------------------
+command -v timeout > /dev/null || { echo "gpu_check.sh: needs coreutils 'timeout'" >&2; exit 2; }
 PY=${PYTHON:-python3}
 mkdir -p "$OUT" || exit 2
 OUT=$(cd "$OUT" && pwd)
 START=$(date +%s)
+if [[ -e "$OUT/stages.tsv" ]]; then  # a previous run's files would be summarised as this run's: move them
+  rm -rf "$OUT/previous_run"
+  mkdir -p "$OUT/previous_run"
+  for f in plan.tsv stages.tsv arch.txt summary.txt summary.log tests_gpu.k tests_gpu.list tests_rest.list \
+           tests_gpu.xml tests_rest.xml precheck.json device.json unscale.json matmul.json matmul_tuned.json \
+           adamw_*.json "${ORDER[@]/%/.log}"; do
+    for g in "$OUT"/$f; do [[ -e "$g" ]] && mv "$g" "$OUT/previous_run/"; done
+  done
+  echo "[gpu_check] the previous run's files are in $OUT/previous_run"
+fi
 DEADLINE=$((START + TOTAL))
 PYBIN=$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))' 2>/dev/null || true)
 [[ -n "$PYBIN" ]] && export PATH="$PYBIN:$PATH"   # ninja / pip installed next to this python

@@ -80,6 +80,12 @@ def test_script_without_a_gpu_still_prints_the_summary(tmp_path):
     for stage in ("build", "tests_gpu", "adamw_triton", "matmul_tuned"):
         assert re.search(rf"^  {stage}\s+\d+ s\s+- s  not run \(no CUDA GPU visible to torch\)$", text, re.M), stage
     assert json.loads((out / "precheck.json").read_text())["gpu"] is None
+    # a second run into the same folder moves the first one's files aside instead of summarising them
+    (out / "unscale.json").write_text(json.dumps({"stage": "unscale", "status": "done", "rows": []}))
+    p = subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert p.returncode == 1 and "unscale: not run" in (out / "summary.txt").read_text()
+    assert (out / "previous_run" / "unscale.json").exists() and (out / "previous_run" / "summary.txt").exists()
+    assert (out / "previous_run" / "precheck.log").exists() and not (out / "previous_run" / "previous_run").exists()
 
 
 FAKE_PYTHON = r"""#!/usr/bin/env bash
@@ -532,6 +538,7 @@ def test_summary_tests_per_file(tmp_path):
     assert got["tests/test_c.py"] == ["0", "0", "0", "0", "0", "-", "not run"]
     assert got["total"] == ["4", "1", "1", "1", "1"]
     assert "FAILED tests/test_a.py::test_z: AssertionError: found_inf differs" in gpu
+    assert "  slowest: tests/test_b.py::test_replay 2.0 s, tests/test_a.py::test_z 1.0 s, " in gpu
     assert "-k 'cuda or triton'" in gpu and "failed rc=1 after 88 s" in gpu
     _h, rows = _table(rest, "file")
     assert {r[0]: r[1:] for r in rows}["tests/test_d.py"] == ["1", "0", "1", "1", "0", "-", "ran"]

@@ -29,7 +29,7 @@ import xml.etree.ElementTree as ET
 from typing import Any
 
 __all__ = ["gbps", "tflops", "load_json", "read_stages", "read_plan", "parse_junit", "parse_verbose_log",
-           "test_counts", "memory_rows", "matmul_rows", "summarize", "main"]
+           "slowest_tests", "test_counts", "memory_rows", "matmul_rows", "summarize", "main"]
 
 #: a wall time this many times the kernel time marks the step host-bound
 HOST_BOUND_RATIO = 1.5
@@ -173,6 +173,23 @@ def parse_junit(path: str) -> tuple[dict[str, dict[str, Any]], list[tuple[str, s
             kind = "passed"
         c[kind] += 1
     return files, failures
+
+
+def slowest_tests(path: str, n: int = 8) -> list[tuple[str, float]]:
+    """The ``n`` slowest tests of a JUnit XML file, ``(file::name, seconds)``, slowest first (for
+    planning what fits in the next run); empty if the file is absent or damaged."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return []
+    times = []
+    for tc in root.iter("testcase"):
+        try:
+            t = float(tc.get("time", 0) or 0)
+        except ValueError:
+            continue
+        times.append((f"{_file_of(tc.get('classname', ''), tc.get('file'))}::{tc.get('name', '?')}", t))
+    return sorted(times, key=lambda x: -x[1])[:n]
 
 
 _VERBOSE = re.compile(r"^(?P<file>\S+?\.py)::(?P<test>.+?) (?P<outcome>PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
@@ -497,6 +514,9 @@ def summarize(out: str) -> str:
         if rows:
             rows.append(["total", *(str(tot[k]) for k in OUTCOMES), "", ""])
             lines += _table(["file", *OUTCOMES, "seconds", "status"], rows)
+        slow = slowest_tests(os.path.join(out, f"{stage}.xml"))
+        if slow:
+            lines.append("  slowest: " + ", ".join(f"{t} {sec:.1f} s" for t, sec in slow))
         for test, msg in res["failures"][:25]:
             lines.append(f"  FAILED {test}: {msg}")
         if len(res["failures"]) > 25:
