@@ -146,7 +146,7 @@ if [[ -e "$OUT/stages.tsv" ]]; then  # a previous run's files would be summarise
   echo "[gpu_check] the previous run's files are in $OUT/previous_run"
 fi
 DEADLINE=$((START + TOTAL))
-PYBIN=$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))' 2>/dev/null || true)
+PYBIN=$(timeout 20 "$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))' 2>/dev/null || true)
 [[ -n "$PYBIN" ]] && export PATH="$PYBIN:$PATH"   # ninja / pip installed next to this python
 export PYTHONUNBUFFERED=1 MPKERN_MATMUL_CONFIG=fixed
 unset MPKERN_BACKEND TRITON_INTERPRET

@@ -161,4 +161,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # run as a file, this folder is sys.path[0]: its modules (common.py, host.py, ...) must not shadow
+    # top-level modules that torch or triton import
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     sys.exit(main())
