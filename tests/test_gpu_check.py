@@ -2,7 +2,9 @@
 fit in 7 min 30 s, the script always prints its summary, and the summary turns canned stage JSON
 into the right GB/s, % of the measured copy bandwidth, TFLOP/s and tests per file -- every expected
 number computed here from the bytes and times in the canned files, not by the code under test.
-The CUDA-event timing and the stages themselves run only on a GPU (skipped here)."""
+The stages' plumbing runs here on the cpu backend with a stand-in timer and the script's control
+flow with a stand-in python; the CUDA-event timing itself and the stages on a GPU run only there
+(test_cuda_*, skipped here)."""
 
 from __future__ import annotations
 
@@ -59,6 +61,21 @@ def test_dry_run_lists_the_stages_and_their_limits_fit_in_450_s(tmp_path):
     assert sorted(listed) == on_disk
     assert "tests/test_gpu_paths.py" in p.stdout.split("tests_rest")[0]  # a GPU-first file comes first
     assert '-k "cuda or triton' in p.stdout
+
+
+@needs_bash
+def test_the_gpu_first_selection_leaves_tests_in_every_file_it_lists():
+    """Each GPU-first file keeps at least one test under the stage's -k expression (here on CPU its
+    triton variants run in the interpreter; a file whose every test the expression dropped would be
+    listed for nothing)."""
+    p = _dry_run()
+    kexpr = re.search(r'^\s+-k "(.+)"$', p.stdout, re.M).group(1)
+    files = re.findall(r"^\s+(tests/test_\w+\.py)$", p.stdout.split("  unscale ")[0], re.M)
+    assert len(files) >= 10
+    c = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-qq",
+                        "-k", kexpr, *files], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    counts = dict(re.findall(r"^(tests/test_\w+\.py): (\d+)$", c.stdout, re.M))
+    assert [f for f in files if int(counts.get(f, 0)) == 0] == [], c.stdout[-2000:]
 
 
 @needs_bash
