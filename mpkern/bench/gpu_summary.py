@@ -77,6 +77,16 @@ def load_json(path: str) -> tuple[dict[str, Any] | None, str]:
     return data, ""
 
 
+def _rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The row dicts of a stage file (anything else in ``rows`` is left out)."""
+    rows = data.get("rows")
+    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+
+
+def _num_or_none(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
 def _read_tsv(path: str, ncols: int) -> list[list[str]]:
     rows = []
     try:
@@ -276,8 +286,8 @@ def _stage_state(data: dict[str, Any] | None, problem: str, stages: dict[str, di
     if data is None:
         return f"{name}: {problem}" + ("" if word == "not run" else f" (stage: {word})")
     status = data.get("status", "?")
-    rows = data.get("rows") or []
-    planned = data.get("planned") or []
+    rows = _rows(data)
+    planned = data.get("planned") if isinstance(data.get("planned"), list) else []
     line = f"{name}: {status}, {len(rows)}" + (f" of {len(planned)}" if planned else "") + " rows"
     if data.get("error"):
         line += f"; error: {str(data['error'])[:160]}"
@@ -296,7 +306,8 @@ def memory_rows(rows: list[dict[str, Any]], copy_gbps: float | None,
     failed and per graph capture that failed, with the reason."""
     out, notes = [], []
     for r in rows:
-        bpp, params = r.get("bytes_per_param"), r.get("params")
+        bpp, params = _num_or_none(r.get("bytes_per_param")), r.get("params")
+        params = params if isinstance(params, int) and params > 0 else None
         name = f"{r.get('kernel', '?')}"
         what = r.get("mode") or r.get("impl") or "?"
         backend = r.get("backend") or "?"
@@ -304,7 +315,7 @@ def memory_rows(rows: list[dict[str, Any]], copy_gbps: float | None,
         if r.get("error") or k_ms is None:
             notes.append(f"{name} {backend} {what}: failed: {str(r.get('error') or 'no kernel time')[:200]}")
             continue
-        nbytes = bpp * params if isinstance(bpp, (int, float)) and isinstance(params, int) else None
+        nbytes = bpp * params if bpp and params else None
         k_gbps = gbps(nbytes, k_ms) if nbytes is not None else None
         g_gbps = gbps(nbytes, g_ms) if nbytes is not None and g_ms else None
 
@@ -326,12 +337,13 @@ def memory_rows(rows: list[dict[str, Any]], copy_gbps: float | None,
         peer = peers.get(r.get("kernel", ""))
         if r.get("peer"):
             vs = "(peer)"
-        elif peer is None or _ms(peer.get("timing")) is None or not isinstance(bpp, (int, float)):
+        elif (peer is None or _ms(peer.get("timing")) is None or not bpp
+              or not _num_or_none(peer.get("bytes_per_param"))):
             vs = "no peer timing"
         else:
             vs = f"{_ms(peer.get('timing')) / k_ms:.2f}x (limit {peer['bytes_per_param'] / bpp:.2f}x)"
         out.append([name, backend, what, "-" if bpp is None else f"{bpp:g}",
-                    f"{params / 1e6:.0f}M" if isinstance(params, int) else "-",
+                    "-" if params is None else f"{params / 1e6:.0f}M",
                     _fmt(k_ms), _fmt(k_gbps), pct(k_gbps), *graph_cells, _fmt(w_ms), host, queue, vs])
     return out, notes
 
@@ -421,13 +433,14 @@ def _copy_gbps(out: str) -> tuple[float | None, list[str]]:
     return copy_gbps, lines
 
 
-def summarize(out: str) -> str:
-    """The text of ``summary.txt`` for the output folder ``out``."""
-    lines = ["=" * 30 + " mpkern gpu_check summary " + "=" * 30]
-    lines += _machine_lines(out)
-    plan, stages = read_plan(out), read_stages(out)
-    lines.append("")
-    lines.append("--- stages (limit, seconds taken, status) ---")
+def _planned(data: dict[str, Any]) -> list[str]:
+    planned = data.get("planned")
+    return [str(m) for m in planned] if isinstance(planned, list) else []
+
+
+def _stages_section(out: str, stages: dict[str, dict[str, Any]]) -> list[str]:
+    plan = read_plan(out)
+    lines = ["--- stages (limit, seconds taken, status) ---"]
     names = [p[0] for p in plan] + [s for s in stages if s not in {p[0] for p in plan}]
     limits = {p[0]: p[1] for p in plan}
     total_taken = 0
@@ -442,16 +455,13 @@ def summarize(out: str) -> str:
             lines += [f"  {'':<14} | {t}" for t in _log_tail(os.path.join(out, f"{name}.log"))]
     if plan:
         lines.append(f"  {'total':<14} {str(sum(limits.values())) + ' s':>7} {str(total_taken) + ' s':>7}")
+    return lines
 
-    lines.append("")
-    copy_gbps, bw_lines = _copy_gbps(out)
-    lines += bw_lines
 
-    lines.append("")
-    lines.append("--- memory-bound kernels: bytes from mpkern.bytemodel, kernel time from CUDA events over "
-                 "back-to-back calls, % of the measured copy bandwidth ---")
-    mem_rows, states, peers = [], [], {}
-    loaded = []
+def _memory_section(out: str, stages: dict[str, dict[str, Any]], copy_gbps: float | None) -> list[str]:
+    lines = ["--- memory-bound kernels: bytes from mpkern.bytemodel, kernel time from CUDA events over "
+             "back-to-back calls, % of the measured copy bandwidth ---"]
+    mem_rows, states, peers, loaded, notes = [], [], {}, [], []
     names = list(MEMORY_STAGES) + [f[:-5] for f in _stage_files(out, "adamw") if f[:-5] not in MEMORY_STAGES]
     for stage in names:
         data, why = load_json(os.path.join(out, f"{stage}.json"))
@@ -459,68 +469,92 @@ def summarize(out: str) -> str:
         if data is not None:
             loaded.append(data)
     for data in loaded:  # peers first: a peer row can sit in another stage's file
-        for r in data.get("rows") or []:
+        for r in _rows(data):
             if r.get("peer") and not r.get("error") and _ms(r.get("timing")):
                 peers.setdefault(r.get("kernel", ""), r)
-    notes = []
     for data in loaded:
-        cells, why = memory_rows(data.get("rows") or [], copy_gbps, peers)
+        cells, why = memory_rows(_rows(data), copy_gbps, peers)
         mem_rows += cells
         notes += why
-        done = {r.get("mode") or r.get("impl") for r in data.get("rows") or []}
+        done = {r.get("mode") or r.get("impl") for r in _rows(data)}
         notes += [f"{data.get('kernel', '?')} {data.get('backend', '?')} {m}: not run (the stage ended first)"
-                  for m in data.get("planned") or [] if m not in done]
+                  for m in _planned(data) if m not in done]
     lines += [f"  {s}" for s in states]
     if mem_rows:
         lines += _table(MEMORY_HEADER, mem_rows)
     lines += [f"  {n}" for n in notes]
     lines.append("  (GB/s = bytes/param x params / time; graph: the same step replayed from a CUDA graph; "
                  f"wall/kernel > {HOST_BOUND_RATIO}: the host, not the GPU, sets the step time)")
+    return lines
 
-    lines.append("")
-    lines.append("--- matmul: TFLOP/s from CUDA events, against cuBLAS (torch) on the same operands ---")
+
+def _matmul_section(out: str, stages: dict[str, dict[str, Any]]) -> list[str]:
+    lines = ["--- matmul: TFLOP/s from CUDA events, against cuBLAS (torch) on the same operands ---"]
     mm_rows, notes = [], []
     for name in MATMUL_STAGES:
         data, why = load_json(os.path.join(out, f"{name}.json"))
         lines.append(f"  {_stage_state(data, why, stages, name)}")
         if data is not None:
-            cells, why_rows = matmul_rows(data.get("rows") or [])
+            cells, why_rows = matmul_rows(_rows(data))
             mm_rows += cells
             notes += why_rows
-            done = {f"{r.get('shape')} {r.get('dtype')}->{r.get('out')}" for r in data.get("rows") or []}
-            notes += [f"{m}: not run (the stage ended first)" for m in data.get("planned") or [] if m not in done]
+            done = {f"{r.get('shape')} {r.get('dtype')}->{r.get('out')}" for r in _rows(data)}
+            notes += [f"{m}: not run (the stage ended first)" for m in _planned(data) if m not in done]
     if mm_rows:
         lines += _table(MATMUL_HEADER, mm_rows)
     lines += [f"  {n}" for n in notes]
+    return lines
 
+
+def _tests_section(out: str, stages: dict[str, dict[str, Any]], stage: str) -> list[str]:
+    res = test_counts(out, stage)
+    kexpr = _read_list(os.path.join(out, f"{stage}.k"))
+    extra = f", -k {kexpr[0]!r}" if kexpr else ""
+    lines = [f"--- {stage}: tests per file (from {res['source'] or 'nothing: no XML, no log'}{extra}; "
+             f"stage: {_stage_word(stages, stage)}) ---"]
+    if res["source"] is None:
+        return lines + [f"  no results; {len(res['planned'])} files were planned ({stage}.list)"]
+    rows, tot = [], dict.fromkeys(OUTCOMES, 0)
+    for f, c in res["files"].items():
+        for k in OUTCOMES:
+            tot[k] += c[k]
+        secs = "-" if c.get("seconds") is None else f"{c['seconds']:.1f}"
+        rows.append([f, *(str(c[k]) for k in OUTCOMES), secs, c["status"]])
+    if rows:
+        rows.append(["total", *(str(tot[k]) for k in OUTCOMES), "", ""])
+        lines += _table(["file", *OUTCOMES, "seconds", "status"], rows)
+    slow = slowest_tests(os.path.join(out, f"{stage}.xml"))
+    if slow:
+        lines.append("  slowest: " + ", ".join(f"{t} {sec:.1f} s" for t, sec in slow))
+    for test, msg in res["failures"][:25]:
+        lines.append(f"  FAILED {test}: {msg}")
+    if len(res["failures"]) > 25:
+        lines.append(f"  ... and {len(res['failures']) - 25} more (see {stage}.xml / {stage}.log)")
+    return lines
+
+
+def _guarded(what: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, or -- if it raises on files it did not expect -- one line saying so, so that one
+    damaged file costs its own section, never the summary."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 -- the summary must be printed whatever the stages left
+        return [f"--- {what}: could not be summarised ({type(e).__name__}: {str(e)[:120]}) ---"]
+
+
+def summarize(out: str) -> str:
+    """The text of ``summary.txt`` for the output folder ``out``."""
+    stages = read_stages(out)
+    lines = ["=" * 30 + " mpkern gpu_check summary " + "=" * 30]
+    lines += _guarded("machine", _machine_lines, out)
+    lines += [""] + _guarded("stages", _stages_section, out, stages)
+    got = _guarded("copy bandwidth", _copy_gbps, out)
+    copy_gbps, bw_lines = got if isinstance(got, tuple) else (None, got)
+    lines += [""] + bw_lines
+    lines += [""] + _guarded("memory-bound kernels", _memory_section, out, stages, copy_gbps)
+    lines += [""] + _guarded("matmul", _matmul_section, out, stages)
     for stage in ("tests_gpu", "tests_rest"):
-        res = test_counts(out, stage)
-        lines.append("")
-        extra = ""
-        kexpr = _read_list(os.path.join(out, f"{stage}.k"))
-        if kexpr:
-            extra = f", -k {kexpr[0]!r}"
-        lines.append(f"--- {stage}: tests per file (from {res['source'] or 'nothing: no XML, no log'}{extra}; "
-                     f"stage: {_stage_word(stages, stage)}) ---")
-        if res["source"] is None:
-            lines.append(f"  no results; {len(res['planned'])} files were planned ({stage}.list)")
-            continue
-        rows, tot = [], dict.fromkeys(OUTCOMES, 0)
-        for f, c in res["files"].items():
-            for k in OUTCOMES:
-                tot[k] += c[k]
-            secs = "-" if c.get("seconds") is None else f"{c['seconds']:.1f}"
-            rows.append([f, *(str(c[k]) for k in OUTCOMES), secs, c["status"]])
-        if rows:
-            rows.append(["total", *(str(tot[k]) for k in OUTCOMES), "", ""])
-            lines += _table(["file", *OUTCOMES, "seconds", "status"], rows)
-        slow = slowest_tests(os.path.join(out, f"{stage}.xml"))
-        if slow:
-            lines.append("  slowest: " + ", ".join(f"{t} {sec:.1f} s" for t, sec in slow))
-        for test, msg in res["failures"][:25]:
-            lines.append(f"  FAILED {test}: {msg}")
-        if len(res["failures"]) > 25:
-            lines.append(f"  ... and {len(res['failures']) - 25} more (see {stage}.xml / {stage}.log)")
+        lines += [""] + _guarded(stage, _tests_section, out, stages, stage)
     lines.append("=" * 86)
     return "\n".join(lines) + "\n"
 
