@@ -2,7 +2,8 @@
 # The one GPU check: what only a GPU can show, on one lent GPU (H100/H200, torch and triton already
 # installed, no network), in at most 7 min 30 s of stage limits, one command, the summary always last.
 #
-#   bash scripts/gpu_check.sh [OUTDIR]            run it; logs, JSON and summary.txt under OUTDIR (gpu_out)
+#   bash scripts/gpu_check.sh [OUTDIR]            run it; logs, JSON and summary.txt under OUTDIR (gpu_out);
+#                                                 exit status 0 only when every stage ended ok
 #   bash scripts/gpu_check.sh --dry-run [OUTDIR]  list the stages, their limits and the sum; run nothing
 #
 # Every stage runs under its own `timeout` (SIGINT first, so pytest writes its XML and the Python
@@ -28,7 +29,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
-usage() { sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; }
 DRY=0
 OUT=""
 while [[ $# -gt 0 ]]; do
@@ -261,4 +262,6 @@ stage matmul_tuned "$PY" -m mpkern.bench.gpu_stages matmul_tuned --out "$OUT"
 # ---- the rest of the tests, in what is left -----------------------------------------------------------
 stage tests_rest "$PY" -m pytest -p no:cacheprovider -v --tb=short -rfE -o junit_family=xunit1 \
   --junitxml="$OUT/tests_rest.xml" "${REST_FILES[@]}"
-exit 0
+# exit status: 0 when every stage ended "ok", else 1 (the summary says which did not)
+[[ -z "$(awk -F'\t' '$5 != "ok"' "$OUT/stages.tsv")" ]] && exit 0
+exit 1

@@ -117,7 +117,7 @@ case "$*" in
   *"-m pip"*)
     [[ $FAKE_PIP == quick ]] && exit 0
     trap '' INT; echo $$ > "$FAKE_DIR/pip.pid"; sleep 60; exit 0 ;;
-  *tests_gpu.xml*) echo $$ > "$FAKE_DIR/pytest.pid"; sleep 60; exit 0 ;;
+  *tests_gpu.xml*) [[ $FAKE_PYTEST == quick ]] && exit 0; echo $$ > "$FAKE_DIR/pytest.pid"; sleep 60; exit 0 ;;
   *) exit 0 ;;
 esac
 """
@@ -143,7 +143,7 @@ def test_every_stage_is_stopped_at_its_limit_and_the_summary_still_comes(tmp_pat
     out = tmp_path / "out"
     env = _fake_env(tmp_path, GPU_CHECK_LIMITS="build=6,tests_gpu=5")
     p = subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
-    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.returncode == 1, p.stdout + p.stderr  # two stages did not end ok
     stages = gpu_summary.read_stages(str(out))
     assert stages["build"]["rc"] in (124, 137) and stages["build"]["seconds"] <= 8, stages["build"]
     assert stages["build"]["status"].startswith(("KILLED", "TIMEOUT"))  # it ignored SIGINT: SIGKILL ended it
@@ -157,6 +157,15 @@ def test_every_stage_is_stopped_at_its_limit_and_the_summary_still_comes(tmp_pat
     calls = (tmp_path / "calls.log").read_text()
     assert "-m mpkern.bench.gpu_stages adamw --backend triton" in calls
     assert calls.count("-m pytest") == 2  # one process for the GPU-first files, one for the rest
+
+
+@needs_bash
+def test_a_run_whose_stages_all_end_ok_exits_0(tmp_path):
+    env = _fake_env(tmp_path, FAKE_PIP="quick", FAKE_PYTEST="quick")
+    p = subprocess.run(["bash", SCRIPT, str(tmp_path / "out")], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert {v["status"] for v in gpu_summary.read_stages(str(tmp_path / "out")).values()} == {"ok"}
 
 
 @needs_bash
