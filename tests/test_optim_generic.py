@@ -6,7 +6,7 @@ ours: where upstream only checks that the loss moves the right way, we also comp
 independent reference -- ``torch.optim.AdamW(foreach=False)`` on fp32 copies, or the float64
 AdamW written below -- on fresh random data.
 
-Where mpkern deliberately differs from ``torch.optim.AdamW`` (documented in DESIGN.md / README):
+Where mpkern deliberately differs from ``torch.optim.AdamW`` (documented in DESIGN.md / docs/api.md):
 
 * 16-bit params follow an fp32 master: after every step a bf16/fp16 param is the master rounded
   to nearest (``master.to(dtype)``), and the master follows a float64 AdamW closely. They are
@@ -1388,6 +1388,181 @@ def test_load_state_dict_hook_edits_count_like_adamw():
     for p, rp in zip(params, ref_params):
         assert float(opt.state[p]["step"]) == 9.0
         torch.testing.assert_close(p.detach(), rp.detach(), rtol=F32_RTOL, atol=F32_ATOL)
+
+
+# --------------------------------------------------------------------------------------------
+# load_state_dict goes through torch.optim.Optimizer.load_state_dict (issue 29, item 5)
+# --------------------------------------------------------------------------------------------
+def test_load_state_dict_runs_torch_optimizers_own_method(monkeypatch):
+    # ours: the base class's load_state_dict runs (once per load), not a copy of it that can drift
+    calls = []
+    base = torch.optim.Optimizer.load_state_dict
+
+    def counting(self, state_dict):
+        calls.append(type(self).__name__)
+        return base(self, state_dict)
+
+    params, opt, _ = _primed()
+    monkeypatch.setattr(torch.optim.Optimizer, "load_state_dict", counting)
+    opt2 = make_opt(clone_params(params))
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert calls == ["FusedAdamWMP"]
+    assert torch.equal(opt2.state[opt2.param_groups[0]["params"][0]]["master_param"],
+                       opt.state[params[0]]["master_param"])
+
+
+def test_no_module_reaches_the_base_class_hook_dicts():
+    # ours: hooks go through register_load_state_dict_{pre,post}_hook, never Optimizer's private dicts
+    import pathlib
+
+    import mpkern
+
+    root = pathlib.Path(mpkern.__file__).parent
+    reach = [str(f.relative_to(root)) for f in root.rglob("*.py")
+             if "_optimizer_load_state_dict_" in f.read_text(encoding="utf-8")]
+    assert reach == []
+
+
+@pytest.mark.parametrize("named0, named1", [(False, False), (True, False), (False, True), (True, True)])
+def test_can_load_from_to_named_state_dict(named0, named1):
+    # upstream: test_can_load_from_to_named_state_dict -- the loaded groups' param_names are what
+    # torch.optim.AdamW ends up with in the same four cases, and the loaded optimizer steps on
+    gen = torch.Generator().manual_seed(84)
+    shapes = ((2, 4), (2,), (3, 2), (3,))
+    names = [f"layer{i}" for i in range(len(shapes))]
+
+    def build(cls, named, dtype, **kw):
+        ps = [Parameter(randn(sh, torch.Generator().manual_seed(85 + i), dtype)) for i, sh in enumerate(shapes)]
+        return ps, cls(list(zip(names, ps)) if named else ps, lr=1e-2, **kw)
+
+    results = {}
+    for cls, dtype, kw in ((torch.optim.AdamW, torch.float32, {"foreach": False}), (FusedAdamWMP, torch.bfloat16, {})):
+        ps0, o0 = build(cls, named0, dtype, **kw)
+        for p in ps0:
+            p.grad = randn(p.shape, gen, dtype)
+        o0.step()
+        ps1, o1 = build(cls, named1, dtype, **kw)
+        o1.load_state_dict(copy.deepcopy(o0.state_dict()))
+        for p in ps1:
+            p.grad = randn(p.shape, gen, dtype)
+        o1.step()
+        assert all(float(o1.state[p]["step"]) == 2.0 for p in ps1)
+        results[cls] = o1.state_dict()["param_groups"][0].get("param_names")
+    assert results[FusedAdamWMP] == results[torch.optim.AdamW]
+    assert (results[FusedAdamWMP] == names) == (named0 or named1)
+
+
+def test_load_state_dict_leaves_its_argument_unchanged():
+    # upstream: test_state_dict_with_cuda_params ("state_dict_cuda isn't modified by merely calling
+    # load_state_dict"), here on the CPU and with a conversion (remainder masters, bf16 moments)
+    params, opt, _ = _primed(amsgrad=True)
+    sd = copy.deepcopy(opt.state_dict())
+    untouched = copy.deepcopy(sd)
+    opt2 = make_opt(clone_params(params), amsgrad=True, master_weights="remainder", state_dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="converted"):
+        opt2.load_state_dict(sd)
+    assert_sd_equal(sd, untouched)
+
+
+@pytest.mark.parametrize("how", ["groups", "sizes"])
+def test_load_state_dict_refuses_like_adamw_and_changes_nothing(how):
+    # upstream's validation (group count, group sizes) with its messages; a refused load leaves
+    # the optimizer as it was and no hook of ours behind
+    gen = torch.Generator().manual_seed(86)
+    ps = [Parameter(randn((5,), gen)), Parameter(randn((2, 2), gen))]
+    for p in ps:
+        p.grad = randn(p.shape, gen)
+    bad_params = ([ps[:1], ps[1:]] if how == "groups" else [ps[:1]])
+    messages = []
+    for cls in (torch.optim.AdamW, FusedAdamWMP):
+        opt = cls([Parameter(p.detach().clone()) for p in ps], lr=1e-3)
+        for p, q in zip(opt.param_groups[0]["params"], ps):
+            p.grad = q.grad.clone()
+        opt.step()
+        other = cls([{"params": [Parameter(p.detach().clone()) for p in g]} for g in bad_params], lr=1e-3)
+        for g in other.param_groups:
+            for p in g["params"]:
+                p.grad = torch.ones_like(p)
+        other.step()
+        before = copy.deepcopy(opt.state_dict())
+        hooks = (len(opt._optimizer_load_state_dict_pre_hooks), len(opt._optimizer_load_state_dict_post_hooks))
+        with pytest.raises(ValueError) as e:
+            opt.load_state_dict(copy.deepcopy(other.state_dict()))
+        messages.append(str(e.value))
+        assert_sd_equal(opt.state_dict(), before)
+        assert (len(opt._optimizer_load_state_dict_pre_hooks), len(opt._optimizer_load_state_dict_post_hooks)) == hooks
+    assert messages[0] == messages[1]
+
+
+def test_a_checkpoint_that_cannot_be_converted_loads_nothing():
+    # ours: an 8-bit moment code of the wrong size is a ValueError naming the entry, raised before
+    # the base class replaced anything; the next good load works and runs the user's hooks once
+    params, opt, _ = _primed(master_weights="8bit", state_dtype="8bit")
+    sd = copy.deepcopy(opt.state_dict())
+    before = copy.deepcopy(sd)
+    bad = copy.deepcopy(sd)
+    entry = bad["state"][0]
+    key = next(k for k, v in entry.items() if k.endswith("_code"))
+    entry[key] = entry[key][:-1]
+    with pytest.raises(ValueError, match=key):
+        opt.load_state_dict(bad)
+    assert_sd_equal(opt.state_dict(), before)
+    ran = []
+    opt.register_load_state_dict_post_hook(lambda o: ran.append(o))
+    opt.load_state_dict(sd)
+    assert ran == [opt]
+    assert_sd_equal(opt.state_dict(), before)
+
+
+def test_user_load_hooks_run_around_the_conversion():
+    # ours: a user pre-hook (even prepended) sees the checkpoint as saved and its edits are loaded;
+    # a user post-hook (even prepended) sees the state already converted: fp32 masters, bf16 moments
+    params, opt, _ = _primed()
+    sd = copy.deepcopy(opt.state_dict())
+    twins = clone_params(params)
+    opt2 = make_opt(twins, state_dtype=torch.bfloat16)
+    seen = {}
+
+    def pre(o, state_dict):
+        seen["pre"] = state_dict["state"][0]["exp_avg"].dtype
+        state_dict["state"][0]["exp_avg"] = state_dict["state"][0]["exp_avg"] * 2
+
+    def post(o):
+        st = o.state[twins[0]]
+        seen["post"] = (st["master_param"].dtype, st["exp_avg"].dtype)
+
+    opt2.register_load_state_dict_pre_hook(pre, prepend=True)
+    opt2.register_load_state_dict_post_hook(post, prepend=True)
+    with pytest.warns(UserWarning, match="converted"):
+        opt2.load_state_dict(sd)
+    assert seen == {"pre": torch.float32, "post": (torch.float32, torch.bfloat16)}
+    want = (opt.state[params[0]]["exp_avg"] * 2).to(torch.bfloat16)
+    # bf16 moments are rounded stochastically: within one bf16 step of the doubled value
+    torch.testing.assert_close(opt2.state[twins[0]]["exp_avg"].float(), want.float(), rtol=2 ** -7, atol=0)
+
+
+def test_load_state_dict_is_not_traced_by_dynamo():
+    # upstream: Optimizer.load_state_dict is @torch._disable_dynamo. Inside a compiled function the
+    # load runs eagerly (a graph break): fullgraph=True refuses it up front, as it refuses AdamW's;
+    # without fullgraph it loads exactly what an eager load gives
+    gen = torch.Generator().manual_seed(87)
+    for cls in (torch.optim.AdamW, FusedAdamWMP):
+        p = Parameter(randn((6,), gen, torch.bfloat16 if cls is FusedAdamWMP else torch.float32))
+        p.grad = randn(p.shape, gen, p.dtype)
+        opt = cls([p], lr=1e-3)
+        opt.step()
+        sd = copy.deepcopy(opt.state_dict())
+        target = cls([Parameter(p.detach().clone())], lr=1e-3)
+        torch._dynamo.reset()
+        with pytest.raises(torch._dynamo.exc.Unsupported) as e:
+            torch.compile(lambda: target.load_state_dict(sd), fullgraph=True, backend="eager")()
+        if cls is FusedAdamWMP:
+            assert "disable" in str(e.value)  # refused at the call, not somewhere inside the load
+        torch._dynamo.reset()
+        torch.compile(lambda: target.load_state_dict(sd), backend="eager")()
+        eager = cls([Parameter(p.detach().clone())], lr=1e-3)
+        eager.load_state_dict(copy.deepcopy(sd))
+        assert_sd_equal(target.state_dict(), eager.state_dict())
 
 
 # --------------------------------------------------------------------------------------------

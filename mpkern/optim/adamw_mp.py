@@ -378,11 +378,12 @@ class FusedAdamWMP(torch.optim.Optimizer):
         are saved as fp32 DTensors, which ``torch.distributed.checkpoint`` can reshard)."""
         return checkpoint.export(self, super().state_dict())
 
+    @torch.compiler.disable  # like torch.optim.Optimizer.load_state_dict: never traced by dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load our own or a plain ``torch.optim.AdamW`` state dict, the way ``Optimizer`` does (hooks,
-        validation, id mapping), except that the state keeps this optimizer's storage layout
-        (``master_weights``, ``state_dtype``; another layout is converted, with a warning) instead of
-        being cast to the param dtype. See :func:`mpkern.optim.checkpoint.load`."""
+        """Load our own or a plain ``torch.optim.AdamW`` state dict through ``torch.optim.Optimizer``'s own
+        ``load_state_dict`` (hooks, validation, strict id mapping), except that the state keeps this
+        optimizer's storage layout (``master_weights``, ``state_dtype``; another layout is converted, with
+        a warning) instead of being cast to the param dtype. See :func:`mpkern.optim.checkpoint.load`."""
         checkpoint.load(self, state_dict)
 
 

@@ -7,12 +7,10 @@ plumbing around them: the ``Optimizer.load_state_dict`` sequence, group keys, wa
 
 from __future__ import annotations
 
-import copy
 import itertools
 import uuid
 import warnings
 import weakref
-from collections import defaultdict
 from itertools import chain
 from typing import Any
 
@@ -82,23 +80,25 @@ def state_from_checkpoint(p: Tensor, src: Any, group: dict[str, Any], kind: stor
     return st
 
 
+def _same_structure(groups: list[dict[str, Any]], saved_groups: Any) -> bool:
+    """Whether ``saved_groups`` has this optimizer's number of groups with its group sizes (what
+    ``torch.optim.Optimizer.load_state_dict`` validates; when not, it raises, with its own message)."""
+    return (isinstance(saved_groups, list) and len(saved_groups) == len(groups)
+            and all(isinstance(s, dict) and len(s.get("params", ())) == len(g["params"])
+                    for g, s in zip(groups, saved_groups)))
+
+
 def _merge_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]], state: dict[Any, Any]
                   ) -> tuple[list[dict[str, Any]], list[str]]:
-    """The saved groups with this optimizer's params, mpkern's keys filled in (a plain AdamW checkpoint
-    has none) and this optimizer's storage layout; and what was converted (for the warning)."""
-    if len(groups) != len(saved_groups):
-        raise ValueError("loaded state dict has a different number of parameter groups")
-    if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
-        raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
-                         "optimizer's group")
-    converted = []
-    for gi, (g, ng) in enumerate(zip(groups, saved_groups)):
+    """Copies of the saved groups with mpkern's keys filled in (a plain AdamW checkpoint has none) and this
+    optimizer's storage layout; and what was converted (for the warning). ``params`` stay the saved ids:
+    ``torch.optim.Optimizer.load_state_dict`` maps them to this optimizer's params."""
+    merged, converted = [], []
+    for gi, (g, saved) in enumerate(zip(groups, saved_groups)):
+        ng = dict(saved)
         note = storage.moment_kind(g["state_dtype"]).adamw_conversion
         if "state_dtype" not in ng and note and any("exp_avg" in state.get(k, {}) for k in ng["params"]):
             converted.append(f"group {gi}: torch.optim.AdamW moments -> state_dtype={g['state_dtype']!r} ({note})")
-        ng["params"] = g["params"]
-        if "param_names" in g and "param_names" not in ng:
-            ng["param_names"] = g["param_names"]
         for key in OWN_KEYS:
             ng.setdefault(key, g[key])
         if isinstance(ng["state_dtype"], torch.dtype):  # saved by an older mpkern
@@ -107,48 +107,79 @@ def _merge_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any
             if ng[key] != g[key]:
                 converted.append(f"group {gi}: {key}={ng[key]!r} -> {g[key]!r}")
                 ng[key] = g[key]
-    return saved_groups, converted
+        merged.append(ng)
+    return merged, converted
+
+
+class _Load:
+    """The two hooks :func:`load` puts around ``torch.optim.Optimizer.load_state_dict`` for one call.
+
+    :meth:`before` runs after every load pre-hook of the user (their edits count): it converts each
+    param's saved state into this optimizer's storage layout (:func:`state_from_checkpoint`), keeps it
+    here, and hands the base class an empty dict in its place -- so the base never casts a master or a
+    coded moment to the param's dtype -- and the saved groups with mpkern's keys. A conversion that
+    fails raises here, before the base has changed anything. :meth:`after` runs before every load
+    post-hook of the user (they see the loaded state): it puts the converted state in.
+    """
+
+    def __init__(self) -> None:
+        self.converted: list[str] = []
+        self.states: list[tuple[Tensor, dict[str, Any]]] = []
+
+    def before(self, opt: Any, state_dict: dict[str, Any]) -> dict[str, Any] | None:
+        groups = opt.param_groups
+        saved_groups = state_dict.get("param_groups")
+        saved_state = state_dict.get("state")
+        if not isinstance(saved_state, dict) or not _same_structure(groups, saved_groups):
+            return None  # the base class's validation raises (or loads it like any Optimizer does)
+        merged, self.converted = _merge_groups(groups, saved_groups, saved_state)
+        group_of = {}
+        for g, ng in zip(groups, merged):
+            for sid, p in zip(ng["params"], g["params"]):
+                group_of[sid] = (p, ng)
+        placeholders = {}
+        for sid, saved in saved_state.items():
+            if sid in group_of:
+                p, ng = group_of[sid]
+                self.states.append((p, state_from_checkpoint(p, saved, ng, storage.master_kind(ng["master_weights"],
+                                                                                              p.dtype))))
+                placeholders[sid] = {}
+            else:
+                placeholders[sid] = saved  # not a param's: kept as it is, like the base class does
+        return {**state_dict, "state": placeholders, "param_groups": merged}
+
+    def after(self, opt: Any) -> None:
+        for p, st in self.states:
+            opt.state[p] = st
+        # a master loaded here is checked against its param at the next step (elementwise, on the
+        # device), whichever of model and optimizer was loaded first
+        opt._versions = {id(p): writes.LOADED for p in opt.state if isinstance(p, Tensor)}
 
 
 def load(opt: Any, state_dict: dict[str, Any]) -> None:
-    """``FusedAdamWMP.load_state_dict``: the base class's sequence, our conversion.
+    """``FusedAdamWMP.load_state_dict``: ``torch.optim.Optimizer.load_state_dict`` itself, with two hooks.
 
-    Same order as ``torch.optim.Optimizer``: load pre-hooks (their edits count), validation, the
-    saved group ``params`` ids mapped to this optimizer's params, per-param state converted
-    (:func:`state_from_checkpoint`), groups replaced, post-hooks. Differences: moments keep
-    ``state_dtype`` and masters stay fp32 (the base class would cast them to the 16-bit param
-    dtype); an AdamW checkpoint's masters are taken from the params (remainders start at zero). The
-    storage layout (``master_weights``, ``state_dtype``) is this optimizer's: a checkpoint saved
-    with another layout is converted exactly (with a warning).
+    The base class runs as it is -- the user's load pre-hooks, its validation, the strict mapping of
+    the saved ids to this optimizer's params, the groups, ``__setstate__``, the user's post-hooks --
+    with :class:`_Load`'s pre-hook last and its post-hook first. What the base would do wrong for us,
+    cast every floating state tensor to the param's dtype (an fp32 master to bf16), it never gets to
+    do: the per-param state is converted by the pre-hook instead. So moments keep ``state_dtype`` and
+    masters stay fp32; an AdamW checkpoint's masters are taken from the params (remainders start at
+    zero); the storage layout (``master_weights``, ``state_dtype``) is this optimizer's, and a
+    checkpoint saved with another layout is converted exactly (with a warning).
     """
-    state_dict = state_dict.copy()
-    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
-        hook_result = pre_hook(opt, state_dict)
-        if hook_result is not None:
-            state_dict = hook_result
-    groups = opt.param_groups
-    saved_groups = copy.deepcopy(state_dict["param_groups"])
-    id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
-                      chain.from_iterable(g["params"] for g in groups)))
-    new_groups, converted = _merge_groups(groups, saved_groups, state_dict["state"])
-    group_of = {id(p): ng for ng in new_groups for p in ng["params"]}
-    state: defaultdict[Any, dict[Any, Any]] = defaultdict(dict)
-    for k, v in state_dict["state"].items():
-        if k in id_map:
-            p = id_map[k]
-            group = group_of[id(p)]
-            state[p] = state_from_checkpoint(p, v, group, storage.master_kind(group["master_weights"], p.dtype))
-        else:
-            state[k] = v
-    opt.__setstate__({"state": state, "param_groups": new_groups})
-    # a master loaded here is checked against its param at the next step (elementwise, on the
-    # device), whichever of model and optimizer was loaded first
-    opt._versions = {id(p): writes.LOADED for p in state if isinstance(p, Tensor)}
-    if converted:
+    hooks = _Load()
+    pre = opt.register_load_state_dict_pre_hook(hooks.before)
+    post = opt.register_load_state_dict_post_hook(hooks.after, prepend=True)
+    try:
+        torch.optim.Optimizer.load_state_dict(opt, state_dict)
+    finally:
+        pre.remove()
+        post.remove()
+    if hooks.converted:
+        # stacklevel: this function, FusedAdamWMP.load_state_dict, its torch.compiler.disable wrapper, the caller
         warnings.warn("FusedAdamWMP.load_state_dict: the checkpoint's state layout differs from this optimizer's; "
-                      "converted (" + "; ".join(converted) + ")", UserWarning, stacklevel=3)
-    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
-        post_hook(opt)
+                      "converted (" + "; ".join(hooks.converted) + ")", UserWarning, stacklevel=4)
 
 
 def export(opt: Any, sd: dict[str, Any]) -> dict[str, Any]:
