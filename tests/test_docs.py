@@ -124,6 +124,21 @@ def _subcommand_help(cmd: str) -> str:
     return buf.getvalue()
 
 
+def test_readme_commands_parse():
+    """Every ``mpkern ...`` command line of the README's bash blocks parses, values included."""
+    import shlex
+
+    from mpkern.cli import build_parser
+
+    lines = [cmd.strip() for lang, body in FENCE.findall(_text(README)) if lang == "bash"
+             for line in body.splitlines() for cmd in line.split("#")[0].split("&&")]
+    argvs = [shlex.split(c)[1:] for c in lines if c and shlex.split(c)[0].endswith("mpkern")]
+    assert len(argvs) >= 5
+    for argv in argvs:
+        args = build_parser().parse_args(argv)  # a bad flag or value exits with status 2 here
+        assert callable(args.func), argv
+
+
 def _slug(heading: str) -> str:
     """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
