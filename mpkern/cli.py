@@ -130,7 +130,7 @@ def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     try:
         res = compare.run(args.precision, device=device, out=args.out, progress=not args.no_progress,
                           plot=not args.no_plot, find_batch=args.find_batch, memory_budget=args.memory_budget,
-                          **overrides)
+                          doctor=args.doctor, **overrides)
     except ValueError as e:  # e.g. bf16 asked for on a GPU without it, d_model not divisible by heads
         parser.error(str(e))
     print()
@@ -148,6 +148,9 @@ def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     print(compare.format_details(res))
     if args.out:
         print(f"\nwrote {args.out}/results.json, results.md" + (", compare.png" if not args.no_plot else ""))
+    for entry in res.get("doctor", []):
+        print(f"\nmpkern doctor -- run {entry['run']}: the model in {entry['dtype']} ({entry['recipe']}) against fp32")
+        print(entry["text"])
     diverged = [r["name"] for r in res["runs"] if r["status"] == "diverged"]
     if diverged:
         print(f"diverged: {', '.join(diverged)} (the other runs completed)")
@@ -302,6 +305,10 @@ def _add_compare_parser(sub: Any) -> None:
                     help="memory budget of --find-batch, e.g. 96MiB or 20GB (CPU: required, the measured peak tensor "
                          "bytes decide; CUDA: default the device's free memory, an out-of-memory error counts as not "
                          "fitting)")
+    pc.add_argument("--doctor", action="store_true",
+                    help="also diagnose the model (initial weights, one validation batch) in each 16-bit run's dtype "
+                         "and recipe (mpkern.diagnose: the layers where it departs from fp32 and the fixes); "
+                         "appended to the report and results.json")
     pc.set_defaults(func=_cmd_compare)
 
 

@@ -433,3 +433,18 @@ def test_unscale_without_scaler_update_warns_with_the_fix():
     with pytest.warns(UserWarning, match=r"call scaler.update\(\) once per iteration"):
         with pytest.raises(RuntimeError, match="after step"):
             mpkern.unscale_(opt, scaler=scaler, max_norm=1.0)
+
+
+def test_compare_doctor_flag(tmp_path):
+    from mpkern import compare
+
+    tiny = dict(steps=4, batch_size=8, seq_len=8, d_model=32, layers=1, heads=2, classes=4, noise_vocab=8,
+                val_size=16, warmup=1, log_every=2, linear="torch")
+    res = compare.run("fp32,fp16,mpkern-bf16", device="cpu", progress=False, plot=False, out=str(tmp_path),
+                      doctor=True, **tiny)
+    assert [(e["run"], e["dtype"], e["recipe"]) for e in res["doctor"]] == [
+        ("fp16", "float16", "autocast"), ("mpkern-bf16", "bfloat16", "params")]
+    assert all(e["diagnosis"]["layers"] and "findings" in e["diagnosis"] for e in res["doctor"])
+    md = (tmp_path / "results.md").read_text()
+    assert "## mpkern doctor: fp16 (float16, autocast)" in md and "first overflow:" in md
+    assert json.loads((tmp_path / "results.json").read_text())["doctor"][1]["run"] == "mpkern-bf16"

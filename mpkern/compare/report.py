@@ -248,6 +248,8 @@ def write_outputs(results: dict[str, Any], out: str, *, plot: bool = True) -> di
         json.dump(results, f, indent=1, allow_nan=True)
     scaling = "batch_scaling" in results
     body = format_batch_table(results) if scaling else format_table(results) + "\n\n" + format_details(results)
+    for entry in results.get("doctor", []):
+        body += f"\n\n## mpkern doctor: {entry['run']} ({entry['dtype']}, {entry['recipe']})\n\n```\n{entry['text']}\n```"
     with open(paths["md"], "w") as f:
         f.write(format_header(results).replace("\n", "  \n") + "\n\n" + body + "\n")
     if plot:

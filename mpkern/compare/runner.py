@@ -117,7 +117,7 @@ def _load(dev_info: dict[str, Any], others: OthersCpu) -> None:
 # ---- the comparison -----------------------------------------------------------------------------
 def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.device | None = None,
         out: str | None = None, progress: bool = True, plot: bool = True, find_batch: bool = False,
-        memory_budget: str | int | None = None, **overrides: Any) -> dict[str, Any]:
+        memory_budget: str | int | None = None, doctor: bool = False, **overrides: Any) -> dict[str, Any]:
     """Train every run in ``precisions`` and return the report (also written to ``out``).
 
     Args:
@@ -131,6 +131,8 @@ def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.de
             ``memory_budget`` (:mod:`mpkern.compare.batch`; ``results["batch_scaling"]``).
         memory_budget: bytes or a size such as ``"96MiB"`` / ``"20GB"`` (``find_batch``; required on
             CPU, default on CUDA: the device's free memory).
+        doctor: also diagnose the model (its initial weights, one validation batch) in each 16-bit run's
+            dtype and recipe with :func:`mpkern.diagnose` (``results["doctor"]``, appended to the report).
         **overrides: any field of :class:`Config` (``steps``, ``lr``, ``batch_size``, ``seq_len``,
             ``d_model``, ``layers``, ``heads``, ``seed``, ``optimizer_state``, ``linear``, ...).
 
@@ -144,13 +146,13 @@ def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.de
         parse_size(memory_budget)  # a bad size fails before any training
     threads_before = torch.get_num_threads()
     try:
-        return _run(cfg, precisions is not None, find_batch, memory_budget, out, progress, plot)
+        return _run(cfg, precisions is not None, find_batch, memory_budget, out, progress, plot, doctor)
     finally:
         torch.set_num_threads(threads_before)  # choose_threads / --threads set it for the runs only
 
 
 def _run(cfg: Config, explicit: bool, find_batch: bool, memory_budget: str | int | None, out: str | None,
-         progress: bool, plot: bool) -> dict[str, Any]:
+         progress: bool, plot: bool, doctor: bool = False) -> dict[str, Any]:
     t_all = time.perf_counter()
     dev = torch.device(cfg.device)
     base = _base_model(cfg)
@@ -185,6 +187,12 @@ def _run(cfg: Config, explicit: bool, find_batch: bool, memory_budget: str | int
         results = _common(cfg, base, dev_info, support, linear_choice) | {
             "budget": budget, "runs": runs, "plan": plan_table(runs[0]["params"]) if runs else []}
         results["lessons"] = lessons(results)
+        if doctor:
+            from ..doctor.models import diagnose_compare_runs
+
+            n = min(cfg.batch_size, len(task.y_val))
+            results["doctor"] = diagnose_compare_runs(base.to(dev), task.x_val[:n].to(dev), task.y_val[:n].to(dev),
+                                                      list(cfg.precisions))
     results["wall_s"] = time.perf_counter() - t_all
     if out is not None:
         write_outputs(results, out, plot=plot)

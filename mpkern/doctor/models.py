@@ -97,3 +97,29 @@ def build(kind: str, device: str = "cpu", *, full: bool = False, seed: int = 0) 
     if kind == "compare":
         return compare_case(device, seed)
     return hf_case(kind, device, full=full, seed=seed)
+
+
+def run_recipe(name: str) -> tuple[torch.dtype, str] | None:
+    """The dtype and :func:`~mpkern.diagnose` recipe of ``mpkern compare`` run ``name`` (None for fp32):
+    ``bf16`` / ``fp16`` are autocast over fp32 params; every other run keeps 16-bit params."""
+    if name == "fp32":
+        return None
+    dtype = torch.float16 if "fp16" in name else torch.bfloat16
+    return dtype, ("autocast" if name in ("bf16", "fp16") else "params")
+
+
+def diagnose_compare_runs(model: nn.Module, ids: Tensor, labels: Tensor, names: list[str]) -> list[dict[str, Any]]:
+    """``mpkern compare --doctor``: the compare model (its initial weights) diagnosed in each 16-bit run's
+    dtype and recipe on one batch of the task, with its cross-entropy loss. Returns one entry per run:
+    ``{"run", "dtype", "recipe", "diagnosis" (to_dict), "text" (the table)}``."""
+    from .run import diagnose
+
+    out = []
+    for name in names:
+        rr = run_recipe(name)
+        if rr is None:
+            continue
+        d = diagnose(model, ids, dtype=rr[0], recipe=rr[1], loss_fn=lambda o: F.cross_entropy(o.float(), labels))
+        out.append({"run": name, "dtype": str(rr[0]).replace("torch.", ""), "recipe": rr[1],
+                    "diagnosis": d.to_dict(), "text": str(d)})
+    return out
