@@ -324,7 +324,8 @@ def _cmd_doctor(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             print("[doctor] leaving out bf16: this GPU has no native bf16 (compute capability < 8.0)")
             dtypes = [d for d in dtypes if d != "bf16"]
     command.run(args.model or ["compare", "gpt2"], dtypes, device=device, recipe=args.recipe, full=args.full,
-                loss_scale=args.loss_scale, out=args.out, as_json=args.json, plot=not args.no_plot, seed=args.seed)
+                loss_scale=args.loss_scale, out=args.out, as_json=args.json, plot=not args.no_plot, seed=args.seed,
+                keep_fp32=args.keep_fp32)
     return 0
 
 
@@ -351,7 +352,9 @@ def _add_doctor_parser(sub: Any) -> None:
     pd.add_argument("--model", type=_choices(MODELS, "--model"), default=None, metavar="LIST",
                     help="comma list of compare (the built-in compare classifier), gpt2 (GPT-2 LM from its config), "
                          "bert (BERT sequence classifier from its config); default compare,gpt2. Random weights, "
-                         "no download; needs transformers for gpt2/bert")
+                         "no download; needs transformers for gpt2/bert. The examples of docs/doctor.md: lse (a naive "
+                         "log-sum-exp), cancel (an offset added and taken away), tiny (a badly scaled layer), "
+                         "gradscale (a small loss at loss scale 1)")
     pd.add_argument("--dtype", type=_choices(("fp16", "bf16"), "--dtype"), default=None, metavar="LIST",
                     help="comma list of fp16,bf16 (default both)")
     pd.add_argument("--recipe", choices=("autocast", "params"), default="autocast",
@@ -360,6 +363,8 @@ def _add_doctor_parser(sub: Any) -> None:
                     help="the Hugging Face models at full size (GPT-2 small, BERT-base) instead of 2 layers x 128")
     pd.add_argument("--loss-scale", type=_positive_float, default=None,
                     help="loss scale the gradients are judged at (default: GradScaler's first, 2^16, for fp16; 1 for bf16)")
+    pd.add_argument("--keep-fp32", type=lambda s: [x for x in s.split(",") if x], default=None, metavar="NAMES",
+                    help="comma list of module names to run as fp32 islands first (mpkern.nn.keep_fp32): check a fix")
     pd.add_argument("--device", type=_device, default=None, help="cpu or cuda (default: cuda if available)")
     pd.add_argument("--seed", type=_nonneg_int, default=0, help="seed of weights and inputs (default 0)")
     pd.add_argument("--json", action="store_true", help="print the diagnoses as JSON (progress goes to stderr)")

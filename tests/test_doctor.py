@@ -448,3 +448,24 @@ def test_compare_doctor_flag(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "## mpkern doctor: fp16 (float16, autocast)" in md and "first overflow:" in md
     assert json.loads((tmp_path / "results.json").read_text())["doctor"][1]["run"] == "mpkern-bf16"
+
+
+@pytest.mark.parametrize("kind,dtype,expected,fix", [
+    ("lse", torch.float16, ("mid", "overflow"), {"keep_fp32": ["mid"]}),
+    ("lse", torch.float16, ("mid", "overflow"), {"dtype": torch.bfloat16}),
+    ("cancel", torch.bfloat16, ("mid", "precision"), {"keep_fp32": ["mid"]}),
+    ("tiny", torch.float16, ("1", "underflow"), {"dtype": torch.bfloat16}),
+    ("gradscale", torch.float16, ("proj", "grad_underflow"), {"loss_scale": 2.0 ** 16}),
+])
+def test_docs_examples_and_their_fixes(kind, dtype, expected, fix):
+    """docs/doctor.md's four cases: the finding it shows, and the fix it names leaving none."""
+    from mpkern.doctor.examples import example_case
+
+    case = example_case(kind)
+    d = mpkern.diagnose(case.model, case.inputs, dtype=dtype, loss_fn=case.loss_fn, loss_scale=case.loss_scale)
+    assert expected == (d.findings[0].module, d.findings[0].kind)
+    if "keep_fp32" in fix:
+        mpkern.nn.keep_fp32(case.model, names=fix["keep_fp32"])
+    d2 = mpkern.diagnose(case.model, case.inputs, dtype=fix.get("dtype", dtype), loss_fn=case.loss_fn,
+                         loss_scale=fix.get("loss_scale", case.loss_scale))
+    assert d2.findings == [], str(d2)

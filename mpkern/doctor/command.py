@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .. import nn as mpnn
 from . import models
 from .run import diagnose
 
@@ -18,9 +19,10 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 def run(model_names: list[str], dtypes: list[str], *, device: str = "cpu", recipe: str = "autocast",
         full: bool = False, loss_scale: float | None = None, out: str | None = None, as_json: bool = False,
-        plot: bool = True, seed: int = 0) -> list[dict[str, Any]]:
+        plot: bool = True, seed: int = 0, keep_fp32: list[str] | None = None) -> list[dict[str, Any]]:
     """Diagnose each model in each dtype; print the tables (or JSON); write ``doctor.json`` and one
-    PNG per diagnosis into ``out``. Returns ``[{"model", "describe", "dtype", "diagnosis"}, ...]``."""
+    PNG per diagnosis into ``out``. ``keep_fp32``: module names made fp32 islands first
+    (:func:`mpkern.nn.keep_fp32`), to check a fix. Returns ``[{"model", "describe", "dtype", "diagnosis"}, ...]``."""
     results = []
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if as_json else (lambda *a: print(*a, flush=True))
     if out:
@@ -33,12 +35,14 @@ def run(model_names: list[str], dtypes: list[str], *, device: str = "cpu", recip
         except ValueError as e:  # transformers missing
             say(f"[doctor] skipping {name}: {e}")
             continue
+        if keep_fp32:
+            mpnn.keep_fp32(case.model, names=keep_fp32)
         for dt in dtypes:
             i += 1
             t0 = time.perf_counter()
             say(f"[doctor {i}/{total}] {case.describe} -- {dt} ({recipe}) ...")
-            d = diagnose(case.model, case.inputs, dtype=DTYPES[dt], loss_fn=case.loss_fn, loss_scale=loss_scale,
-                         recipe=recipe)
+            d = diagnose(case.model, case.inputs, dtype=DTYPES[dt], loss_fn=case.loss_fn,
+                         loss_scale=loss_scale if loss_scale is not None else case.loss_scale, recipe=recipe)
             say(f"[doctor {i}/{total}] done in {time.perf_counter() - t0:.1f} s: {len(d.findings)} finding(s)")
             entry = {"model": name, "describe": case.describe, "dtype": dt, "diagnosis": d.to_dict()}
             if out and plot:

@@ -13,7 +13,7 @@ from torch import nn
 
 Tensor = torch.Tensor
 
-MODELS = ("compare", "gpt2", "bert")
+MODELS = ("compare", "gpt2", "bert", "lse", "cancel", "tiny", "gradscale")
 
 
 @dataclass
@@ -25,6 +25,7 @@ class Case:
     inputs: Any
     loss_fn: Callable[[Any], Tensor]
     describe: str
+    loss_scale: float | None = None  # the scale its gradients are judged at (None: GradScaler's first)
 
 
 def compare_case(device: str = "cpu", seed: int = 0) -> Case:
@@ -96,7 +97,11 @@ def build(kind: str, device: str = "cpu", *, full: bool = False, seed: int = 0) 
     """The :class:`Case` named ``kind`` (one of :data:`MODELS`)."""
     if kind == "compare":
         return compare_case(device, seed)
-    return hf_case(kind, device, full=full, seed=seed)
+    if kind in ("gpt2", "bert"):
+        return hf_case(kind, device, full=full, seed=seed)
+    from .examples import example_case
+
+    return example_case(kind, device, seed)
 
 
 def run_recipe(name: str) -> tuple[torch.dtype, str] | None:

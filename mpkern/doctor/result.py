@@ -171,7 +171,7 @@ class Diagnosis:
             ax1.axhline(self.thresholds["precision"], ls="--", c="r", lw=0.8, label="precision finding above")
         ax1.set_ylabel("relative error")
         ax1.legend(fontsize=8)
-        ax1.set_title(f"mpkern diagnose: {dt} ({self.recipe}) against fp32")
+        ax1.set_title(f"mpkern.diagnose: {dt} ({self.recipe}) against fp32")
         hb = [x.headroom_bits if x.headroom_bits is not None and math.isfinite(x.headroom_bits) else 0.0 for x in rows]
         ax2.bar(xs, hb, color=["tab:red" if h < 0 else "tab:blue" for h in hb])
         ax2.axhline(0, c="k", lw=0.8)
@@ -199,7 +199,7 @@ def _num(x: float | None, fmt: str = ".2e") -> str:
 def format_table(d: Diagnosis) -> str:
     """The text report: one row per module that ran, then the findings with their fixes."""
     dt = _jsonable(d.dtype)
-    head = (f"mpkern diagnose: {dt} ({d.recipe}) against fp32"
+    head = (f"mpkern.diagnose: {dt} ({d.recipe}) against fp32"
             + (f", loss scale {d.loss_scale:g}" if d.loss_scale is not None else "")
             + f" -- {len(d.layers)} modules, {d.seconds:.1f} s")
     cols = ("module", "type", "out", "max|x|", "headroom", "overflow", "<normal", "own err", "run err")
