@@ -76,13 +76,17 @@ def test_every_optimizer_attribute_the_docs_use_exists():
 
 
 def _command_texts() -> list[tuple[str, str]]:
-    """(page, text) of every inline code span (line breaks folded) and every line of a bash/text block."""
+    """(page, text) of every inline code span (line breaks folded) and every command line of a shell block
+    (in a transcript, the ``$ `` lines; never ```text blocks: they hold what commands print)."""
     out = []
     for p in PAGES:
         text = _text(p)
         for lang, body in FENCE.findall(text):
-            if lang in ("bash", "sh", "text", ""):
-                out += [(_rel(p), line.split("#")[0]) for line in body.splitlines()]
+            if lang in ("bash", "sh", "console", ""):
+                lines = body.splitlines()
+                if any(line.startswith("$ ") for line in lines):  # a transcript: the commands and their output
+                    lines = [line[2:] for line in lines if line.startswith("$ ")]
+                out += [(_rel(p), line.split("#")[0]) for line in lines]
         out += [(_rel(p), " ".join(span.split())) for span in re.findall(r"`([^`]+)`", FENCE.sub("", text))]
     return out
 
