@@ -338,7 +338,7 @@ class Fp32Islands:
 
 
 def keep_fp32(model: nn.Module, names: Iterable[str] | str | None = None,
-              types: type | tuple[type, ...] | None = None) -> Fp32Islands:
+              types: type | Iterable[type] | None = None) -> Fp32Islands:
     """Run the named modules (or every module of the given types) of ``model`` in fp32 -- "fp32 islands".
 
     The lessons' "force FP32 locally" for a numerically sensitive layer (a log-sum-exp, a norm, a
@@ -368,7 +368,7 @@ def keep_fp32(model: nn.Module, names: Iterable[str] | str | None = None,
     if wanted is not None and not all(isinstance(n, str) for n in wanted):
         raise TypeError("keep_fp32: names must be strings (qualified names as in model.named_modules())")
     if types is not None:
-        tup = types if isinstance(types, tuple) else (types,)
+        tup = tuple(types) if isinstance(types, (tuple, list, set, frozenset)) else (types,)
         if not tup or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in tup):
             raise TypeError(f"keep_fp32: types must be an nn.Module subclass or a tuple of them, got {types!r}")
         types = tup

@@ -251,7 +251,7 @@ def test_keep_fp32_fixes_the_overflow_and_is_reversible():
 def test_keep_fp32_by_type_and_in_a_half_model():
     torch.manual_seed(5)
     m = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.LayerNorm(8)).half()
-    with mpkern.nn.keep_fp32(m, types=nn.LayerNorm) as isl:
+    with mpkern.nn.keep_fp32(m, types=[nn.LayerNorm]) as isl:
         assert isl.names == ["1", "3"]
         assert m[1].weight.dtype == torch.float32 and m[0].weight.dtype == torch.float16
         seen = []

@@ -55,6 +55,7 @@ class LowCall:
     """One call of a module in the 16-bit run, measured against the same call in the fp32 run."""
 
     in_dtypes: list[torch.dtype]
+    same_inputs: bool  # its inputs equal the fp32 run's cast to these dtypes: its own error is its run error
     out_dtypes: list[torch.dtype]
     acc_err: float | None
     new_nonfinite: int
@@ -138,7 +139,15 @@ class Recorder(AbstractContextManager):
                 self._pending_in[(name, len(self._starts))] = (map_floats(args, self._clones),
                                                                map_floats(kwargs, self._clones))
             else:
-                self._pending_in[(name, len(self._starts))] = [t.dtype for t in stats.floats((args, kwargs))]
+                self.busy = True
+                ins = stats.floats((args, kwargs))
+                ref_calls = self.ref.calls.get(name, [])
+                k = len(self.low.get(name, [])) + sum(1 for (n, _) in self._pending_in if n == name)
+                ref_ins = ref_calls[k].ins if k < len(ref_calls) else None
+                same = ref_ins is not None and len(ref_ins) == len(ins) and all(
+                    a.shape == r.shape and torch.equal(a.detach(), r.to(a.dtype)) for a, r in zip(ins, ref_ins))
+                self._pending_in[(name, len(self._starts))] = ([t.dtype for t in ins], same)
+                self.busy = False
         return hook
 
     def _post(self, name: str) -> Callable:
@@ -164,7 +173,7 @@ class Recorder(AbstractContextManager):
                 ref_outs = ref_calls[k].outs if k < len(ref_calls) else None
                 passthrough = any(self._made.get(id(t), -1) > start for t in outs)
                 self.low.setdefault(name, []).append(LowCall(
-                    in_dtypes=pending, out_dtypes=[t.dtype for t in outs],
+                    in_dtypes=pending[0], same_inputs=pending[1], out_dtypes=[t.dtype for t in outs],
                     acc_err=None if ref_outs is None else stats.rel_err(outs, ref_outs),
                     new_nonfinite=0 if ref_outs is None else stats.new_nonfinite(outs, ref_outs),
                     passthrough=passthrough))

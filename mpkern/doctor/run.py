@@ -197,14 +197,13 @@ def _diagnose(ref_model: nn.Module, low_model: nn.Module, inputs: Any, low_input
         rcalls, lcalls = ref.calls.get(name, []), low.low.get(name, [])
         if not lcalls:
             continue
-        own, notes, own_bad = [], [], 0
+        own, notes = [], []
         for k, lc in enumerate(lcalls[:len(rcalls)]):
-            if name == "":
-                own.append(lc.acc_err)  # the model itself on its own input: the run is its own error
+            if name == "" or lc.same_inputs:
+                own.append(lc.acc_err)  # it got the fp32 run's input: what the run made of it is its own error
                 continue
             r = capture.rerun(modules[name], rcalls[k], lc, ctx, rng.reset)
             own.append(r.rel_err)
-            own_bad += r.new_nonfinite
             if r.error:
                 notes.append(f"could not run alone: {r.error}")
         out16 = [t for k, lc in enumerate(lcalls[:len(rcalls)]) for t, d in zip(rcalls[k].outs, lc.out_dtypes)

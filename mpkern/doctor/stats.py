@@ -74,7 +74,9 @@ def abs_max(ts: Iterable[Tensor], dtype: torch.dtype | None = None) -> float:
     for t in ts:
         if t.numel() == 0:
             continue
-        a = t.detach().abs().to(torch.float64)
+        a = t.detach().abs()
+        if a.dtype in LOW_DTYPES:
+            a = a.float()  # exact: every fp16/bf16 value is an fp32 value
         a = torch.where(torch.isfinite(a) & (a < lim), a, 0.0)
         m = max(m, float(a.max()))
     return m
