@@ -227,6 +227,31 @@ def test_params_recipe_matches_a_half_model():
     assert d.layer("").acc_rel_err == pytest.approx(((low - ref).norm() / ref.norm()).item(), rel=1e-6)
 
 
+def test_half_model_given_half_inputs_and_diagnose_under_no_grad():
+    # a model that was .half()-ed is called with half inputs: the fp32 run upcasts them (exactly)
+    m, x = _overflow_model()
+    h = copy.deepcopy(m).half()
+    sd = {k: v.clone() for k, v in h.state_dict().items()}
+    xh = x.half()
+    for recipe in ("autocast", "params"):
+        d = mpkern.diagnose(h, xh, dtype=torch.float16, recipe=recipe)
+        assert d.first_overflow == "1" and ("1", "overflow") in [(f.module, f.kind) for f in d.findings]
+    assert all(torch.equal(sd[k], v) and sd[k].dtype == v.dtype for k, v in h.state_dict().items())
+    # the run error at the output, independently: the half model itself against a float64 copy on the same input
+    f, xf = _fine_model()
+    fh, xfh = copy.deepcopy(f).half(), xf.half()
+    with torch.no_grad():
+        low, ref = fh(xfh).double(), copy.deepcopy(fh).double()(xfh.double())
+    d = mpkern.diagnose(fh, xfh, dtype=torch.float16, recipe="params")
+    assert d.layer("").acc_rel_err == pytest.approx(((low - ref).norm() / ref.norm()).item(), rel=1e-2)
+    # with a loss, under torch.no_grad(): both backwards still run
+    m2, x2 = _fine_model()
+    with torch.no_grad():
+        d = mpkern.diagnose(m2, x2, loss_fn=lambda o: o.float().pow(2).mean(), loss_scale=1.0)
+    assert {g.param for g in d.grads} == {n for n, _ in m2.named_parameters()}
+    assert all(p.grad is None for p in m2.parameters())
+
+
 # ---- fp32 islands ---------------------------------------------------------------------------------
 def test_keep_fp32_fixes_the_overflow_and_is_reversible():
     m, x = _overflow_model()

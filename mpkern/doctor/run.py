@@ -128,17 +128,20 @@ def diagnose(model: nn.Module, inputs: Any, *, dtype: torch.dtype | str = torch.
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             rng = _Rng(dev)
             ref_model = model if all_fp32 else copy.deepcopy(model).float()
+            # the fp32 run gets fp32 inputs: a half model's half inputs, upcast (exactly)
+            ref_inputs = capture.map_floats(inputs, lambda t: t.float() if t.dtype in stats.LOW_DTYPES else t)
             if recipe == "params":
                 low_model = copy.deepcopy(ref_model).to(dt)
                 mods = dict(low_model.named_modules())
                 for n in kept:
                     mods[n].float()
-                low_inputs = capture.map_floats(inputs, lambda t: t.to(dt) if t.dtype == torch.float32 else t)
+                low_inputs = capture.map_floats(
+                    inputs, lambda t: t.to(dt) if t.dtype in (torch.float32, *stats.LOW_DTYPES) else t)
                 ctx: Callable[[], Any] = nullcontext
             else:
                 low_model, low_inputs = ref_model, inputs
                 ctx = lambda: torch.autocast(dev.type, dtype=dt)  # noqa: E731
-            result = _diagnose(ref_model, low_model, inputs, low_inputs, ctx, rng, dt, loss_fn, scale, dev)
+            result = _diagnose(ref_model, low_model, ref_inputs, low_inputs, ctx, rng, dt, loss_fn, scale, dev)
     finally:
         capture.restore(keep)
     layers, grads, order, first_overflow, ctx_rules = result
@@ -166,7 +169,8 @@ def _diagnose(ref_model: nn.Module, low_model: nn.Module, inputs: Any, low_input
         loss = _loss(loss_fn, out) if want_grad else None
     ref_grads: dict[str, Tensor] = {}
     if loss is not None:
-        loss.float().backward()
+        with torch.enable_grad():  # diagnose called under torch.no_grad(): the forwards built graphs anyway
+            loss.float().backward()
         for n, p in ref_model.named_parameters():
             g = _take_grad(p)
             if g is not None:
@@ -183,7 +187,8 @@ def _diagnose(ref_model: nn.Module, low_model: nn.Module, inputs: Any, low_input
             loss = _loss(loss_fn, out) if want_grad else None
     low_grads: dict[str, Tensor] = {}
     if loss is not None:
-        (loss.float() * scale).backward()
+        with torch.enable_grad():  # the scaling op too is recorded, whatever the caller's grad mode
+            (loss.float() * scale).backward()
         for n, p in low_model.named_parameters():
             g = _take_grad(p)
             if g is not None:
