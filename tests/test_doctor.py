@@ -494,3 +494,18 @@ def test_docs_examples_and_their_fixes(kind, dtype, expected, fix):
     d2 = mpkern.diagnose(case.model, case.inputs, dtype=fix.get("dtype", dtype), loss_fn=case.loss_fn,
                          loss_scale=fix.get("loss_scale", case.loss_scale))
     assert d2.findings == [], str(d2)
+
+
+def test_max_abs_counts_fp32_values_past_the_fp16_max():
+    torch.manual_seed(8)
+    m = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    with torch.no_grad():
+        m[0].weight.mul_(1e5)
+    x = torch.randn(4, 16)
+    d = mpkern.diagnose(m, x, dtype=torch.float16)
+    with torch.no_grad():
+        ref = m[0](x).double().abs().max().item()
+    assert ref > 65504
+    assert d.layer("0").max_abs >= ref * (1 - 1e-6)
+    assert d.layer("0").headroom_bits <= math.log2(65504 / ref) + 1e-6
+    assert d.first_overflow == "0"

@@ -77,7 +77,7 @@ def abs_max(ts: Iterable[Tensor], dtype: torch.dtype | None = None) -> float:
         a = t.detach().abs()
         if a.dtype in LOW_DTYPES:
             a = a.float()  # exact: every fp16/bf16 value is an fp32 value
-        a = torch.where(torch.isfinite(a) & (a < lim), a, 0.0)
+        a = torch.where(torch.isfinite(a) & (a != lim), a, 0.0)
         m = max(m, float(a.max()))
     return m
 
