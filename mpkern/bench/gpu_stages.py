@@ -37,8 +37,9 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from datetime import datetime, timezone
 from typing import Any
+
+from .gpu_rows import StageFile, matmul_row, mem_row, short_error
 
 __all__ = ["StageFile", "mem_row", "matmul_row", "stage_device", "stage_unscale", "stage_adamw", "stage_matmul",
            "STAGES", "main"]
@@ -53,104 +54,6 @@ CALLS, ROUNDS, WARMUP = 20, 5, 3
 INV_SCALE = 1.0
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def _why(e: BaseException) -> str:
-    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-    return f"{type(e).__name__}: {first}"
-
-
-class StageFile:
-    """One stage's JSON file, rewritten (atomically: a temporary file, then ``os.replace``) after
-    every change: ``{"stage", "status", "started", "updated", "meta", "planned", "rows", "error", ...}``.
-    ``status``: ``running`` until :meth:`finish` sets ``done``, ``failed`` or ``interrupted``."""
-
-    def __init__(self, path: str, stage: str, **extra: Any) -> None:
-        if not path.endswith(".json"):
-            raise ValueError(f"StageFile: the path must end in .json, got {path!r}")
-        self.path = path
-        self.data: dict[str, Any] = {"stage": stage, "status": "running", "started": _now(), "updated": _now(),
-                                     "meta": {}, "planned": [], "rows": [], "error": None, **extra}
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.write()
-
-    def write(self) -> None:
-        self.data["updated"] = _now()
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.data, f, indent=1, default=str)
-        os.replace(tmp, self.path)
-
-    def set(self, **items: Any) -> None:
-        self.data.update(items)
-        self.write()
-
-    def add_row(self, row: dict[str, Any]) -> int:
-        """Append ``row`` (written at once); returns its index for :meth:`replace_row`."""
-        self.data["rows"].append(row)
-        self.write()
-        return len(self.data["rows"]) - 1
-
-    def replace_row(self, index: int, row: dict[str, Any]) -> None:
-        """Put ``row`` in place of row ``index`` (a provisional row completed) and write."""
-        if not 0 <= index < len(self.data["rows"]):
-            raise IndexError(f"StageFile.replace_row: no row {index} (the stage has {len(self.data['rows'])})")
-        self.data["rows"][index] = row
-        self.write()
-
-    def finish(self, status: str = "done", error: str | None = None) -> None:
-        if status not in ("done", "failed", "interrupted"):
-            raise ValueError(f"StageFile.finish: status must be done, failed or interrupted, got {status!r}")
-        self.data["status"] = status
-        if error is not None:
-            self.data["error"] = error
-        self.write()
-
-
-# ---- rows (pure) ------------------------------------------------------------------------------------
-def _timing(t: dict[str, Any] | None) -> dict[str, Any] | None:
-    if t is None:
-        return None
-    keep = ("kernel_ms", "wall_ms", "calls", "rounds", "queued_ahead", "hold_ms", "kernel_ms_rounds", "wall_ms_rounds")
-    return {k: t[k] for k in keep if k in t}
-
-
-def mem_row(kernel: str, impl: str, backend: str, *, bytes_per_param: float, bytes_source: str, params: int,
-            timing: dict[str, Any] | None = None, graph: dict[str, Any] | None = None,
-            graph_error: str | None = None, mode: str | None = None, peer: bool = False,
-            error: str | None = None, **extra: Any) -> dict[str, Any]:
-    """One memory-bound row as the stage JSON keeps it: what ran, the bytes per param it moves (and
-    which count of the byte model says so), the param count, and its raw times from
-    :func:`mpkern.measure.event_time` / :func:`~mpkern.measure.graph_time` (``None`` where they did
-    not run: then ``error`` / ``graph_error`` says why)."""
-    if not (isinstance(bytes_per_param, (int, float)) and bytes_per_param > 0):
-        raise ValueError(f"mem_row: bytes_per_param must be positive, got {bytes_per_param!r}")
-    if not (isinstance(params, int) and params > 0):
-        raise ValueError(f"mem_row: params must be a positive int, got {params!r}")
-    if timing is None and error is None:
-        raise ValueError("mem_row: a row without a timing needs the error that stopped it")
-    return {"kernel": kernel, "impl": impl, "backend": backend, "mode": mode, "peer": peer,
-            "bytes_per_param": bytes_per_param, "bytes_source": bytes_source, "params": params,
-            "timing": _timing(timing), "graph": _timing(graph), "graph_error": graph_error, "error": error, **extra}
-
-
-def matmul_row(shape: str, m: int, n: int, k: int, dtype: str, out: str, config: str, *,
-               timing: dict[str, Any] | None, peer: str, peer_timing: dict[str, Any] | None,
-               error: str | None = None, **extra: Any) -> dict[str, Any]:
-    """One GEMM row: the problem (``flops`` = 2 M N K), mpkern's and the peer's raw times."""
-    for name, v in (("m", m), ("n", n), ("k", k)):
-        if not (isinstance(v, int) and v > 0):
-            raise ValueError(f"matmul_row: {name} must be a positive int, got {v!r}")
-    if timing is None and error is None:
-        raise ValueError("matmul_row: a row without a timing needs the error that stopped it")
-    return {"kernel": "matmul", "shape": shape, "M": m, "N": n, "K": k, "dtype": dtype, "out": out,
-            "config": config, "flops": 2.0 * m * n * k, "timing": _timing(timing), "peer": peer,
-            "peer_timing": _timing(peer_timing), "error": error, **extra}
-
-
-# ---- shared GPU pieces --------------------------------------------------------------------------------
 def _gpu() -> Any:
     import torch
 
@@ -184,7 +87,7 @@ def _times(fn: Callable[[], object], dev: Any, graph: bool = True) -> tuple[dict
         from mpkern.measure import sync
 
         sync(dev)
-        return t, None, _why(e)
+        return t, None, short_error(e)
 
 
 def _free(dev: Any) -> None:
@@ -288,7 +191,7 @@ def stage_unscale(out: str, params: int | None = None, tensors: int | None = Non
         except Exception as e:  # noqa: BLE001 -- the row says why; the next backend still runs
             traceback.print_exc()
             sf.add_row(mem_row("unscale", impl, name, bytes_per_param=ours, bytes_source="bytemodel.UNSCALE_TRAFFIC"
-                               "['mpkern']", params=total, error=_why(e)))
+                               "['mpkern']", params=total, error=short_error(e)))
 
     def recipe() -> None:
         found = torch.zeros((), device=dev)
@@ -305,7 +208,7 @@ def stage_unscale(out: str, params: int | None = None, tensors: int | None = Non
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         sf.add_row(mem_row("unscale", impl, "torch", bytes_per_param=theirs,
-                           bytes_source="bytemodel.UNSCALE_TRAFFIC['torch']", params=total, error=_why(e), peer=True))
+                           bytes_source="bytemodel.UNSCALE_TRAFFIC['torch']", params=total, error=short_error(e), peer=True))
     sf.finish()
     return 0
 
@@ -387,7 +290,7 @@ def stage_adamw(out: str, backend: str, *, peer: bool = False, params: int | Non
         except Exception as e:  # noqa: BLE001 -- the row says why; the next mode still runs
             traceback.print_exc()
             sf.add_row(mem_row("adamw", "FusedAdamWMP", backend, mode=label, bytes_per_param=bpp, bytes_source=src,
-                               params=total, error=_why(e)))
+                               params=total, error=short_error(e)))
         del opt
         _free(dev)
     if peer:
@@ -412,7 +315,7 @@ def stage_adamw(out: str, backend: str, *, peer: bool = False, params: int | Non
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             sf.add_row(mem_row("adamw", impl, "torch", bytes_per_param=bpp, bytes_source="bytemodel.STEP_TRAFFIC"
-                               "['amp_fp32']", params=total, error=_why(e), peer=True))
+                               "['amp_fp32']", params=total, error=short_error(e), peer=True))
     sf.finish()
     return 0
 
@@ -510,7 +413,7 @@ def stage_matmul(out: str, tuned: bool = False, *, device: Any = None,
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc()
                     row = matmul_row(shape, m, n, k, dname, oname, cfg, timing=None, peer=peer, peer_timing=pt,
-                                     error=_why(e), **extra)
+                                     error=short_error(e), **extra)
                 if idx is None:
                     sf.add_row(row)
                 else:
@@ -528,7 +431,7 @@ def stage_matmul(out: str, tuned: bool = False, *, device: Any = None,
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc()
                     sf.add_row(matmul_row(shape, m, n, k, dname, "+=main_grad", fixed, timing=None, peer=peer,
-                                          peer_timing=None, error=_why(e)))
+                                          peer_timing=None, error=short_error(e)))
                 del mg
             del a, b
             _free(dev)
@@ -594,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:
         traceback.print_exc()
-        _mark_ended(args.out, files, _why(e), "failed")
+        _mark_ended(args.out, files, short_error(e), "failed")
         return 3 if "no CUDA GPU" in str(e) else 1
 
 
