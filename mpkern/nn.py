@@ -28,6 +28,7 @@ over params that hold a ``main_grad`` but no ``.grad`` warns.
 from __future__ import annotations
 
 import difflib
+import itertools
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -304,11 +305,15 @@ class Fp32Islands:
         self._handles: list[Any] = []
         self._dtypes: dict[Tensor, torch.dtype] = {}  # param/buffer -> the dtype it had before
 
-    def _add(self, module: nn.Module) -> None:
-        for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
-            if t.is_floating_point() and t.dtype != torch.float32:
+    def _to_fp32(self, module: nn.Module) -> None:
+        """``module``'s own floating params and buffers (and its children's) made fp32, old dtypes kept."""
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            if t.is_floating_point() and t.dtype != torch.float32 and t not in self._dtypes:
                 self._dtypes[t] = t.dtype
                 t.data = t.data.float()
+
+    def _add(self, module: nn.Module) -> None:
+        self._to_fp32(module)
         self._handles.append(module.register_forward_pre_hook(_island_enter, with_kwargs=True))
         self._handles.append(module.register_forward_hook(_island_exit, always_call=True))
         _kept[module] = self
@@ -387,12 +392,6 @@ def keep_fp32(model: nn.Module, names: Iterable[str] | str | None = None,
     islands = Fp32Islands(model, chosen)
     for n in chosen:
         islands._add(modules[n])
-        for sub in modules[n].modules():
-            if sub is not modules[n]:
-                for t in list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False)):
-                    if t.is_floating_point() and t.dtype != torch.float32 and t not in islands._dtypes:
-                        islands._dtypes[t] = t.dtype
-                        t.data = t.data.float()
     return islands
 
 

@@ -262,10 +262,9 @@ class _autocast_off(AbstractContextManager):
 
 @dataclass
 class Rerun:
-    """A module run alone on its fp32-run input: its own error and the inf/NaN it makes itself."""
+    """A module run alone on its fp32-run input: its own error (None with ``error`` if it can't run alone)."""
 
     rel_err: float | None
-    new_nonfinite: int
     error: str | None = None
 
 
@@ -274,7 +273,7 @@ def rerun(module: nn.Module, call: RefCall, low: LowCall, recipe_ctx: Callable[[
     """Run ``module`` on ``call``'s fp32 input, each floating input cast to the dtype the 16-bit
     run gave it (``low.in_dtypes``), inside ``recipe_ctx()``; compare with ``call.outs``."""
     if len(low.in_dtypes) != len(call.ins):
-        return Rerun(None, 0, "its inputs differ between the two runs")
+        return Rerun(None, "its inputs differ between the two runs")
     dtypes: Iterator[torch.dtype] = iter(low.in_dtypes)
     cast = lambda t: t.to(next(dtypes))  # noqa: E731
     args, kwargs = map_floats((call.args, call.kwargs), cast)
@@ -283,9 +282,9 @@ def rerun(module: nn.Module, call: RefCall, low: LowCall, recipe_ctx: Callable[[
         with torch.no_grad(), recipe_ctx():
             out = module(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 -- a module that can't run alone is reported, not fatal
-        return Rerun(None, 0, f"{type(e).__name__}: {e}")
+        return Rerun(None, f"{type(e).__name__}: {e}")
     outs = stats.floats(out)
-    return Rerun(stats.rel_err(outs, call.outs), stats.new_nonfinite(outs, call.outs))
+    return Rerun(stats.rel_err(outs, call.outs))
 
 
 @dataclass

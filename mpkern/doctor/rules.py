@@ -124,8 +124,9 @@ def gradients(grads: list[GradStats], ctx: Context) -> list[Finding]:
     k = None if not fits else min(lo_hi[1], max(lo_hi[0], GRADSCALER_DEFAULT_EXP))
     scale_fix = (f"start GradScaler at 2^{k}: torch.amp.GradScaler(init_scale=2.0**{k}) -- scales 2^{lo_hi[0]} .. "
                  f"2^{lo_hi[1]} keep these gradients in {_d(ctx.dtype)}" if fits else
-                 "no single loss scale holds these gradients in " + _d(ctx.dtype) + ": use bf16" +
-                 ("" if ctx.dtype == torch.float16 else " master gradients in fp32 (main_grad)"))
+                 "no single loss scale holds these gradients in " + _d(ctx.dtype) + ": " +
+                 ("use bf16" if ctx.dtype == torch.float16 else
+                  "keep the gradients in fp32 (mpkern.nn.convert(model, fp32_main_grad=True))"))
     over, under = [], []
     for mod, gs in by_mod.items():
         nz = sum(g.nonzero for g in gs)
