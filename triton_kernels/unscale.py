@@ -41,7 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ._interp_compat import apply as _fix_interpreter_index
 from ._tables import TABLES, common_head, layout, to_device, work_ranges
+
+_fix_interpreter_index()  # Triton 3.6's interpreter with NumPy >= 2.4 (see _interp_compat.py)
 
 CHUNK = 16384
 BLOCK = 1024
