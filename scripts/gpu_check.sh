@@ -90,8 +90,9 @@ fi
 # the GPU-first test files, in the order they run (most GPU-specific first; a CUDA error that breaks
 # the process's context shows as the first failure of the list): "all" runs every test of the file,
 # "k" only its cuda/triton variants (its cpu and torch-reference variants add nothing on a GPU)
-GPU_FIRST=(test_gpu_paths:all test_nosync:all test_capture:all test_streams:all test_backend:all test_gpu_check:k
-           test_unscale:k test_ops:all test_kernels_compact:all test_kernels_m4:all test_norm_identity:all
+GPU_FIRST=(test_gpu_paths:all test_nosync:all test_capture:all test_capture_recipe:all test_streams:all
+           test_backend:all test_gpu_check:k test_unscale:k test_ops:all test_kernels_compact:all
+           test_kernels_m4:all test_norm_identity:all
            test_optim:k test_matmul:k test_optim_generic:k test_math:k test_compact_state:k test_dropin:k
            test_scaler:k test_review:k test_bench:k test_moments8:all)
 KEXPR="cuda or triton"

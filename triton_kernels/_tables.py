@@ -5,25 +5,30 @@ A work table lists (tensor, chunk) items with the tensors' addresses; it depends
 layout. A step over the same params, grads and optimizer state finds the table an earlier step
 built: no host-side table building and no host-to-device copy per step, and the kernels can be
 captured in a CUDA graph. Params moved to new storage, a new param group or new grads are a new
-layout and get a new table (outside a capture; inside one, building is an error that says why).
-The key costs one pass over the tensors (not over their chunks).
+layout and get a new table. The key costs one pass over the tensors (not over their chunks).
+
+CUDA graphs: a table a capture uses is pinned (never evicted, not cleared). A capture that misses
+-- PyTorch's whole-network recipe, ``zero_grad(set_to_none=True)`` then forward, backward and
+``step()`` inside ``torch.cuda.graph``, allocates the grads in the graph's pool, so their layout is
+new -- builds the table beside the capture (:func:`build_beside_capture`): on a side stream, in
+the allocator's ordinary pool, waited for on the host before the capture goes on, so the graph
+holds no copy of its own and every replay (and every later eager call) reads the finished table.
+The same rules as the CUDA backend's cache (csrc/cuda/table_lru.h, table_cache.cpp).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import sys
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 MAX_TABLES = 256
-
-_CAPTURE_MESSAGE = (
-    "mpkern: cannot capture this call in a CUDA graph: its tensor list (addresses, sizes or dtypes) has no "
-    "device work table yet, and building one needs a host-to-device copy. Run the same call once eagerly "
-    "before capturing (a warm-up step), and keep the params, grads and optimizer state in the same storage "
-    "between warm-up and capture.")
+_CAPTURE_MODE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED (cuda.h)
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
@@ -79,6 +84,11 @@ class StreamUse:
             self.streams.append(stream)
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph (never for a CPU device)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 class TableCache:
     """Least-recently-used cache of device work tables, keyed by layout.
 
@@ -94,12 +104,13 @@ class TableCache:
         self._captured: dict[Hashable, tuple[Any, StreamUse | None]] = {}  # used by a captured graph: never evicted
 
     def get(self, key: Hashable, device: torch.device, build: Callable[[], Any]) -> Any:
-        """The table for ``key``; ``build()`` makes it on a miss (never during a CUDA graph capture).
+        """The table for ``key``; ``build()`` makes it on a miss (during a CUDA graph capture beside
+        the capture: :func:`build_beside_capture`).
 
         On a GPU the current stream is ordered after the table's host-to-device copy, also when
         the table was built on another stream (see :class:`StreamUse`)."""
         cuda = device.type == "cuda"
-        capturing = cuda and torch.cuda.is_current_stream_capturing()
+        capturing = _capturing(device)
         item = self._captured.get(key)
         if item is None:
             item = self._entries.get(key)
@@ -112,8 +123,11 @@ class TableCache:
             if use is not None:
                 use.use(device, capturing)
             return entry
-        if capturing:
-            raise RuntimeError(_CAPTURE_MESSAGE)
+        if capturing:  # pinned at once: the graph being captured reads it on every replay
+            entry, use = build_beside_capture(device, build)
+            self.builds += 1
+            self._captured[key] = (entry, use)
+            return entry
         entry = build()
         self.builds += 1
         self._entries[key] = (entry, StreamUse(_tensors_in(entry), device) if cuda else None)
@@ -130,15 +144,99 @@ class TableCache:
 TABLES = TableCache()
 
 
+# ---- building a table while a stream captures ------------------------------------------------------
+def build_beside_capture(device: torch.device, build: Callable[[], Any]) -> tuple[Any, StreamUse]:
+    """``build()`` run while the current stream of ``device`` captures a CUDA graph, outside the
+    graph: on a side stream (its host-to-device copy is then not captured, and its buffers come from
+    the allocator's ordinary pool: the graph's pool serves the capturing stream only), waited for
+    on the host before the capture goes on. The graph holds no copy of its own, so every replay
+    reads the finished table, and so does any later call. The thread is in relaxed capture mode
+    meanwhile (:func:`relaxed_capture_mode`). Returns ``(entry, its StreamUse)``, marked done."""
+    with relaxed_capture_mode():
+        side = _side_stream(device)
+        _BESIDE_CAPTURE.append(device)
+        try:
+            with torch.cuda.stream(side):
+                entry = build()
+                use = StreamUse(_tensors_in(entry), device)
+        finally:
+            _BESIDE_CAPTURE.pop()
+        side.synchronize()
+    use.done = True
+    return entry, use
+
+
+_SIDE_STREAMS: dict[torch.device, Any] = {}
+_BESIDE_CAPTURE: list[torch.device] = []  # non-empty while build_beside_capture runs a build
+
+
+def _side_stream(device: torch.device) -> Any:
+    """A stream of ``device`` for :func:`build_beside_capture` that is not capturing. Streams come
+    from torch's pool, which the capturing stream may come from too: a capturing one is passed over."""
+    stream = _SIDE_STREAMS.get(device)
+    for _ in range(64):
+        if stream is not None and not _is_capturing(stream):
+            _SIDE_STREAMS[device] = stream
+            return stream
+        stream = torch.cuda.Stream(device)
+    raise RuntimeError("mpkern: found no CUDA stream that is not capturing to build a work table on")
+
+
+def _is_capturing(stream: Any) -> bool:
+    with torch.cuda.stream(stream):
+        return torch.cuda.is_current_stream_capturing()
+
+
+_EXCHANGE_MODE: list[Any] = []  # the driver's cuThreadExchangeStreamCaptureMode, once loaded
+
+
+def _exchange_capture_mode(mode: ctypes.c_int) -> None:
+    if not _EXCHANGE_MODE:
+        name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+        try:
+            fn = ctypes.CDLL(name).cuThreadExchangeStreamCaptureMode
+        except (OSError, AttributeError) as e:
+            raise RuntimeError(f"mpkern: cannot build a work table during a CUDA graph capture: the CUDA driver "
+                               f"({name}) or its cuThreadExchangeStreamCaptureMode is not available ({e}). Run "
+                               "the same call once eagerly before capturing (a warm-up step), with the same "
+                               "params, grads and optimizer state storage.") from e
+        fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        fn.restype = ctypes.c_int
+        _EXCHANGE_MODE.append(fn)
+    rc = _EXCHANGE_MODE[0](ctypes.byref(mode))
+    if rc != 0:
+        raise RuntimeError(f"mpkern: cuThreadExchangeStreamCaptureMode failed (CUresult {rc})")
+
+
+@contextlib.contextmanager
+def relaxed_capture_mode() -> Iterator[None]:
+    """This thread in relaxed CUDA stream-capture mode for the block, the previous mode after it.
+
+    In the default (global) mode, calls that may synchronise -- a stream synchronisation, an event
+    query (the pinned-memory allocator's), a ``cudaMalloc`` -- are errors while any stream
+    captures, even when they touch no capturing stream; the caching allocator switches to relaxed
+    mode around its ``cudaMalloc`` during a capture for the same reason. torch has no Python API
+    for it, so the driver's ``cuThreadExchangeStreamCaptureMode`` is called (thread state shared
+    with the runtime torch uses)."""
+    mode = ctypes.c_int(_CAPTURE_MODE_RELAXED)
+    _exchange_capture_mode(mode)  # mode now holds the previous one
+    try:
+        yield
+    finally:
+        _exchange_capture_mode(mode)
+
+
 def layout(tensors: Sequence[torch.Tensor | None]) -> tuple:
     """The part of a tensor list a work table depends on: (address, size, dtype) per tensor."""
     return tuple((0, 0, None) if t is None else (t.data_ptr(), t.numel(), t.dtype) for t in tensors)
 
 
 def to_device(rows: list[list[int]] | list[tuple[int, ...]], width: int, device: torch.device) -> torch.Tensor:
-    """An int64 [len(rows), width] device tensor from host rows (pinned, asynchronous copy)."""
+    """An int64 [len(rows), width] device tensor from host rows (pinned, asynchronous copy; not
+    pinned when built beside a capture, whose copy the host waits for anyway: no pinned-memory
+    allocation while a stream captures)."""
     host = torch.tensor(rows, dtype=torch.int64).reshape(-1, width)
-    if device.type == "cuda":
+    if device.type == "cuda" and not _BESIDE_CAPTURE:
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
 
