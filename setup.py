@@ -9,7 +9,8 @@
   ``MPKERN_PTXAS_VERBOSE=1`` prints ptxas' register and spill counts per kernel.
 * ``CUDA_HOME`` unset: taken from ``nvcc --dryrun`` (``TOP=``), which sees through wrapper
   scripts on PATH. CUDA math headers missing from that toolkit are taken from the
-  ``nvidia/cu13/include`` (or ``cu12``) folder of the pip CUDA packages.
+  ``nvidia/cu13/include`` (or ``cu12``) folder of the pip CUDA packages, searched after the
+  toolkit's own headers (``-isystem``), so a pip CUDA newer than nvcc cannot shadow them.
 
 Build in place with ``pip install --no-build-isolation -e .`` once torch is installed.
 """
@@ -136,19 +137,25 @@ def _extensions(with_cuda: bool, why_not: str):
         archs = ";".join(f"{a}.{b}" for a, b in sorted({torch.cuda.get_device_capability(i)
                                                         for i in range(torch.cuda.device_count())})) + "+PTX"
     cuda_home = os.environ["CUDA_HOME"]
+    # Headers the local toolkit lacks come from the pip CUDA packages' folder, searched *after* the
+    # toolkit's own include (-isystem comes after every -I): that folder also holds the CUDA
+    # runtime headers of the pip CUDA version (13.2 with torch 2.15), which nvcc refuses beside an
+    # older nvcc ("CUDA compiler and CUDA toolkit headers are incompatible") if they come first.
+    system_includes = []
     if not os.path.isfile(os.path.join(cuda_home, "include", "cusparse.h")):
         extra = _pip_cuda_include()
         if extra is not None:
-            include_dirs.append(extra)
-            _log(f"CUDA math headers from {extra}")
+            system_includes = ["-isystem", extra]
+            _log(f"CUDA math headers the toolkit lacks from {extra} (after the toolkit's own)")
     sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")) + glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
     defs = ["-DMPKERN_WITH_CUDA=1", f'-DMPKERN_CUDA_ARCHS="{archs}"']
-    nvcc = ["-O3", "--fmad=false", "-lineinfo", "--expt-relaxed-constexpr"] + defs
+    nvcc = ["-O3", "--fmad=false", "-lineinfo", "--expt-relaxed-constexpr"] + defs + system_includes
     if os.environ.get("MPKERN_PTXAS_VERBOSE") == "1":
         nvcc.append("-Xptxas=-v")
     _log(f"building CPU + CUDA kernels (archs {archs}, CUDA_HOME {cuda_home})")
     return [CUDAExtension("mpkern._C", sources, include_dirs=include_dirs,
-                          extra_compile_args={"cxx": cxx + defs, "nvcc": nvcc}, extra_link_args=["-fopenmp"])]
+                          extra_compile_args={"cxx": cxx + defs + system_includes, "nvcc": nvcc},
+                          extra_link_args=["-fopenmp"])]
 
 
 def main() -> None:
