@@ -65,10 +65,15 @@ def _setup(params: list[torch.Tensor], grads: list[torch.Tensor], dev: torch.dev
     steps = [torch.zeros((), device=dev) for _ in sizes]
     ps = [p.clone() for p in params]
     one, zero = torch.tensor(1.0, device=dev), torch.tensor(0.0, device=dev)
+    master_codec = {0: "none", 1: "fp32", 2: "remainder", 3: "8bit"}[mode]
+    moment_codec = {MOM8: "8bit", MOM4: "4bit_m", torch.float32: "float32", BF16: "bfloat16"}[sdt]
+    sm, sv = scales if sdt in (MOM8, MOM4) else (None, None)
 
     def step() -> None:
-        torch.ops.mpkern.adamw_step_(ps, grads, ms, vs, [], masters, steps, one, zero, None, 1e-3, 0.9, 0.999,
-                                     1e-8, 0.01, False, mode, sr, 1, [], [], *scales)
+        torch.ops.mpkern.adamw_step_(ps, grads, ms, vs, [], masters, steps, one, zero, None, sm, sv, lr=1e-3,
+                                     beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, maximize=False,
+                                     master_codec=master_codec, moment_codec=moment_codec, stochastic_rounding=sr,
+                                     seed=1)
     return step
 
 

@@ -8,6 +8,40 @@ namespace mpkern {
 
 enum MasterMode : int { kMasterNone = 0, kMasterF32 = 1, kMasterRemainder = 2, kMaster8bit = 3 };
 
+// The op's master_codec argument ("none", "fp32", "remainder", "8bit") as the kernels' MasterMode.
+inline int64_t master_mode_of(const char* op, c10::string_view codec) {
+  if (codec == "none") return kMasterNone;
+  if (codec == "fp32") return kMasterF32;
+  if (codec == "remainder") return kMasterRemainder;
+  if (codec == "8bit") return kMaster8bit;
+  TORCH_CHECK_VALUE(false, op, ": master_codec must be 'none', 'fp32', 'remainder' or '8bit', got '",
+                    std::string(codec), "'");
+  return kMasterNone;
+}
+
+// The op's moment_codec argument ("float32", "bfloat16", "8bit", "4bit_m") checked against the
+// moment tensors it names (float32 / bfloat16 exp_avgs, int8 exp_avgs, uint8 exp_avgs of packed
+// 4-bit codes); the per-tensor layout checks are check_adamw_args'.
+inline void check_moment_codec(const char* op, c10::string_view codec, at::TensorList exp_avgs) {
+  at::ScalarType want;
+  if (codec == "float32") {
+    want = at::kFloat;
+  } else if (codec == "bfloat16") {
+    want = at::kBFloat16;
+  } else if (codec == "8bit") {
+    want = at::kChar;
+  } else if (codec == "4bit_m") {
+    want = at::kByte;
+  } else {
+    TORCH_CHECK_VALUE(false, op, ": moment_codec must be 'float32', 'bfloat16', '8bit' or '4bit_m', got '",
+                      std::string(codec), "'");
+    return;
+  }
+  for (size_t i = 0; i < exp_avgs.size(); ++i)
+    TORCH_CHECK_TYPE(exp_avgs[i].scalar_type() == want, op, ": moment_codec '", std::string(codec),
+                     "' needs ", want, " exp_avgs; exp_avgs[", i, "] is ", exp_avgs[i].scalar_type());
+}
+
 inline void check_adamw_args(const char* op, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                              at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters,
                              at::TensorList steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
@@ -31,7 +65,7 @@ inline void check_adamw_args(const char* op, at::TensorList params, at::TensorLi
   for (size_t i = 0; i < elem_offsets.size(); ++i)
     TORCH_CHECK_VALUE(elem_offsets[i] >= 0, op, ": elem_offsets[", i, "] = ", elem_offsets[i], " is negative");
   TORCH_CHECK_VALUE(master_mode == kMasterNone ? masters.empty() : masters.size() == n, op,
-              ": masters must be one per param (empty when master_mode is 0)");
+              ": masters must be one per param (empty when master_codec is 'none')");
   // companded moments with group scales: selected by int8 exp_avgs (8-bit) or uint8 exp_avgs (4-bit
   // exp_avg, two codes per byte), for every param of the call or none
   const at::ScalarType sdt0 = n ? exp_avgs[0].scalar_type() : at::kFloat;
@@ -113,8 +147,8 @@ inline void check_adamw_args(const char* op, at::TensorList params, at::TensorLi
       TORCH_CHECK_TYPE(p.scalar_type() == at::kBFloat16, op, ": remainder masters need bfloat16 params");
     } else if (master_mode == kMaster8bit) {
       TORCH_CHECK_TYPE(p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf, op,
-                       ": master_mode 3 (8-bit master corrections) needs bfloat16 or float16 params; params[", i,
-                       "] is ", p.scalar_type(), ", which is its own fp32 master (use master_mode 0)");
+                       ": master_codec '8bit' (8-bit master corrections) needs bfloat16 or float16 params; params[", i,
+                       "] is ", p.scalar_type(), ", which is its own fp32 master (use master_codec 'none')");
       same(masters[i], "masters");
       TORCH_CHECK_TYPE(masters[i].scalar_type() == at::kChar, op, ": 8-bit master corrections must be int8, got ",
                        masters[i].scalar_type());

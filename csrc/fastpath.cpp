@@ -1,79 +1,88 @@
 // The eager fast path of FusedAdamWMP.step(): a cache of the prepared kernel argument lists.
 //
-// mpkern/optim/__init__.py builds a StepCache after a full (reference) step whose buckets are
-// all plain, dense, contiguous and on one device with a native backend. Each later eager step
-// calls refresh(): one loop over every param of every group that checks, without building any
-// Python object, that nothing the full path would look at has changed --
+// mpkern/optim/runtime.py builds a StepCache after a full step whose buckets are all plain, dense,
+// contiguous and on one device with a native backend. Each later eager step calls refresh(): one
+// loop over every param of every group that checks, without building any Python object, that
+// nothing the full path would look at has changed --
 //   * the group param lists (length, identity of each param, exact Python type),
 //   * no `main_grad` in the param's __dict__ (None counts as absent),
 //   * grad present exactly where it was; its layout, dtype, device, shape and contiguity,
 //   * each param's stamp (version counter, data pointer), sizes, strides, dtype, device,
-//   * the optimizer's state dict and each param's state dict unchanged (CPython dict version
-//     tags: any insertion, deletion or replacement of a value changes them),
+//   * the optimizer's state dict and each param's state dict unchanged: the same keys and value
+//     objects in the same order (PyDict_Next over a snapshot that holds them alive, so an object
+//     freed and another allocated at its address cannot look unchanged),
 // and gathers the grads into the cached lists. Any difference returns false and the caller runs
-// the full path (which then builds a new cache). grad_stats() / adamw() call the CPU or CUDA
-// kernels directly with the cached std::vector<at::Tensor> (no torch.ops list conversion);
-// release() drops the grad references so a cache never keeps grads alive between steps.
+// the full path (which then builds a new cache). grad_stats() / adamw() call the registered ops
+// mpkern::grad_stats / mpkern::adamw_step_ through typed dispatcher handles with the cached
+// std::vector<at::Tensor> (no Python list conversion), so the profiler, dispatch modes and every
+// kernel registration see them as they see the full path's calls; release() drops the grad
+// references so a cache never keeps grads alive between steps.
 #include "fastpath.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <Python.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
-#include "adamw_common.h"
+#include "kernels.h"
 
 namespace mpkern {
-namespace cpu {
-void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters,
-                     at::TensorList steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
-                     const std::optional<at::Tensor>& lr_tensor, double lr, double beta1, double beta2, double eps,
-                     double weight_decay, bool maximize, int64_t master_mode, bool stochastic_rounding,
-                     int64_t seed, at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets,
-                     const std::optional<at::TensorList>& exp_avg_scales_opt,
-                     const std::optional<at::TensorList>& exp_avg_sq_scales_opt);
-std::tuple<at::Tensor, at::Tensor> grad_stats_cpu(at::TensorList grads, const at::Tensor& inv_scale);
-}  // namespace cpu
-#if defined(MPKERN_WITH_CUDA) && MPKERN_WITH_CUDA
-namespace cuda {
-void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                      at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters,
-                      at::TensorList steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
-                      const std::optional<at::Tensor>& lr_tensor, double lr, double beta1, double beta2, double eps,
-                      double weight_decay, bool maximize, int64_t master_mode, bool stochastic_rounding,
-                      int64_t seed, at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets,
-                      const std::optional<at::TensorList>& exp_avg_scales_opt,
-                      const std::optional<at::TensorList>& exp_avg_sq_scales_opt);
-std::tuple<at::Tensor, at::Tensor> grad_stats_cuda(at::TensorList grads, const at::Tensor& inv_scale);
-}  // namespace cuda
-#endif
-
 namespace {
 
 namespace py = pybind11;
 
-// Dict version tags: CPython 3.11 and 3.12 keep one per dict (changed by every mutation). Other
-// versions: no fast path (step_cache_supported() is false, the optimizer never builds a cache).
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030D0000
-constexpr bool kDictVersions = true;
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-inline uint64_t dict_version(PyObject* d) { return reinterpret_cast<PyDictObject*>(d)->ma_version_tag; }
-#pragma GCC diagnostic pop
-#else
-constexpr bool kDictVersions = false;
-inline uint64_t dict_version(PyObject*) { return 0; }
-#endif
+// A dict's keys and values (borrowed pointers; the owner holds references to all of them).
+struct DictSnapshot {
+  PyObject* dict = nullptr;
+  std::vector<PyObject*> items;  // key, value, key, value, ...
+
+  void take(PyObject* d, std::vector<py::object>& refs) {
+    dict = d;
+    items.clear();
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(d, &pos, &k, &v)) {
+      items.push_back(k);
+      items.push_back(v);
+      refs.push_back(py::reinterpret_borrow<py::object>(k));
+      refs.push_back(py::reinterpret_borrow<py::object>(v));
+    }
+  }
+  // Whether the dict holds the same keys and value objects, in the same order.
+  bool same() const {
+    if (static_cast<size_t>(PyDict_Size(dict)) * 2 != items.size()) return false;
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    size_t i = 0;
+    while (PyDict_Next(dict, &pos, &k, &v)) {
+      if (k != items[i] || v != items[i + 1]) return false;
+      i += 2;
+    }
+    return true;
+  }
+};
+
+const c10::TypedOperatorHandle<AdamwStepOp>& adamw_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mpkern::adamw_step_", "").typed<AdamwStepOp>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<GradStatsOp>& grad_stats_op() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mpkern::grad_stats", "").typed<GradStatsOp>();
+  return op;
+}
 
 inline bool has_python_key(const at::Tensor& t) { return t.key_set().has(c10::DispatchKey::Python); }
 
 struct Bucket {
   std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, mscales, vscales;
   std::vector<int64_t> stream_ids, elem_offsets;
-  int64_t mode = 0;
+  std::string master_codec, moment_codec;
   bool scaled = false;
   size_t stats_offset = 0;  // where its grads start in the statistics list
 };
@@ -83,8 +92,7 @@ struct Entry {
   PyObject* param = nullptr;   // strong reference (held by `refs_`)
   PyTypeObject* type = nullptr;
   PyObject* pdict = nullptr;   // the param's __dict__ (main_grad lives there)
-  PyObject* sdict = nullptr;   // its state dict (stepped params only)
-  uint64_t sversion = 0;
+  DictSnapshot state;          // its state dict (stepped params only)
   int32_t bucket = -1;         // -1: no grad when cached (must still have none)
   int32_t pos = 0;             // index in its bucket
   int64_t version = 0;
@@ -96,8 +104,7 @@ struct Entry {
 class StepCache {
  public:
   StepCache(py::list group_lists, py::list params, py::list param_dicts, py::list state_dicts, py::object state,
-            std::vector<int64_t> bucket_of, std::vector<int64_t> pos_of, bool cuda)
-      : cuda_(cuda) {
+            std::vector<int64_t> bucket_of, std::vector<int64_t> pos_of) {
     const size_t n = static_cast<size_t>(py::len(params));
     TORCH_CHECK(py::len(param_dicts) == n && py::len(state_dicts) == n && bucket_of.size() == n && pos_of.size() == n,
                 "StepCache: per-param lists differ in length");
@@ -106,8 +113,9 @@ class StepCache {
       lists_.push_back(py::reinterpret_borrow<py::object>(l));
       lens_.push_back(PyList_GET_SIZE(l.ptr()));
     }
-    state_ = state;
-    state_version_ = dict_version(state.ptr());
+    TORCH_CHECK(PyDict_Check(state.ptr()), "StepCache: the optimizer state must be a dict");
+    refs_.push_back(state);
+    state_.take(state.ptr(), refs_);
     entries_.resize(n);
     for (size_t k = 0; k < n; ++k) {
       Entry& e = entries_[k];
@@ -123,8 +131,7 @@ class StepCache {
       if (e.bucket < 0) continue;
       TORCH_CHECK(PyDict_Check(s.ptr()), "StepCache: a stepped param needs its state dict");
       refs_.push_back(s);
-      e.sdict = s.ptr();
-      e.sversion = dict_version(s.ptr());
+      e.state.take(s.ptr(), refs_);
       const at::Tensor& t = THPVariable_Unpack(p.ptr());
       e.version = t._version();
       e.data = t.data_ptr();
@@ -143,7 +150,7 @@ class StepCache {
                   std::vector<at::Tensor> max_exp_avg_sqs, std::vector<at::Tensor> masters,
                   std::vector<at::Tensor> steps, std::optional<std::vector<at::Tensor>> mscales,
                   std::optional<std::vector<at::Tensor>> vscales, std::vector<int64_t> stream_ids,
-                  std::vector<int64_t> elem_offsets, int64_t mode) {
+                  std::vector<int64_t> elem_offsets, std::string master_codec, std::string moment_codec) {
     Bucket b;
     b.grads.resize(params.size());
     b.params = std::move(params);
@@ -159,7 +166,8 @@ class StepCache {
     }
     b.stream_ids = std::move(stream_ids);
     b.elem_offsets = std::move(elem_offsets);
-    b.mode = mode;
+    b.master_codec = std::move(master_codec);
+    b.moment_codec = std::move(moment_codec);
     b.stats_offset = stats_.size();
     stats_.resize(stats_.size() + b.params.size());
     buckets_.push_back(std::move(b));
@@ -167,7 +175,7 @@ class StepCache {
 
   // True (grads gathered) if nothing the full path looks at has changed since the cache was built.
   bool refresh() {
-    if (!kDictVersions || dict_version(state_.ptr()) != state_version_) return false;
+    if (!state_.same()) return false;
     size_t k = 0;
     for (size_t li = 0; li < lists_.size(); ++li) {
       PyObject* l = lists_[li].ptr();
@@ -195,7 +203,7 @@ class StepCache {
         if (g.layout() != at::kStrided || g.scalar_type() != e.gdtype || g.device() != device_ ||
             !g.sizes().equals(e.sizes) || !g.is_contiguous() || has_python_key(g))
           return fail();
-        if (dict_version(e.sdict) != e.sversion) return fail();
+        if (!e.state.same()) return fail();
         Bucket& b = buckets_[e.bucket];
         b.grads[e.pos] = g;
         stats_[b.stats_offset + e.pos] = g;
@@ -207,14 +215,12 @@ class StepCache {
 
   std::tuple<at::Tensor, at::Tensor> grad_stats(const at::Tensor& inv_scale) {
     py::gil_scoped_release nogil;
-#if defined(MPKERN_WITH_CUDA) && MPKERN_WITH_CUDA
-    if (cuda_) return cuda::grad_stats_cuda(stats_, inv_scale);
-#endif
-    TORCH_CHECK(!cuda_, "StepCache: this build has no CUDA kernels");
-    return cpu::grad_stats_cpu(stats_, inv_scale);
+    return grad_stats_op().call(stats_, inv_scale);
   }
 
-  void adamw(int64_t bi, const at::Tensor& grad_factor, const at::Tensor& found_inf,
+  // One mpkern::adamw_step_ call over bucket bi; true when it moved the version counter of the
+  // bucket's first param (a kernel that bumps versions: the caller re-records the stamps).
+  bool adamw(int64_t bi, const at::Tensor& grad_factor, const at::Tensor& found_inf,
              const std::optional<at::Tensor>& lr_tensor, double lr, double beta1, double beta2, double eps,
              double weight_decay, bool maximize, bool stochastic_rounding, int64_t seed) {
     TORCH_CHECK(bi >= 0 && bi < static_cast<int64_t>(buckets_.size()), "StepCache: bad bucket ", bi);
@@ -224,19 +230,12 @@ class StepCache {
       sm = at::TensorList(b.mscales);
       sv = at::TensorList(b.vscales);
     }
+    const int64_t v0 = b.params.empty() ? 0 : b.params[0]._version();
     py::gil_scoped_release nogil;
-#if defined(MPKERN_WITH_CUDA) && MPKERN_WITH_CUDA
-    if (cuda_) {
-      cuda::adamw_step_cuda_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.masters, b.steps,
-                             grad_factor, found_inf, lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, b.mode,
-                             stochastic_rounding, seed, b.stream_ids, b.elem_offsets, sm, sv);
-      return;
-    }
-#endif
-    TORCH_CHECK(!cuda_, "StepCache: this build has no CUDA kernels");
-    cpu::adamw_step_cpu_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.masters, b.steps,
-                         grad_factor, found_inf, lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, b.mode,
-                         stochastic_rounding, seed, b.stream_ids, b.elem_offsets, sm, sv);
+    adamw_op().call(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.masters, b.steps, grad_factor,
+                    found_inf, lr_tensor, sm, sv, lr, beta1, beta2, eps, weight_decay, maximize, b.master_codec,
+                    b.moment_codec, stochastic_rounding, seed, b.stream_ids, b.elem_offsets);
+    return !b.params.empty() && b.params[0]._version() != v0;
   }
 
   // Drop every grad reference (after the step, or after a failed refresh).
@@ -256,12 +255,11 @@ class StepCache {
     return false;
   }
 
-  bool cuda_;
   c10::Device device_{c10::DeviceType::CPU};
   std::vector<py::object> lists_, refs_;
   std::vector<Py_ssize_t> lens_;
-  py::object state_, main_grad_;
-  uint64_t state_version_ = 0;
+  py::object main_grad_;
+  DictSnapshot state_;
   std::vector<Entry> entries_;
   std::vector<Bucket> buckets_;
   std::vector<at::Tensor> stats_;
@@ -270,16 +268,14 @@ class StepCache {
 }  // namespace
 
 void register_fastpath(py::module_& mod) {
-  mod.def("step_cache_supported", []() { return kDictVersions; },
-          "Whether FusedAdamWMP's step cache can run in this Python (it reads dict version tags)");
   py::class_<StepCache>(mod, "StepCache", "Cached kernel argument lists of FusedAdamWMP.step (see csrc/fastpath.cpp)")
-      .def(py::init<py::list, py::list, py::list, py::list, py::object, std::vector<int64_t>, std::vector<int64_t>,
-                    bool>(),
+      .def(py::init<py::list, py::list, py::list, py::list, py::object, std::vector<int64_t>, std::vector<int64_t>>(),
            py::arg("group_lists"), py::arg("params"), py::arg("param_dicts"), py::arg("state_dicts"),
-           py::arg("state"), py::arg("bucket_of"), py::arg("pos_of"), py::arg("cuda"))
+           py::arg("state"), py::arg("bucket_of"), py::arg("pos_of"))
       .def("add_bucket", &StepCache::add_bucket, py::arg("params"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
            py::arg("max_exp_avg_sqs"), py::arg("masters"), py::arg("steps"), py::arg("exp_avg_scales"),
-           py::arg("exp_avg_sq_scales"), py::arg("stream_ids"), py::arg("elem_offsets"), py::arg("mode"))
+           py::arg("exp_avg_sq_scales"), py::arg("stream_ids"), py::arg("elem_offsets"), py::arg("master_codec"),
+           py::arg("moment_codec"))
       .def("refresh", &StepCache::refresh)
       .def("grad_stats", &StepCache::grad_stats, py::arg("inv_scale"))
       .def("adamw", &StepCache::adamw, py::arg("bucket"), py::arg("grad_factor"), py::arg("found_inf"),

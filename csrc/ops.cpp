@@ -8,6 +8,7 @@
 #include "common.h"
 #include "cpu/simd.h"
 #include "fastpath.h"
+#include "kernels.h"
 
 #if defined(MPKERN_WITH_CUDA) && MPKERN_WITH_CUDA
 namespace mpkern {
@@ -28,20 +29,55 @@ TORCH_LIBRARY(mpkern, m) {
   // In-place multiply of every tensor by a one-element float32 tensor on the same device.
   m.def("scale_(Tensor(a!)[] tensors, Tensor scale) -> ()");
   // Fused AdamW over a tensor list (one param group on one device): updates params, moments,
-  // max_exp_avg_sqs (amsgrad; empty list otherwise), masters (fp32, int16 remainders or int8
-  // corrections; empty list for master_mode 0) and the per-param step counters -- or nothing when
-  // found_inf != 0. stream_ids / elem_offsets (one per tensor, or empty: index in the list, 0)
-  // name the random stream of each tensor: element i draws the bits of element elem_offsets[t] + i
-  // of stream stream_ids[t] (see math.h, rng_key). 8-bit companded moments (int8 exp_avgs, uint8
-  // exp_avg_sqs) come with one bf16 scale per 32 elements in exp_avg_scales / exp_avg_sq_scales
-  // (None or empty otherwise; a Tensor[] cannot have a default, hence the optional lists).
+  // max_exp_avg_sqs (amsgrad; empty list otherwise), masters (as master_codec says: "fp32" float32
+  // masters, "remainder" int16 remainders, "8bit" int8 corrections; an empty list for "none") and
+  // the per-param step counters -- or nothing when found_inf != 0. moment_codec names how the
+  // moments are kept: "float32" / "bfloat16" tensors, "8bit" companded codes (int8 exp_avgs,
+  // uint8 exp_avg_sqs) or "4bit_m" (uint8 exp_avgs of two 4-bit codes per byte, uint8
+  // exp_avg_sqs), the compact ones with one bf16 scale per 32 elements in exp_avg_scales /
+  // exp_avg_sq_scales (None otherwise). stream_ids / elem_offsets (one per tensor, or empty: index
+  // in the list, 0) name the random stream of each tensor: element i draws the bits of element
+  // elem_offsets[t] + i of stream stream_ids[t] (see math.h, rng_key). The scalars are keyword-only.
   m.def(
       "adamw_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] masters, Tensor(f!)[] steps, Tensor grad_factor, "
-      "Tensor found_inf, Tensor? lr_tensor, float lr, float beta1, float beta2, float eps, float weight_decay, "
-      "bool maximize, int master_mode, bool stochastic_rounding, int seed, int[] stream_ids=[], "
-      "int[] elem_offsets=[], Tensor(g!)[]? exp_avg_scales=None, Tensor(h!)[]? exp_avg_sq_scales=None) -> ()");
+      "Tensor found_inf, Tensor? lr_tensor, Tensor(g!)[]? exp_avg_scales=None, Tensor(h!)[]? exp_avg_sq_scales=None, "
+      "*, float lr, float beta1, float beta2, float eps, float weight_decay, bool maximize, str master_codec, "
+      "str moment_codec, bool stochastic_rounding, int seed, int[] stream_ids=[], int[] elem_offsets=[]) -> ()");
 }
+
+namespace mpkern {
+namespace {
+constexpr const char* kAdamwOp = "mpkern::adamw_step_";
+
+// The registered kernels of mpkern::adamw_step_ (signature AdamwStepOp, csrc/kernels.h): the codecs
+// parsed and checked, then the device kernel.
+template <void (*Kernel)(MPKERN_ADAMW_KERNEL_ARGS)>
+void adamw_step_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                   at::TensorList max_exp_avg_sqs, at::TensorList masters, at::TensorList steps,
+                   const at::Tensor& grad_factor, const at::Tensor& found_inf,
+                   const std::optional<at::Tensor>& lr_tensor, const std::optional<at::TensorList>& exp_avg_scales,
+                   const std::optional<at::TensorList>& exp_avg_sq_scales, double lr, double beta1, double beta2,
+                   double eps, double weight_decay, bool maximize, c10::string_view master_codec,
+                   c10::string_view moment_codec, bool stochastic_rounding, int64_t seed, at::IntArrayRef stream_ids,
+                   at::IntArrayRef elem_offsets) {
+  const int64_t mode = master_mode_of(kAdamwOp, master_codec);
+  check_moment_codec(kAdamwOp, moment_codec, exp_avgs);
+  Kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf, lr_tensor, lr,
+         beta1, beta2, eps, weight_decay, maximize, mode, stochastic_rounding, seed, stream_ids, elem_offsets,
+         exp_avg_scales, exp_avg_sq_scales);
+}
+}  // namespace
+}  // namespace mpkern
+
+TORCH_LIBRARY_IMPL(mpkern, CPU, m) {
+  m.impl("adamw_step_", static_cast<mpkern::AdamwStepOp*>(&mpkern::adamw_step_op<&mpkern::cpu::adamw_step_cpu_>));
+}
+#if defined(MPKERN_WITH_CUDA) && MPKERN_WITH_CUDA
+TORCH_LIBRARY_IMPL(mpkern, CUDA, m) {
+  m.impl("adamw_step_", static_cast<mpkern::AdamwStepOp*>(&mpkern::adamw_step_op<&mpkern::cuda::adamw_step_cuda_>));
+}
+#endif
 
 #ifndef MPKERN_TORCH_VERSION
 #define MPKERN_TORCH_VERSION "unknown"
@@ -82,21 +118,25 @@ PYBIND11_MODULE(_C, mod) {
          const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
          const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& masters,
          const std::vector<at::Tensor>& steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
-         const std::optional<at::Tensor>& lr_tensor, int64_t master_mode, const std::vector<int64_t>& stream_ids,
-         const std::vector<int64_t>& elem_offsets, const std::optional<std::vector<at::Tensor>>& exp_avg_scales,
-         const std::optional<std::vector<at::Tensor>>& exp_avg_sq_scales) {
+         const std::optional<at::Tensor>& lr_tensor, const std::optional<std::vector<at::Tensor>>& exp_avg_scales,
+         const std::optional<std::vector<at::Tensor>>& exp_avg_sq_scales, const std::string& master_codec,
+         const std::string& moment_codec, const std::vector<int64_t>& stream_ids,
+         const std::vector<int64_t>& elem_offsets) {
         const std::vector<at::Tensor> none;
-        mpkern::check_adamw_args("mpkern::adamw_step_", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
-                                 masters, steps, grad_factor, found_inf, lr_tensor, master_mode, stream_ids,
-                                 elem_offsets, exp_avg_scales.value_or(none), exp_avg_sq_scales.value_or(none));
+        const char* op = "mpkern::adamw_step_";
+        const int64_t mode = mpkern::master_mode_of(op, master_codec);
+        mpkern::check_moment_codec(op, moment_codec, exp_avgs);
+        mpkern::check_adamw_args(op, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps,
+                                 grad_factor, found_inf, lr_tensor, mode, stream_ids, elem_offsets,
+                                 exp_avg_scales.value_or(none), exp_avg_sq_scales.value_or(none));
       },
       pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("exp_avgs"), pybind11::arg("exp_avg_sqs"),
       pybind11::arg("max_exp_avg_sqs"), pybind11::arg("masters"), pybind11::arg("steps"),
       pybind11::arg("grad_factor"), pybind11::arg("found_inf"), pybind11::arg("lr_tensor"),
-      pybind11::arg("master_mode"), pybind11::arg("stream_ids") = std::vector<int64_t>{},
-      pybind11::arg("elem_offsets") = std::vector<int64_t>{}, pybind11::arg("exp_avg_scales") = pybind11::none(),
-      pybind11::arg("exp_avg_sq_scales") = pybind11::none(),
-      "Raise like mpkern::adamw_step_ does on bad arguments");
+      pybind11::arg("exp_avg_scales") = pybind11::none(), pybind11::arg("exp_avg_sq_scales") = pybind11::none(),
+      pybind11::kw_only(), pybind11::arg("master_codec"), pybind11::arg("moment_codec"),
+      pybind11::arg("stream_ids") = std::vector<int64_t>{}, pybind11::arg("elem_offsets") = std::vector<int64_t>{},
+      "Raise like mpkern::adamw_step_ does on bad arguments (the tensor arguments, the codecs, the streams)");
   mpkern::register_fastpath(mod);  // FusedAdamWMP.step's cached fast path (csrc/fastpath.cpp)
 #if defined(MPKERN_WITH_CUDA) && MPKERN_WITH_CUDA
   mod.def("cuda_table_cache_stats", &mpkern::cuda::table_cache_stats,

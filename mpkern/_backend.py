@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 BACKENDS = ("cuda", "triton", "cpu", "torch")
-_ENV = "MPKERN_BACKEND"
+#: the environment variable that forces a backend (read at every selection)
+ENV = "MPKERN_BACKEND"
 
 
 @dataclass(frozen=True)
@@ -185,11 +186,11 @@ def cuda_device_problem(index: int) -> str:
 
 def forced() -> str | None:
     """The backend forced by MPKERN_BACKEND, or None."""
-    val = os.environ.get(_ENV, "").strip().lower()
+    val = os.environ.get(ENV, "").strip().lower()
     if not val:
         return None
     if val not in BACKENDS:
-        raise ValueError(f"{_ENV}={val!r} is not a backend; expected one of {', '.join(BACKENDS)}")
+        raise ValueError(f"{ENV}={val!r} is not a backend; expected one of {', '.join(BACKENDS)}")
     return val
 
 
@@ -198,15 +199,15 @@ def forcing(name: str):
     """Within the block, ``MPKERN_BACKEND=name`` (the previous value, or its absence, restored)."""
     if name not in BACKENDS:
         raise ValueError(f"forcing: {name!r} is not a backend; expected one of {', '.join(BACKENDS)}")
-    old = os.environ.get(_ENV)
-    os.environ[_ENV] = name
+    old = os.environ.get(ENV)
+    os.environ[ENV] = name
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(_ENV, None)
+            os.environ.pop(ENV, None)
         else:
-            os.environ[_ENV] = old
+            os.environ[ENV] = old
 
 
 def _runs_on(name: str, device: torch.device) -> str:
@@ -239,7 +240,7 @@ def select(device: torch.device | str) -> str:
     if name is not None:
         why = _runs_on(name, device)
         if why:
-            raise RuntimeError(f"{_ENV}={name} cannot run on {device}: {why}")
+            raise RuntimeError(f"{ENV}={name} cannot run on {device}: {why}")
         return name
     order = ("cuda", "triton", "torch") if device.type == "cuda" else ("cpu", "torch")
     for cand in order:

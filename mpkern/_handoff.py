@@ -1,13 +1,10 @@
 """Where ``mpkern.unscale_`` (:mod:`mpkern.amp`) and a fused optimizer (``FusedAdamWMP``) meet.
 
-The one package-internal interface between the two, so that neither calls the other's private
-methods. An optimizer takes part by having
-
-* ``_mpkern_fuses_unscale = True``: it applies an unscale/clip factor inside its step, so
-  ``unscale_`` may leave the factor to it instead of writing the grads;
-* ``_live``: a dict it owns (kept in a dict because ``torch.compile`` replays dict mutations but
-  not attribute stores on the optimizer) in which this module keeps ``"_pending"`` (a
-  :class:`Pending`) and ``"scaler"`` (a weak reference to the attached ``GradScaler``).
+The one package-internal interface between the two, so that neither reaches into the other. An
+optimizer takes part by having a ``mpkern_runtime`` attribute (a :class:`mpkern.optim.runtime.Runtime`):
+it applies an unscale/clip factor inside its step, so ``unscale_`` may leave the factor to it
+(:meth:`~mpkern.optim.runtime.Runtime.leave`, a :class:`Pending`) instead of writing the grads, and
+the runtime keeps the attached ``GradScaler`` (weakly) and the optimizer's ``process_group``.
 
 **GradScaler protocol.** ``GradScaler.step(opt)`` hands an amp-scaling optimizer its scale and the
 inf check of ``.grad`` (``opt.grad_scale`` / ``opt.found_inf``), but not itself. An overflow that
@@ -30,8 +27,6 @@ there, loudly, and not in a training run.
 from __future__ import annotations
 
 import warnings
-
-import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -92,9 +87,14 @@ def scaler_internals(scaler: torch.amp.GradScaler, opt: Any = None, *,
                            "in tests/test_scaler.py") from e
 
 
+def runtime(opt: Any) -> Any:
+    """The runtime of an optimizer that fuses the unscale into its step (None: not one)."""
+    return None if opt is None else getattr(opt, "mpkern_runtime", None)
+
+
 def fuses_unscale(opt: Any) -> bool:
     """True if ``opt`` applies a pending unscale/clip factor inside its step."""
-    return opt is not None and getattr(opt, "_mpkern_fuses_unscale", False)
+    return runtime(opt) is not None
 
 
 def leave_unscale(opt: Any, factor: Tensor, found_inf: Tensor, total_norm: Tensor, *, inv: Tensor,
@@ -103,33 +103,30 @@ def leave_unscale(opt: Any, factor: Tensor, found_inf: Tensor, total_norm: Tenso
     ``applied=True`` (the grads were already multiplied), only the skip decision and the norm."""
     if applied:
         one = torch.ones_like(factor)
-        opt._live["_pending"] = Pending(one, one, found_inf, total_norm * coef, total_norm, inf_norm)
+        runtime(opt).leave(Pending(one, one, found_inf, total_norm * coef, total_norm, inf_norm))
     else:
-        opt._live["_pending"] = Pending(inv, coef, found_inf, total_norm, total_norm, inf_norm)
+        runtime(opt).leave(Pending(inv, coef, found_inf, total_norm, total_norm, inf_norm))
 
 
 def pending(opt: Any) -> Pending | None:
     """The unscale/clip left for ``opt``'s next step (None: none)."""
-    return opt._live.get("_pending") if fuses_unscale(opt) else None
+    rt = runtime(opt)
+    return None if rt is None else rt.pending
 
 
 def process_group(opt: Any) -> Any:
     """The ``process_group`` an optimizer was built with (None: none, or not an mpkern optimizer)."""
-    return getattr(opt, "_mpkern_process_group", None)
+    rt = runtime(opt)
+    return None if rt is None else rt.process_group
 
 
 def attach_scaler(opt: Any, scaler: torch.amp.GradScaler) -> None:
     """Remember ``scaler`` (weakly) as the GradScaler that steps ``opt`` (see the module docs)."""
     if not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(f"attach_grad_scaler: scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-    if fuses_unscale(opt):
-        opt._live["scaler"] = weakref.ref(scaler)
-
-
-def attached_scaler(opt: Any) -> torch.amp.GradScaler | None:
-    """The GradScaler attached to ``opt``, if it is still alive."""
-    ref = opt._live.get("scaler")
-    return None if ref is None else ref()
+    rt = runtime(opt)
+    if rt is not None:
+        rt.attach_scaler(scaler)
 
 
 def record_found_inf(scaler: torch.amp.GradScaler, opt: Any, found_inf: Tensor, *, unscaled: bool) -> None:

@@ -27,9 +27,14 @@ Tensor = torch.Tensor
 _ADAMW_SCHEMA = (
     "adamw_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
     "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] masters, Tensor(f!)[] steps, Tensor grad_factor, "
-    "Tensor found_inf, Tensor? lr_tensor, float lr, float beta1, float beta2, float eps, float weight_decay, "
-    "bool maximize, int master_mode, bool stochastic_rounding, int seed, int[] stream_ids=[], "
-    "int[] elem_offsets=[], Tensor(g!)[]? exp_avg_scales=None, Tensor(h!)[]? exp_avg_sq_scales=None) -> ()")
+    "Tensor found_inf, Tensor? lr_tensor, Tensor(g!)[]? exp_avg_scales=None, Tensor(h!)[]? exp_avg_sq_scales=None, "
+    "*, float lr, float beta1, float beta2, float eps, float weight_decay, bool maximize, str master_codec, "
+    "str moment_codec, bool stochastic_rounding, int seed, int[] stream_ids=[], int[] elem_offsets=[]) -> ()")
+#: ``master_codec`` of ``adamw_step_`` -> the reference and Triton kernels' master mode
+MASTER_MODES = {"none": reference.MASTER_NONE, "fp32": reference.MASTER_F32, "remainder": reference.MASTER_REMAINDER,
+                "8bit": reference.MASTER_8BIT}
+#: ``moment_codec`` of ``adamw_step_`` -> the dtype of its ``exp_avgs``
+MOMENT_CODECS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "8bit": torch.int8, "4bit_m": torch.uint8}
 _SCHEMAS = {
     "grad_stats": "grad_stats(Tensor[] grads, Tensor inv_scale) -> (Tensor sumsq, Tensor amax)",
     "scale_": "scale_(Tensor(a!)[] tensors, Tensor scale) -> ()",
@@ -37,6 +42,18 @@ _SCHEMAS = {
 }
 
 _libs: list[torch.library.Library] = []  # keep registrations alive
+
+
+def _reference_adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor,
+                           found_inf, lr_tensor, exp_avg_scales=None, exp_avg_sq_scales=None, *, lr, beta1, beta2, eps,
+                           weight_decay, maximize, master_codec, moment_codec, stochastic_rounding, seed,
+                           stream_ids=(), elem_offsets=()) -> None:
+    """``mpkern::adamw_step_``'s schema on :func:`mpkern.reference.adamw_step_` (which takes the
+    master codec as a mode and reads the moment codec from the moment dtypes)."""
+    reference.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor,
+                          found_inf, lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize,
+                          MASTER_MODES[master_codec], stochastic_rounding, seed, stream_ids, elem_offsets,
+                          exp_avg_scales, exp_avg_sq_scales)
 
 
 def _define_fallback_schemas() -> None:
@@ -47,7 +64,7 @@ def _define_fallback_schemas() -> None:
     for key in ("CPU", "CUDA"):
         lib.impl("grad_stats", lambda grads, inv_scale: reference.grad_stats(grads, inv_scale), key)
         lib.impl("scale_", lambda tensors, scale: reference.scale_(tensors, scale), key)
-        lib.impl("adamw_step_", reference.adamw_step_, key)
+        lib.impl("adamw_step_", _reference_adamw_step_, key)
     _libs.append(lib)
 
 
@@ -67,34 +84,40 @@ def _fake_scale_(tensors: Sequence[Tensor], scale: Tensor) -> None:
     return None
 
 
-def _fake_adamw_step_(*args, **kwargs) -> None:
+def _fake_adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
+                      lr_tensor, exp_avg_scales=None, exp_avg_sq_scales=None, *, lr, beta1, beta2, eps, weight_decay,
+                      maximize, master_codec, moment_codec, stochastic_rounding, seed, stream_ids=(),
+                      elem_offsets=()) -> None:
     # the checks that need no data, so a traced call fails like an eager one (the eager kernels
     # run the full check_adamw_args)
-    params, masters, mode = args[0], args[5], int(args[16] if len(args) > 16 else kwargs["master_mode"])
-    torch._check(0 <= mode <= 3, lambda: f"mpkern::adamw_step_: bad master_mode {mode}")
-    exp_avgs, exp_avg_sqs, max_exp_avg_sqs = args[2], args[3], args[4]
-    sm = args[21] if len(args) > 21 else kwargs.get("exp_avg_scales")
-    sv = args[22] if len(args) > 22 else kwargs.get("exp_avg_sq_scales")
-    code = exp_avgs[0].dtype if len(exp_avgs) else None  # int8: 8-bit moments, uint8: the 4-bit exp_avg
-    if code in (torch.int8, torch.uint8):
-        torch._check(not max_exp_avg_sqs, lambda: "mpkern::adamw_step_: amsgrad is not supported with 8-bit moments")
+    op = "mpkern::adamw_step_"
+    torch._check(master_codec in MASTER_MODES, lambda: f"{op}: master_codec must be 'none', 'fp32', 'remainder' or "
+                                                      f"'8bit', got {master_codec!r}")
+    torch._check(moment_codec in MOMENT_CODECS, lambda: f"{op}: moment_codec must be 'float32', 'bfloat16', '8bit' or "
+                                                        f"'4bit_m', got {moment_codec!r}")
+    code = MOMENT_CODECS[moment_codec]
+    for i, m in enumerate(exp_avgs):
+        torch._check(m.dtype == code, lambda: f"{op}: moment_codec {moment_codec!r} needs {code} exp_avgs; "
+                                              f"exp_avgs[{i}] is {m.dtype}")
+    sm, sv = exp_avg_scales, exp_avg_sq_scales
+    if moment_codec in ("8bit", "4bit_m"):
+        torch._check(not max_exp_avg_sqs, lambda: f"{op}: amsgrad is not supported with 8-bit moments")
         torch._check(sm is not None and sv is not None and len(sm) == len(params) and len(sv) == len(params),
-                     lambda: "mpkern::adamw_step_: 8-bit moments need exp_avg_scales and exp_avg_sq_scales, one per param")
+                     lambda: f"{op}: 8-bit moments need exp_avg_scales and exp_avg_sq_scales, one per param")
         for i, p in enumerate(params):
-            torch._check(exp_avgs[i].dtype == code and exp_avg_sqs[i].dtype == torch.uint8, lambda: (
-                "mpkern::adamw_step_: 8-bit moments are int8 exp_avgs (4-bit: uint8) and uint8 exp_avg_sqs"))
+            torch._check(exp_avg_sqs[i].dtype == torch.uint8, lambda: (
+                f"{op}: 8-bit moments are int8 exp_avgs (4-bit: uint8) and uint8 exp_avg_sqs"))
             torch._check(sm[i].dtype == torch.bfloat16 and sv[i].dtype == torch.bfloat16,
-                         lambda: "mpkern::adamw_step_: 8-bit moment scales must be bfloat16")
+                         lambda: f"{op}: 8-bit moment scales must be bfloat16")
     else:
         torch._check(not sm and not sv, lambda: (
-            "mpkern::adamw_step_: exp_avg_scales and exp_avg_sq_scales must be empty unless the moments are 8-bit"))
-    if mode == reference.MASTER_8BIT:
+            f"{op}: exp_avg_scales and exp_avg_sq_scales must be empty unless the moments are 8-bit"))
+    if master_codec == "8bit":
         for i, p in enumerate(params):
             torch._check(p.dtype in (torch.bfloat16, torch.float16), lambda: (
-                f"mpkern::adamw_step_: master_mode 3 (8-bit master corrections) needs bfloat16 or float16 params; "
+                f"{op}: master_codec '8bit' (8-bit master corrections) needs bfloat16 or float16 params; "
                 f"params[{i}] is {p.dtype}"))
-            torch._check(masters[i].dtype == torch.int8,
-                         lambda: "mpkern::adamw_step_: 8-bit master corrections must be int8")
+            torch._check(masters[i].dtype == torch.int8, lambda: f"{op}: 8-bit master corrections must be int8")
     return None
 
 
@@ -126,21 +149,19 @@ def check_scale_args(tensors: Sequence[Tensor], scale: Tensor) -> None:
         ext.check_scale_args(list(tensors), scale)
 
 
-def check_adamw_args(*args: Any) -> None:
-    """Raise exactly like the C++ ``mpkern::adamw_step_`` kernels do; ``args`` follow its schema
-    (the trailing ``stream_ids``, ``elem_offsets``, ``exp_avg_scales``, ``exp_avg_sq_scales`` may be
-    left out; None scales are empty lists)."""
+def check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
+                     lr_tensor, exp_avg_scales=None, exp_avg_sq_scales=None, *, master_codec, moment_codec,
+                     stream_ids=(), elem_offsets=(), **_scalars: Any) -> None:
+    """Raise exactly like the C++ ``mpkern::adamw_step_`` kernels do; the arguments are the op's
+    (the scalars, which the kernels do not check, are accepted and ignored)."""
     ext = _native_checks()
     if ext is not None:
-        (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
-         lr_tensor) = args[:10]
-        streams = [int(x) for x in args[19]] if len(args) > 19 else []
-        offsets = [int(x) for x in args[20]] if len(args) > 20 else []
-        sm = list(args[21]) if len(args) > 21 and args[21] is not None else []
-        sv = list(args[22]) if len(args) > 22 and args[22] is not None else []
         ext.check_adamw_args(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
-                             list(masters), list(steps), grad_factor, found_inf, lr_tensor, int(args[16]), streams,
-                             offsets, sm, sv)
+                             list(masters), list(steps), grad_factor, found_inf, lr_tensor,
+                             None if exp_avg_scales is None else list(exp_avg_scales),
+                             None if exp_avg_sq_scales is None else list(exp_avg_sq_scales),
+                             master_codec=master_codec, moment_codec=moment_codec,
+                             stream_ids=[int(x) for x in stream_ids], elem_offsets=[int(x) for x in elem_offsets])
 
 
 def capturing() -> bool:
@@ -263,11 +284,18 @@ _triton_lib.define(_ADAMW_SCHEMA)
 _libs.append(_triton_lib)
 
 
-def _triton_adamw_step_(*args) -> None:
+def _triton_adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
+                        lr_tensor, exp_avg_scales=None, exp_avg_sq_scales=None, *, lr, beta1, beta2, eps, weight_decay,
+                        maximize, master_codec, moment_codec, stochastic_rounding, seed, stream_ids=(),
+                        elem_offsets=()) -> None:
     from mpkern.triton_kernels import adamw
 
-    check_adamw_args(*args)
-    adamw.adamw_step_(*args)
+    check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
+                     lr_tensor, exp_avg_scales, exp_avg_sq_scales, master_codec=master_codec,
+                     moment_codec=moment_codec, stream_ids=stream_ids, elem_offsets=elem_offsets)
+    adamw.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
+                      lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, MASTER_MODES[master_codec],
+                      stochastic_rounding, seed, stream_ids, elem_offsets, exp_avg_scales, exp_avg_sq_scales)
 
 
 for _key in ("CPU", "CUDA"):
@@ -286,15 +314,16 @@ def grad_stats(grads: Sequence[Tensor], inv_scale: Tensor, backend: str) -> tupl
     return reference.grad_stats(grads, inv_scale)
 
 
-def adamw_step_(backend: str, *args) -> None:
-    """Run the fused AdamW step on ``backend``; ``args`` follow the ``adamw_step_`` schema."""
+def adamw_step_(backend: str, *args: Any, **kwargs: Any) -> None:
+    """Run the fused AdamW step on ``backend``; ``args`` / ``kwargs`` follow the ``adamw_step_``
+    schema (tensor lists and tensors positional, the scalars and codecs by keyword)."""
     if backend in ("cpu", "cuda"):
-        torch.ops.mpkern.adamw_step_(*args)
+        torch.ops.mpkern.adamw_step_(*args, **kwargs)
     elif backend == "triton":
-        torch.ops.mpkern_triton.adamw_step_(*args)
+        torch.ops.mpkern_triton.adamw_step_(*args, **kwargs)
     else:
-        check_adamw_args(*args)
-        reference.adamw_step_(*args)
+        check_adamw_args(*args, **kwargs)
+        _reference_adamw_step_(*args, **kwargs)
 
 
 def scale_(tensors: Sequence[Tensor], scale: Tensor, backend: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -178,16 +178,13 @@ class _Request(NamedTuple):
 
 
 def _validate(params_or_optimizer: Any, inv_scale: Any, max_norm: Any, norm_type: Any, scaler: Any, apply: Any,
-              process_group: Any, collected: tuple[list[Tensor], list[Tensor]] | None) -> _Request:
+              process_group: Any) -> _Request:
     """Stage 1: check the arguments and collect the grads; raises before any grad is touched."""
     inf_norm = _check_norm_type(norm_type)
     max_norm_f = _check_max_norm(max_norm)
     if not isinstance(apply, bool):
         raise TypeError(f"unscale_: apply must be a bool, got {type(apply).__name__}")
-    if collected is not None:  # FusedAdamWMP.step: its own validated (params, grads), no second walk
-        optimizer, (params, grads), names, n_items = params_or_optimizer, collected, None, len(collected[0])
-    else:
-        optimizer, params, grads, names, n_items = _collect(params_or_optimizer)
+    optimizer, params, grads, names, n_items = _collect(params_or_optimizer)
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(f"unscale_: scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
     if scaler is not None and optimizer is None:
@@ -229,15 +226,17 @@ class _DeviceStats(NamedTuple):
     backend: dict[torch.device, str]
 
 
-def _device_stats(grads: list[Tensor], inv: Tensor | float, out_device: torch.device) -> _DeviceStats:
+def _device_stats(grads: list[Tensor], inv: Tensor | float, out_device: torch.device,
+                  backends: dict[torch.device, str] | None = None) -> _DeviceStats:
     """Stage 2: one statistics pass per device (in order within each), gathered on ``out_device``.
-    The backend is chosen (and a forced one checked) for every device before any work."""
+    The backend is chosen (and a forced one checked) for every device before any work, unless the
+    caller chose them (``backends``: the optimizer step's buckets)."""
     by_dev: dict[torch.device, list[int]] = {}
     flat: list[bool] = []
     for i, g in enumerate(grads):
         by_dev.setdefault(g.device, []).append(i)
         flat.append(g.is_contiguous() or _flat(g))
-    backend = {dev: _backend.select(dev) for dev in by_dev}
+    backend = backends if backends is not None else {dev: _backend.select(dev) for dev in by_dev}
     one_block = all(flat) and len(by_dev) == 1
     sums, maxs, order = [], [], []
     for dev, idx in by_dev.items():
@@ -308,19 +307,80 @@ def _apply_or_defer(req: _Request, st: _DeviceStats, fin: _Finished, inv_out: Te
                 grads[i].mul_(f)
 
 
-def unscale_cached(optimizer: torch.optim.Optimizer, inv: Tensor | float, max_norm: float | None,
-                   device: torch.device, stats: Any) -> None:
-    """:func:`unscale_` for ``FusedAdamWMP.step``'s cached path: the same result as
-    ``unscale_(optimizer, inv, max_norm=max_norm)`` (deferred, L2 norm) for grads that the step's
-    cache has already checked and gathered -- plain dense tensors on one ``device``, no process
-    group, no DTensor -- with the statistics pass ``stats(inv_scale)`` run on them in the cache's
-    order (the order the full path gives :func:`unscale_`)."""
-    max_norm_f = _check_max_norm(max_norm)
-    sumsq, amax = stats(_ops.scalar_on(inv, device))
-    inv_out = _ops.scalar_on(inv, device)
-    fin = _finish_stats(sumsq, amax, inv_out, False, max_norm_f, device)
-    _handoff.leave_unscale(optimizer, fin.factor, fin.found_inf, fin.total_norm, inv=inv_out, coef=fin.clip_coef,
-                           applied=False, inf_norm=False)
+class StepPlan(NamedTuple):
+    """What one optimizer step applies: ``factor`` (the grads' multiplier, inv_scale * clip_coef),
+    ``found_inf`` (skip the step when set) and ``norm`` (the step's ``last_grad_norm``; None when
+    no norm was computed). 0-dim float32 device tensors."""
+
+    factor: Tensor
+    found_inf: Tensor
+    norm: Tensor | None
+
+
+def stats_pass(grads: list[Tensor], params: list[Tensor], process_group: Any,
+               backends: dict[torch.device, str] | None = None) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
+    """``inv -> (sumsq, amax)``: the statistics stages of :func:`unscale_` (per device, then the
+    global reduction over ``process_group`` / the DTensors' meshes) over ``grads``, validated
+    already, in their order -- what :func:`plan_step` runs for a step's own clip."""
+    rp = (distributed.plan(grads, process_group, params)
+          if process_group is not None or set(map(type, grads)) - {Tensor} else None)
+    if rp is not None:
+        grads = [distributed.local(g) for g in grads]
+    out_device = grads[0].device if grads else torch.device("cpu")
+
+    def stats(inv: Tensor) -> tuple[Tensor, Tensor]:
+        st = _device_stats(grads, inv, out_device, backends)
+        if rp is None:
+            return st.sumsq, st.amax
+        return distributed.reduce_stats(st.sumsq, st.amax, False, rp, False)
+
+    return stats
+
+
+def check_step_scaler(pending: Any, grad_scale: Tensor | None, found_inf: Tensor | None, uses_main: bool) -> bool:
+    """Before a step changes anything: ValueError for ``scaler.unscale_(opt)`` with ``main_grad``
+    (it unscaled ``.grad`` only); True when the step must check the grads itself because GradScaler
+    did not see a ``main_grad`` (its scale handed over, nothing pending)."""
+    if uses_main and pending is None and grad_scale is None and found_inf is not None:
+        raise ValueError("FusedAdamWMP.step: GradScaler.unscale_(optimizer) was called, which unscales .grad only; "
+                         "the main_grad buffers (mpkern.nn fp32_main_grad=True) are still scaled -- call "
+                         "mpkern.unscale_(optimizer, scaler=scaler) instead of scaler.unscale_(optimizer)")
+    return pending is None and grad_scale is not None and uses_main
+
+
+def plan_step(pending: Any, *, max_norm: float | None, grad_scale: Tensor | None, found_inf: Tensor | None,
+              device: torch.device, stats: Callable[[Tensor], tuple[Tensor, Tensor]] | None) -> StepPlan:
+    """The plan of one optimizer step, computed and returned (nothing is left anywhere).
+
+    ``pending``: what :func:`unscale_` / ``clip_grad_norm_`` left (a :class:`mpkern._handoff.Pending`,
+    or None); ``max_norm``: the step's own clip threshold; ``grad_scale`` / ``found_inf``: what
+    GradScaler handed over (its scale's reciprocal is taken in fp64, as GradScaler does);
+    ``stats``: the step's statistics pass (:func:`stats_pass`), run when the step needs a norm
+    nothing pending gave it (its own clip, or its own inf check), through the same final stage as
+    :func:`unscale_` (:func:`_finish_stats`). With something pending, ``max_norm`` also applies to
+    it: the smaller clip coefficient wins. GradScaler's ``found_inf`` is folded in last."""
+    mnorm = _check_max_norm(max_norm)
+    if pending is None:
+        inv = (grad_scale.double().reciprocal().float().reshape(()) if grad_scale is not None
+               else _ops.scalar_on(1.0, device))
+        if stats is None:
+            plan = StepPlan(inv, torch.zeros((), dtype=torch.float32, device=inv.device), None)
+        else:
+            inv = _ops.scalar_on(inv, device)
+            fin = _finish_stats(*stats(inv), inv, False, mnorm, device)
+            plan = StepPlan(fin.factor, fin.found_inf, fin.total_norm)
+    else:
+        coef, found = pending.coef, pending.found
+        if mnorm is not None and pending.inf_norm:  # the pending norm is the inf-norm: the clip needs L2
+            fin = _finish_stats(*stats(pending.inv), pending.inv, False, mnorm, device)
+            coef, found = torch.minimum(coef, fin.clip_coef), torch.maximum(found, fin.found_inf)
+        elif mnorm is not None:
+            one = torch.ones_like(coef)
+            coef = torch.minimum(coef, torch.where(found > 0, one, torch.clamp(mnorm / (pending.norm + 1e-6), max=1.0)))
+        plan = StepPlan(pending.inv * coef, found, pending.reported)
+    if found_inf is not None:
+        plan = plan._replace(found_inf=torch.maximum(plan.found_inf, _ops.scalar_on(found_inf, plan.found_inf.device)))
+    return plan
 
 
 def unscale_(
@@ -333,7 +393,6 @@ def unscale_(
     scaler: torch.amp.GradScaler | None = None,
     apply: bool = False,
     process_group: Any = None,
-    _collected: tuple[list[Tensor], list[Tensor]] | None = None,
 ) -> UnscaleResult:
     """Unscale gradients in place, detect inf/NaN and clip by global norm, in one fused pass.
 
@@ -381,7 +440,7 @@ def unscale_(
     Raises:
         ValueError / TypeError for bad arguments, before any gradient is touched.
     """
-    req = _validate(params_or_optimizer, inv_scale, max_norm, norm_type, scaler, apply, process_group, _collected)
+    req = _validate(params_or_optimizer, inv_scale, max_norm, norm_type, scaler, apply, process_group)
     st = _device_stats(req.grads, req.inv, req.out_device)
     sumsq, amax = st.sumsq, st.amax
     if req.reduce_plan is not None:  # one all-reduce: global statistics on every rank

@@ -54,18 +54,6 @@ def version(t: Tensor) -> Any:
     return t._version
 
 
-def stamp(t: Tensor) -> Any:
-    """What tells, on the host and without a sync, that ``t`` was written or replaced since the
-    stamp was taken: its version counter (in-place writes through ``t`` or its views) and its data
-    pointer (``t.data = other``, ``Module._apply`` / ``.to()``, ``set_``, swaps). Writes through a
-    ``.data`` alias (``t.data.fill_(x)``) change neither -- PyTorch gives ``.data`` its own
-    version counter -- and cannot be seen here. DTensors: the wrapper's and the local shard's."""
-    if is_dtensor(t):
-        lt = t._local_tensor
-        return (t._version, lt._version, lt.data_ptr())
-    return (t._version, t.data_ptr())
-
-
 def check_reduced(g: Tensor, where: str) -> None:
     """Raise if ``g`` is a DTensor with a ``Partial`` placement (its local values are unreduced
     partial sums: using them as the gradient would make the replicas diverge)."""
@@ -247,7 +235,6 @@ __all__ = [
     "plan",
     "reduce_stats",
     "shard_offset",
-    "stamp",
     "version",
     "wrap_like",
 ]

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from . import _handoff
 from .matmul import _IN_DTYPES, _fold, linear, matmul, matmul_accumulate_
 
 Tensor = torch.Tensor
@@ -139,7 +140,7 @@ _hook_handle: Any = None
 
 def _warn_torch_optimizer_over_main_grad(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Global optimizer step pre-hook (installed by ``convert(fp32_main_grad=True)``)."""
-    if getattr(optimizer, "_mpkern_fuses_unscale", False):
+    if _handoff.fuses_unscale(optimizer):
         return
     for group in optimizer.param_groups:
         for p in group["params"]:

@@ -49,3 +49,29 @@ def backend(request, monkeypatch):
 
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+_MASTER_CODECS = {0: "none", 1: "fp32", 2: "remainder", 3: "8bit"}
+_MOMENT_CODECS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int8: "8bit", torch.uint8: "4bit_m"}
+
+
+def adamw_op_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
+                  lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, master_mode, stochastic_rounding, seed,
+                  stream_ids=(), elem_offsets=(), exp_avg_scales=None, exp_avg_sq_scales=None):
+    """The kernel tests' arguments, in the order of ``mpkern.reference.adamw_step_`` (master mode as
+    its number, moment codec from the moment dtype), as the ``mpkern::adamw_step_`` op takes them:
+    ``(positional, keywords)``."""
+    codec = _MOMENT_CODECS.get(exp_avgs[0].dtype, "float32") if len(exp_avgs) else "float32"
+    return ((params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf, lr_tensor,
+             exp_avg_scales, exp_avg_sq_scales),
+            dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
+                 master_codec=_MASTER_CODECS.get(master_mode, str(master_mode)), moment_codec=codec,
+                 stochastic_rounding=stochastic_rounding, seed=seed, stream_ids=list(stream_ids),
+                 elem_offsets=list(elem_offsets)))
+
+
+def call_adamw_op(op, *legacy):
+    """``op`` (``torch.ops.mpkern.adamw_step_``, or ``functools.partial(mpkern._ops.adamw_step_,
+    backend)``) called with :func:`adamw_op_args`."""
+    args, kwargs = adamw_op_args(*legacy)
+    return op(*args, **kwargs)

@@ -310,4 +310,4 @@ def test_compiled_step_reports_the_norm_and_consumes_the_pending_unscale():
     p.grad = torch.full_like(p, 1.0)
     mpkern.unscale_(opt, 0.5)
     compiled()
-    assert opt._pending is None  # consumed: the next step must not apply 0.5 again
+    assert opt.mpkern_runtime.pending is None  # consumed: the next step must not apply 0.5 again

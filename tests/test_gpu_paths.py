@@ -17,10 +17,11 @@ import importlib.util
 import os
 
 import pytest
+from functools import partial
 import torch
 
 import mpkern
-from conftest import DEVICE, HAS_CUDA, available_backends, requires_cuda
+from conftest import DEVICE, HAS_CUDA, available_backends, requires_cuda, call_adamw_op
 from mpkern import _backend, _ops
 
 CHUNK = 65536
@@ -108,7 +109,7 @@ def test_adamw_across_chunks_and_offset_view(backend):
             else:
                 grads.append(_rand(p.numel(), p.dtype, gen))
         factor = 0.5
-        _ops.adamw_step_(_backend.select(DEVICE), params, grads, ms, vs, [], masters, steps,
+        call_adamw_op(partial(_ops.adamw_step_, _backend.select(DEVICE)), params, grads, ms, vs, [], masters, steps,
                          torch.tensor(factor, device=DEVICE), torch.tensor(0.0, device=DEVICE), None, lr, b1, b2, eps,
                          wd, False, 1, False, 0)
         ref = [_adamw_reference(r[0], g.double().cpu() * factor, r[1], r[2], lr, b1, b2, eps, wd, step)
@@ -172,14 +173,14 @@ def test_every_backend_rejects_a_grad_of_another_size_identically():
     for b in _all_backends():
         args = _adamw_args(5)
         before = args[0][0].clone()
-        errors[b] = _error(lambda: _ops.adamw_step_(b, *args))
+        errors[b] = _error(lambda: call_adamw_op(partial(_ops.adamw_step_, b), *args))
         assert torch.equal(args[0][0], before)
     assert len(set(errors.values())) == 1, errors
     typ, msg = next(iter(errors.values()))
     assert typ is ValueError and "grads[0] has 5 elements, param has 6" in msg
     if "triton" in errors:  # and the op itself, not only the routing function
         with pytest.raises(ValueError, match="grads.0. has 5 elements"):
-            torch.ops.mpkern_triton.adamw_step_(*_adamw_args(5))
+            call_adamw_op(torch.ops.mpkern_triton.adamw_step_, *_adamw_args(5))
 
 
 # ---- Triton grad_stats: the same bits every call ------------------------------------------------

@@ -21,9 +21,10 @@ import math
 import os
 
 import pytest
+from functools import partial
 import torch
 
-from conftest import DEVICE, HAS_CUDA, available_backends
+from conftest import DEVICE, HAS_CUDA, available_backends, call_adamw_op
 from mpkern import _backend, _ops, reference
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -116,7 +117,7 @@ def _run(backend, state, *args, **kw):
     """One step on a kernel path; "cpu-scalar" / "cpu-avx2" are the C++ CPU kernel without SIMD /
     with AVX2 only."""
     with _cpu_path(backend) as name:
-        _ops.adamw_step_(name, *_args(state, *args, **kw))
+        call_adamw_op(partial(_ops.adamw_step_, name), *_args(state, *args, **kw))
     return state
 
 
@@ -210,7 +211,7 @@ def test_master8_small_updates_unbiased():
     g = torch.full((n,), gval)
     one, zero = torch.tensor(1.0), torch.tensor(0.0)
     for _ in range(steps_n):
-        torch.ops.mpkern.adamw_step_([p], [g], [m], [v], [], [c], [step], one, zero, None, lr, B1, B2, EPS, 0.0,
+        call_adamw_op(torch.ops.mpkern.adamw_step_, [p], [g], [m], [v], [], [c], [step], one, zero, None, lr, B1, B2, EPS, 0.0,
                                      False, 3, False, 99)
     moved = 1.0 - reference.master8_decode(p, c).double().mean().item()
     exact = 1.0 - _adamw64_constant_grad(1.0, gval, lr, steps_n)
@@ -237,7 +238,7 @@ def test_bf16_moments_spike_then_decay():
     for t in range(steps_n + 1):
         g = torch.full((n,), 10.0) if t == 0 else noise[t - 1]
         v64 = B2 * v64 + (1 - B2) * g.double() ** 2
-        torch.ops.mpkern.adamw_step_([p], [g], [m], [v], [], [w], [step], one, zero, None, 1e-4, B1, B2, EPS, 0.0,
+        call_adamw_op(torch.ops.mpkern.adamw_step_, [p], [g], [m], [v], [], [w], [step], one, zero, None, 1e-4, B1, B2, EPS, 0.0,
                                      False, 1, False, 3)
     expected = v64.mean().item()
     assert expected == pytest.approx(0.0145, rel=0.05)
@@ -265,12 +266,12 @@ def test_streams_differ_and_shards_agree(backend):
         # the whole tensor in stream 9 ...
         whole = _concat_state(half1, half2)
         w = [whole[0], whole[1], whole[2], whole[3], [], masters(whole), whole[6]]
-        _ops.adamw_step_(name, *_args(w, mode, sr, [9], [0]))
+        call_adamw_op(partial(_ops.adamw_step_, name), *_args(w, mode, sr, [9], [0]))
         # ... equals its two shards (same stream, global offsets) in one call
         s1, s2 = _clone(half1), _clone(half2)
         parts = [s1[0] + s2[0], s1[1] + s2[1], s1[2] + s2[2], s1[3] + s2[3], [], masters(s1) + masters(s2),
                  [torch.zeros((), device=DEVICE), torch.zeros((), device=DEVICE)]]
-        _ops.adamw_step_(name, *_args(parts, mode, sr, [9, 9], [0, n1]))
+        call_adamw_op(partial(_ops.adamw_step_, name), *_args(parts, mode, sr, [9, 9], [0, n1]))
         for k in (0, 2, 3, 5):
             if w[k]:
                 assert torch.equal(_bits(w[k][0]), _bits(torch.cat(parts[k]))), (mode, k)
@@ -278,7 +279,7 @@ def test_streams_differ_and_shards_agree(backend):
         a, b = _clone(half2), _clone(half2)
         both = [a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3], [], masters(a) + masters(b),
                 [torch.zeros((), device=DEVICE), torch.zeros((), device=DEVICE)]]
-        _ops.adamw_step_(name, *_args(both, mode, sr, [1, 2], [0, 0]))
+        call_adamw_op(partial(_ops.adamw_step_, name), *_args(both, mode, sr, [1, 2], [0, 0]))
         # (in mode 3 the param is the master rounded to nearest: the random part is the correction)
         for k in ((5, 2, 3) if mode == 3 else (0, 2, 3)):
             # identical bits would give 0; independent streams give E[2 q (1 - q)] over the
@@ -293,8 +294,8 @@ def test_streams_differ_and_shards_agree(backend):
               [torch.zeros((), device=DEVICE), torch.zeros((), device=DEVICE)]]
         l1 = [[t.clone() for t in lst] for lst in l1]
         l2 = [[t.clone() for t in lst] for lst in l2]
-        _ops.adamw_step_(name, *_args(l1, mode, sr, [], []))
-        _ops.adamw_step_(name, *_args(l2, mode, sr, [0, 1], [0, 0]))
+        call_adamw_op(partial(_ops.adamw_step_, name), *_args(l1, mode, sr, [], []))
+        call_adamw_op(partial(_ops.adamw_step_, name), *_args(l2, mode, sr, [0, 1], [0, 0]))
         for k in (0, 2, 3, 5):
             for x, y in zip(l1[k], l2[k]):
                 assert torch.equal(_bits(x), _bits(y))
@@ -306,7 +307,7 @@ def test_master8_found_inf_is_a_bitwise_noop(backend):
         state, streams, offsets = _case(3, pdt, seed=21)
         state = [lst[:3] for lst in state]  # sizes 1, 31, 33: every path, fast
         before = _clone(state)
-        _ops.adamw_step_(name, *_args(state, 3, False, streams[:3], offsets[:3], found_inf=float("inf")))
+        call_adamw_op(partial(_ops.adamw_step_, name), *_args(state, 3, False, streams[:3], offsets[:3], found_inf=float("inf")))
         for la, lb in zip(state, before):
             for a, b in zip(la, lb):
                 assert torch.equal(_bits(a), _bits(b))
@@ -363,7 +364,7 @@ def test_cpu_simd_paths_bit_identical(mode, pdt, sdt, sr, amsgrad):
         with _cpu_path(b) as name:
             args = list(_args(st, mode, sr, streams, offsets))
             args[15] = mode == 1  # maximize
-            _ops.adamw_step_(name, *args)
+            call_adamw_op(partial(_ops.adamw_step_, name), *args)
         out[b] = st
     for b in CPU_PATHS[1:]:
         for li, (la, lb) in enumerate(zip(out["cpu"], out[b])):
@@ -467,11 +468,11 @@ def test_master8_on_fp32_params_refused_everywhere():
                 0.0, False, 3, False, 0)
         before = p.clone()
         with pytest.raises(TypeError) as info:
-            _ops.adamw_step_(b, *args)
+            call_adamw_op(partial(_ops.adamw_step_, b), *args)
         errors[b] = str(info.value).splitlines()[0]
         assert torch.equal(p, before)
     assert len(set(errors.values())) == 1, errors
-    assert "master_mode 3" in next(iter(errors.values())) and "float16" in next(iter(errors.values()))
+    assert "master_codec '8bit'" in next(iter(errors.values())) and "float16" in next(iter(errors.values()))
 
 
 def test_stream_args_checked():
@@ -480,9 +481,9 @@ def test_stream_args_checked():
     state, _, _ = _case(1, BF16)
     state = [lst[:2] for lst in state]
     with pytest.raises(ValueError, match="stream_ids must be empty or one per param"):
-        torch.ops.mpkern.adamw_step_(*_args(state, 1, False, [1], []))
+        call_adamw_op(torch.ops.mpkern.adamw_step_, *_args(state, 1, False, [1], []))
     with pytest.raises(ValueError, match="elem_offsets.1. = -5 is negative"):
-        torch.ops.mpkern.adamw_step_(*_args(state, 1, False, [], [0, -5]))
+        call_adamw_op(torch.ops.mpkern.adamw_step_, *_args(state, 1, False, [], [0, -5]))
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -567,7 +568,7 @@ def _args8(state, mode, sr, streams, offsets, found_inf=0.0, maximize=False, lr=
 
 def _run8(backend, state, *args, **kw):
     with _cpu_path(backend) as name:
-        _ops.adamw_step_(name, *_args8(state, *args, **kw))
+        call_adamw_op(partial(_ops.adamw_step_, name), *_args8(state, *args, **kw))
     return state
 
 
@@ -654,7 +655,7 @@ def _encode_with_kernel(x, draws, backend="cpu"):
     for _ in range(draws):
         cm, cv, sm, sv = _mom8_state(n, None, zero=True)
         p = torch.zeros(n, device=DEVICE)
-        _ops.adamw_step_(backend, [p], [x], [cm], [cv], [], [], [step], one, zero, None, 0.0, 0.0, 0.0, EPS, 0.0,
+        call_adamw_op(partial(_ops.adamw_step_, backend), [p], [x], [cm], [cv], [], [], [step], one, zero, None, 0.0, 0.0, 0.0, EPS, 0.0,
                          False, 0, False, 77, [], [], [sm], [sv])
         cms.append(cm), cvs.append(cv), sms.append(sm), svs.append(sv)
     return cms, cvs, sms, svs
@@ -729,7 +730,7 @@ def test_mom8_zero_groups_and_nan_group(backend):
     cm, cv, sm, sv = _mom8_state(n, None, zero=True)
     p = torch.zeros(n, device=DEVICE)
     one, zero = torch.tensor(1.0, device=DEVICE), torch.tensor(0.0, device=DEVICE)
-    _ops.adamw_step_(name, [p], [g], [cm], [cv], [], [], [torch.zeros((), device=DEVICE)], one, zero, None, 1e-3, B1,
+    call_adamw_op(partial(_ops.adamw_step_, name), [p], [g], [cm], [cv], [], [], [torch.zeros((), device=DEVICE)], one, zero, None, 1e-3, B1,
                      B2, EPS, 0.0, False, 0, False, 5, [], [], [sm], [sv])
     for s in (sm, sv):
         bits = s.view(torch.int16).cpu()
@@ -761,7 +762,7 @@ def test_mom8_spike_then_decay():
     for t in range(steps_n + 1):
         g = spike if t == 0 else noise[t - 1]
         v64 = B2 * v64 + (1 - B2) * g.double() ** 2
-        torch.ops.mpkern.adamw_step_([p], [g], [cm], [cv], [], [w], [step], one, zero, None, 1e-4, B1, B2, EPS, 0.0,
+        call_adamw_op(torch.ops.mpkern.adamw_step_, [p], [g], [cm], [cv], [], [w], [step], one, zero, None, 1e-4, B1, B2, EPS, 0.0,
                                      False, 1, False, 3, [], [], [sm], [sv])
     v8 = _decode64(cv, sv)
     assert v64.mean().item() == pytest.approx(0.0145, rel=0.05)
@@ -781,7 +782,7 @@ def test_mom8_master8_small_updates():
     g = torch.full((n,), gval)
     one, zero = torch.tensor(1.0), torch.tensor(0.0)
     for _ in range(steps_n):
-        torch.ops.mpkern.adamw_step_([p], [g], [cm], [cv], [], [c], [step], one, zero, None, lr, B1, B2, EPS, 0.0,
+        call_adamw_op(torch.ops.mpkern.adamw_step_, [p], [g], [cm], [cv], [], [c], [step], one, zero, None, lr, B1, B2, EPS, 0.0,
                                      False, 3, False, 99, [], [], [sm], [sv])
     moved = 1.0 - reference.master8_decode(p, c).double().mean().item()
     exact = 1.0 - _adamw64_constant_grad(1.0, gval, lr, steps_n)
@@ -795,7 +796,7 @@ def test_mom8_found_inf_is_a_bitwise_noop(backend, kind):
     for mode, pdt, sr in ((3, BF16, False), (0, BF16, True), (1, F16, False)):
         state, streams, offsets = _case8(mode, pdt, seed=50, sizes=(1, 31, 33), moments=moments)
         before = _clone(state)
-        _ops.adamw_step_(name, *_args8(state, mode, sr, streams, offsets, found_inf=float("nan")))
+        call_adamw_op(partial(_ops.adamw_step_, name), *_args8(state, mode, sr, streams, offsets, found_inf=float("nan")))
         for la, lb in zip(state, before):
             for a, b in zip(la, lb):
                 assert torch.equal(_bits(a), _bits(b))
@@ -842,7 +843,7 @@ def refused_alike(cases) -> list[str]:
             st = make()
             before = _clone(st)
             with pytest.raises(exc) as info:
-                _ops.adamw_step_(b, *_args8(st, 1, False, [], []))
+                call_adamw_op(partial(_ops.adamw_step_, b), *_args8(st, 1, False, [], []))
             errors[b] = str(info.value).splitlines()[0]
             for la, lb in zip(st, before):
                 for x, y in zip(la, lb):
@@ -856,7 +857,7 @@ def test_mom8_bad_arguments_refused_alike_everywhere():
     # the optional scale lists: None is the same as empty
     st, _, _ = _case(1, BF16)
     st = [lst[:2] for lst in st]
-    _ops.adamw_step_(names[0], *_args(st, 1, False, [], []), None, None)
+    call_adamw_op(partial(_ops.adamw_step_, names[0]), *_args(st, 1, False, [], []), None, None)
 
 
 def test_mom8_reference_helpers_roundtrip():

@@ -15,8 +15,9 @@ signed 4-bit codes per byte (element 2j in the low nibble of byte j), ``sign(c) 
 from __future__ import annotations
 
 import pytest
+from functools import partial
 import torch
-from conftest import DEVICE, available_backends
+from conftest import DEVICE, available_backends, call_adamw_op
 from test_kernels_compact import (
     BF16,
     CPU_PATHS,
@@ -137,7 +138,7 @@ def _encode_m_with_kernel(x, draws, backend="cpu"):
     for _ in range(draws):
         cm, cv, sm, sv = _mom4_state(n, None, zero=True)
         p = torch.zeros(n, device=DEVICE)
-        _ops.adamw_step_(backend, [p], [x], [cm], [cv], [], [], [step], one, zero, None, 0.0, 0.0, 0.0, EPS, 0.0,
+        call_adamw_op(partial(_ops.adamw_step_, backend), [p], [x], [cm], [cv], [], [], [step], one, zero, None, 0.0, 0.0, 0.0, EPS, 0.0,
                          False, 0, False, 77, [], [], [sm], [sv])
         out.append((cm, sm))
     return out

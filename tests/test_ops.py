@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mpkern
-from conftest import DEVICE, available_backends
+from conftest import DEVICE, available_backends, adamw_op_args
 from mpkern import _backend
 
 
@@ -116,4 +116,5 @@ def test_opcheck_adamw(ns, mode):
             torch.tensor(0.0, device=DEVICE), None, 1e-3, 0.9, 0.999, 1e-8, 0.01, False, mode, mode == 0, 0)
     if mode >= 2:  # explicit random streams (stream id, global element offset per tensor)
         args = args + ([4, 4, 9], [0, 33, 2**33])
-    torch.library.opcheck(getattr(torch.ops, ns).adamw_step_.default, args)
+    args, kwargs = adamw_op_args(*args)
+    torch.library.opcheck(getattr(torch.ops, ns).adamw_step_.default, args, kwargs)

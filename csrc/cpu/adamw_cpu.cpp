@@ -21,6 +21,7 @@
 
 #include "../common.h"
 #include "../adamw_common.h"
+#include "../kernels.h"
 #include "simd.h"
 
 namespace mpkern {
@@ -1147,4 +1148,4 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
 }  // namespace cpu
 }  // namespace mpkern
 
-TORCH_LIBRARY_IMPL(mpkern, CPU, m) { m.impl("adamw_step_", &mpkern::cpu::adamw_step_cpu_); }
+// registered by csrc/ops.cpp (the schema's codecs parsed there; see csrc/kernels.h)

@@ -10,10 +10,10 @@ on the device: ``step()`` never synchronises with the host.
 The package has the shape of ``torch/optim/adamw.py`` (docs/design.md draws the whole picture):
 
 * :mod:`.adamw_mp`: the optimizer class -- arguments, param groups, lazy state, ``step()``;
+* :mod:`.runtime`: what the optimizer keeps between steps (one :class:`~.runtime.Runtime`: stamps,
+  offsets, the pending unscale, the step cache) and the cached eager step (re-validated in C++);
 * :mod:`.functional`: the fused step over named lists (:func:`~.functional.fused_adamw_mp`);
 * :mod:`.buckets`: grads collected and validated, params sorted into kernel buckets, lists prepared;
-* :mod:`.scaling`: pending unscale, clipping, the GradScaler protocol (with :mod:`mpkern._handoff`);
-* :mod:`.step_cache`: the eager fast path (cached lists, re-validated in C++);
 * :mod:`.storage`: the registry of storage kinds (masters, moments);
 * :mod:`.writes`: external writes to params and how the state follows them;
 * :mod:`.checkpoint`: load / convert / export, ``adamw_state_dict``, ``master_params``, pickling.
@@ -22,8 +22,7 @@ The package has the shape of ``torch/optim/adamw.py`` (docs/design.md draws the 
 from __future__ import annotations
 
 from . import storage
-from .adamw_mp import FusedAdamWMP
-from .buckets import step_parts
+from .adamw_mp import FusedAdamWMP, step_parts
 from .functional import fused_adamw_mp
 
 __all__ = ["FusedAdamWMP", "fused_adamw_mp", "step_parts", "storage"]

@@ -1,10 +1,12 @@
 """The ``FusedAdamWMP`` class: arguments, param groups, lazy state, ``step()``, public helpers.
 
 It has the shape of ``torch/optim/adamw.py``; its parts live in the modules beside it:
-:mod:`.buckets` (collect and prepare the kernel lists), :mod:`.functional` (the fused step),
-:mod:`.scaling` (unscale / clip / GradScaler), :mod:`.step_cache` (the eager fast path),
-:mod:`.writes` (external writes), :mod:`.checkpoint` (load / export / pickling) and
-:mod:`.storage` (the storage kinds). See docs/design.md for how a step flows through them.
+:mod:`.runtime` (the state an optimizer keeps between steps, one :class:`~.runtime.Runtime`, and the
+cached eager step), :mod:`.buckets` (collect and prepare the kernel lists), :mod:`.functional` (the
+fused step), :mod:`.writes` (external writes), :mod:`.checkpoint` (load / export / pickling) and
+:mod:`.storage` (the storage kinds); the step's factor is planned by :func:`mpkern.amp.plan_step`.
+The helpers get the runtime, ``param_groups`` and ``state``, never the optimizer. See
+docs/design.md for how a step flows through them.
 """
 
 from __future__ import annotations
@@ -17,22 +19,22 @@ from typing import Any
 import torch
 
 from .. import _handoff, _ops, amp
-from . import buckets, checkpoint, scaling, step_cache, storage, writes
-from .writes import stamp as _stamp
+from . import buckets, checkpoint, runtime, storage, writes
+from .functional import fused_adamw_mp
+from .runtime import Runtime
 
 Tensor = torch.Tensor
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_LIVE_KEYS = checkpoint.LIVE_KEYS
 
 
 def _live_attr(key: str, doc: str) -> property:
-    """An attribute kept in the optimizer's ``_live`` dict (see ``FusedAdamWMP.__init__``)."""
+    """An attribute kept in the runtime's ``live`` dict (a compiled step replays dict mutations)."""
 
     def get(self: Any) -> Any:
-        return self._live.get(key)
+        return self._rt.live[key]
 
     def put(self: Any, value: Any) -> None:
-        self._live[key] = value
+        self._rt.live[key] = value
 
     return property(get, put, doc=doc)
 
@@ -110,14 +112,13 @@ class FusedAdamWMP(torch.optim.Optimizer):
 
     Host time: eager steps whose params are plain dense tensors on one device with the native
     CPU or CUDA backend reuse the kernel lists of the last full step, re-checked in one C++ loop
-    (see :mod:`mpkern.optim.step_cache`; ``opt.step_cache = False`` turns it off).
+    (see :mod:`mpkern.optim.runtime`; ``opt.step_cache = False`` turns it off).
     """
 
     _step_supports_amp_scaling = True
-    _mpkern_fuses_unscale = True  # see mpkern._handoff
     _mpkern_check_writes = True  # the external-write check (benchmarks switch it off to time it)
     # the eager fast path: the prepared kernel lists cached and re-validated in C++ each step
-    # (see .step_cache); False always takes the full path (tests compare the two)
+    # (see .runtime); False always takes the full path (tests compare the two)
     _mpkern_step_cache = True
     _mpkern_warned_autocast = False  # step() inside autocast is told once per optimizer
 
@@ -152,18 +153,17 @@ class FusedAdamWMP(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         capturable=capturable, max_grad_norm=max_grad_norm, master_weights=master_weights,
                         state_dtype=state_dtype, stochastic_rounding=stochastic_rounding, seed=int(seed))
-        # what a step leaves for the next one or for the caller, kept in a dict: a compiled step
-        # (torch.compile) replays mutations of a dict, but not attribute stores on the optimizer
-        self._live: dict[str, Any] = dict.fromkeys(_LIVE_KEYS)
-        self._versions: dict[int, Any] = {}  # id(param) -> its stamp (version, data pointer) after our last write
-        self._mpkern_process_group = process_group
-        self._storage_count: dict[int, int] | None = None  # see _shares_storage (rebuilt every step)
-        self._offsets: dict[int, int] = {}  # id(DTensor param) -> flat offset of its local shard
-        self._fast: step_cache.StepCache | None = None  # see .step_cache
-        self._fast_misses = 0  # cache invalidations in a row (builds back off after a few)
+        self._rt = Runtime(process_group)  # everything kept between steps (see .runtime)
         super().__init__(params, defaults)
 
-    # ---- what a step leaves (see _live) --------------------------------------------------------
+    @property
+    def mpkern_runtime(self) -> Runtime:
+        """The optimizer's runtime state (:class:`mpkern.optim.runtime.Runtime`): stamps, the step cache,
+        what ``mpkern.unscale_`` left for the next step. mpkern's own helpers use it (see
+        :mod:`mpkern._handoff`); training code has no need to."""
+        return self._rt
+
+    # ---- what a step leaves ---------------------------------------------------------------------
     _pending = _live_attr("_pending", "What mpkern.unscale_ / clip_grad_norm_ left for the next step "
                                       "(a mpkern._handoff.Pending).")
     last_grad_norm = _live_attr("last_grad_norm", "The global grad norm of the last step() (a device tensor; "
@@ -197,7 +197,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
     @step_cache.setter
     def step_cache(self, value: bool) -> None:
         self._mpkern_step_cache = bool(value)
-        self._fast = None
+        self._rt.drop_cache()
 
     @property
     def check_external_writes(self) -> bool:
@@ -209,7 +209,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
         self._mpkern_check_writes = bool(value)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        self._fast = None
+        self._rt.drop_cache()
         super().add_param_group(param_group)
         try:
             _check_group(self.param_groups[-1], len(self.param_groups) - 1, self.param_groups[0])
@@ -225,11 +225,21 @@ class FusedAdamWMP(torch.optim.Optimizer):
 
     # ---- copies and pickling -----------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        return checkpoint.getstate(self, super().__getstate__())
+        return checkpoint.getstate(self._rt, super().__getstate__())
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy, an unpickle (a new runtime with what the step left) or a load (the runtime kept,
+        what a step left dropped); groups saved by older versions given today's keys; every param
+        taken as written by us (params and masters were copied together: they agree now)."""
+        live, process_group = checkpoint.restore(state)
         super().__setstate__(state)
-        checkpoint.setstate(self)
+        checkpoint.upgrade_groups(self.defaults, self.param_groups)
+        rt = self.__dict__.get("_rt")
+        if rt is None:  # a copy or an unpickle
+            self._rt = Runtime(process_group, live)
+        else:  # Optimizer.load_state_dict's own call: this optimizer's runtime, what a step left dropped
+            rt.restart(live)
+        self._rt.stamp_all(self.state)
 
     # ---- grads: clip, zero ---------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -243,7 +253,13 @@ class FusedAdamWMP(torch.optim.Optimizer):
         ``clip_grad_norm`` is the same method under the name some wrappers (sharded optimizers,
         older ``transformers.Trainer``) look for.
         """
-        return scaling.clip_grad_norm(self, max_norm, norm_type)
+        prev = self._rt.pending
+        res = amp.unscale_(self, prev.inv if prev is not None else 1.0, max_norm=max_norm, norm_type=norm_type)
+        new = self._rt.pending
+        if prev is not None and new is not None:  # the unscale factor stays, the smallest coefficient wins
+            self._rt.leave(new._replace(coef=torch.minimum(prev.coef, new.coef),
+                                        found=torch.maximum(prev.found, new.found)))
+        return res.total_norm
 
     clip_grad_norm = clip_grad_norm_
 
@@ -251,8 +267,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
         """Like ``Optimizer.zero_grad``, for ``p.main_grad`` too (set to None, or zeroed in place when
         ``set_to_none=False``); drops a factor left by ``mpkern.unscale_`` / ``clip_grad_norm_``."""
         super().zero_grad(set_to_none=set_to_none)
-        self._pending = None
-        buckets.zero_main_grads(self, set_to_none)
+        self._rt.leave(None)
+        buckets.zero_main_grads(self.param_groups, set_to_none)
 
     # ---- masters out --------------------------------------------------------------------------
     def master_params(self) -> list[Tensor]:
@@ -265,7 +281,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
           the first step): ``p.float()`` (a copy).
         Use it for an fp32 export, EMA or evaluation; see :meth:`copy_master_params_to`.
         """
-        return checkpoint.master_params(self)
+        return checkpoint.master_params(self._rt, self.param_groups, self.state)
 
     def adamw_state_dict(self) -> dict[str, Any]:
         """A state dict that ``torch.optim.AdamW.load_state_dict`` accepts, whatever the storage kinds.
@@ -289,7 +305,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
         still equals the rounded master, else the param's value); remainders are reset (except for
         params sharing one storage, see the class docs). Params without state are ignored.
         """
-        writes.resync(self, params)
+        writes.resync(self._rt, self.param_groups, self.state, params)
 
     @torch.no_grad()
     def copy_master_params_to(self, target: torch.nn.Module | Iterable[Tensor]) -> None:
@@ -297,15 +313,6 @@ class FusedAdamWMP(torch.optim.Optimizer):
         tensors) correspond one to one, in order, to this optimizer's params (e.g. an fp32 copy of
         the model made before ``.to(torch.bfloat16)``). Values are cast to each target's dtype."""
         checkpoint.copy_masters_to(self, target)
-
-    # ---- external writes ------------------------------------------------------------------------
-    def _conform(self, kind: storage.MasterKind, p: Tensor, st: dict[str, Any]) -> None:
-        """Make the state of ``p`` fit the param as it is now (see :func:`.writes.conform`); record
-        its stamp."""
-        self._fast = None
-        writes.conform(kind, p, st, recorded=self._versions.get(id(p), -1),
-                       shared=lambda: writes.shares_storage(self, p))
-        self._versions[id(p)] = _stamp(p)
 
     # ---- step ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -320,13 +327,14 @@ class FusedAdamWMP(torch.optim.Optimizer):
                 loss = closure()
         if not self._mpkern_warned_autocast and not torch.compiler.is_compiling():
             self._mpkern_warned_autocast = _warn_if_autocast()
+        rt = self._rt
         if torch.compiler.is_compiling():
             # replayed by every compiled call: compiled steps write the params through functionalized
             # copies (their version counters move) and record no stamps
-            self._live["traced"] = True
-        elif self._live.get("traced"):  # a compiled step ran since the last eager one
-            writes.restamp_after_compiled(self)
-        fast = step_cache.refresh(self)
+            rt.live["traced"] = True
+        elif rt.live["traced"]:  # a compiled step ran since the last eager one
+            rt.restamp_after_compiled(self.state)
+        fast = self._cached()
         if fast is not None:
             try:
                 self._fast_step(fast)
@@ -336,38 +344,46 @@ class FusedAdamWMP(torch.optim.Optimizer):
         self._full_step()
         return loss
 
-    def _fast_step(self, fc: step_cache.StepCache) -> None:
-        step_cache.fast_step(self, fc)
+    def _cached(self) -> runtime.StepCache | None:
+        """The step cache, re-validated, when this step may use it (eager, not capturing, on)."""
+        if (torch.compiler.is_compiling() or not (self._mpkern_step_cache and self._mpkern_check_writes)
+                or _ops.capturing()):
+            return None
+        return runtime.refresh(self._rt, self.param_groups, self.state)
+
+    def _fast_step(self, fc: runtime.StepCache) -> None:
+        runtime.fast_step(self._rt, fc, self.max_grad_norm, getattr(self, "grad_scale", None),
+                          getattr(self, "found_inf", None))
 
     def _full_step(self) -> None:
-        """``step()`` without the cache: collect, prepare every bucket, resolve the factor, run the kernels."""
-        work, uses_main = buckets.collect(self)
-        buckets.check_capture(self, work)
-        own_check = scaling.check_scaler_sequence(self, uses_main)
+        """``step()`` without the cache: collect, prepare every bucket, plan the factor, run the kernels."""
+        rt, groups, state = self._rt, self.param_groups, self.state
+        work, uses_main = buckets.collect(groups)
+        buckets.check_capture(groups, state, work)
+        # GradScaler's amp-scaling protocol: GradScaler.step sets these on the optimizer
+        grad_scale, found_ext = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        own_check = amp.check_step_scaler(rt.pending, grad_scale, found_ext, uses_main)
         if not work:
-            self._pending = None
+            rt.leave(None)
             return
         # the external-write check is host-side: it runs in eager steps (not while compiling or
         # capturing a CUDA graph, whose replays run no Python)
         check_writes = self._mpkern_check_writes and not torch.compiler.is_compiling() and not _ops.capturing()
-        self._storage_count = None
-        prepared = [buckets.Prepared(b, *buckets.prepare(self, b, check_writes), _ops.lr_args(b.group["lr"], b.device))
-                    for b in work]
-
-        def stats(inv: Tensor) -> None:
-            seen: set[int] = set()  # a repeated param counts once in the norm, as in torch's clip
-            firsts = [x for b in work for x in b.pairs if not (id(x[0]) in seen or seen.add(id(x[0])))]
-            amp.unscale_(self, inv, max_norm=self.max_grad_norm, _collected=([x[0] for x in firsts],
-                                                                               [x[1] for x in firsts]))
-
+        rt.reset_storage_count()
+        prepared = [buckets.Prepared(b, *buckets.prepare(rt, groups, state, b, check_writes),
+                                     _ops.lr_args(b.group["lr"], b.device)) for b in work]
+        mgn = self.max_grad_norm
+        stats = buckets.stats_pass(work, rt.process_group) if mgn is not None or own_check else None
         # after everything that can fail: the pending unscale is kept on an error
-        factor, found = scaling.step_factor(self, work[0].device,
-                                            stats if self.max_grad_norm is not None or own_check else None)
+        plan = amp.plan_step(rt.take_pending(), max_norm=mgn, grad_scale=grad_scale, found_inf=found_ext,
+                             device=work[0].device, stats=stats)
+        rt.record(plan)
         if own_check:
-            scaling.tell_scaler(self, found)
-        buckets.run(self, prepared, factor, found, check_writes)
+            rt.tell_scaler(self, plan.found_inf)
+        buckets.run(rt, prepared, plan.factor, plan.found_inf, check_writes)
         buckets.consume_main_grads(work)
-        step_cache.build(self, prepared, uses_main, check_writes)
+        if self._mpkern_step_cache:
+            runtime.build(rt, groups, state, prepared, uses_main, check_writes)
 
     # ---- checkpoints --------------------------------------------------------------------------
     @torch.no_grad()
@@ -376,7 +392,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
         = state bytes, and a resume continues bit-identically), except where a kind exports itself
         otherwise (:meth:`mpkern.optim.storage.MomentKind.export`: 8-bit moments of DTensor params
         are saved as fp32 DTensors, which ``torch.distributed.checkpoint`` can reshard)."""
-        return checkpoint.export(self, super().state_dict())
+        return checkpoint.export(self.param_groups, super().state_dict())
 
     @torch.compiler.disable  # like torch.optim.Optimizer.load_state_dict: never traced by dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -384,7 +400,25 @@ class FusedAdamWMP(torch.optim.Optimizer):
         ``load_state_dict`` (hooks, validation, strict id mapping), except that the state keeps this
         optimizer's storage layout (``master_weights``, ``state_dtype``; another layout is converted, with
         a warning) instead of being cast to the param dtype. See :func:`mpkern.optim.checkpoint.load`."""
-        checkpoint.load(self, state_dict)
+        checkpoint.load(self, state_dict, self._rt)
+
+
+def step_parts(opt: FusedAdamWMP) -> dict[str, Callable[[], object]]:
+    """Callables that each run one host-side part of a full-path ``step()`` of ``opt``, for
+    benchmarks (which then never call the optimizer's private methods): ``"collect"`` (every
+    grad), ``"prepare"`` (the first bucket's lists) and ``"kernel call"`` (the first bucket's fused
+    kernel with factor 1 and lr 1e-3: it really steps those params). Call after one step."""
+    rt, groups, state = opt._rt, opt.param_groups, opt.state
+    work, _ = buckets.collect(groups)
+    if not work:
+        raise ValueError("step_parts: no param has a grad")
+    first = work[0]
+    lists, _copies = buckets.prepare(rt, groups, state, first, True)
+    dev = first.device
+    one, zero = torch.ones((), device=dev), torch.zeros((), device=dev)
+    return {"collect": lambda: buckets.collect(groups), "prepare": lambda: buckets.prepare(rt, groups, state, first, True),
+            "kernel call": lambda: fused_adamw_mp(first.backend, lists, one, zero, None, 1e-3, first.group,
+                                                  first.kind.name)}
 
 
 def _warn_if_autocast() -> bool:
@@ -452,4 +486,4 @@ def _check_group(group: dict[str, Any], gi: int, first: dict[str, Any]) -> None:
     storage.MASTER_KINDS[group["master_weights"]].check_group([p.dtype for p in group["params"]], f"group {gi}")
 
 
-__all__ = ["FusedAdamWMP"]
+__all__ = ["FusedAdamWMP", "step_parts"]

@@ -3,8 +3,8 @@
 A *bucket* is what one kernel call steps: one param group, one device, one master kind.
 :func:`collect` validates every grad (raising before any param or state is touched) and sorts the
 params into buckets; :func:`prepare` builds a bucket's :class:`~.functional.KernelLists` (creating
-or conforming state on the way). Benchmarks time them through :func:`step_parts` (public as
-``mpkern.optim.step_parts``) without reaching into the optimizer.
+or conforming state on the way); :func:`run` calls one fused kernel per bucket. They take the
+optimizer's ``param_groups`` / ``state`` and its :class:`~.runtime.Runtime`, never the optimizer.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import _backend, _grads, _ops, distributed
+from .. import _backend, _grads, _ops, amp, distributed
 from ..distributed import local as _local
 from . import storage
 from .functional import KernelLists, fused_adamw_mp
-from .writes import stamp as _stamp
+from .runtime import Runtime, stamp
 
 Tensor = torch.Tensor
 Parameter = torch.nn.Parameter
@@ -26,15 +26,17 @@ _flat_view = storage.flat_view
 
 
 class Bucket(NamedTuple):
-    """One kernel call's params: ``pairs`` of (param, grad, random-stream id)."""
+    """One kernel call's params: ``pairs`` of (param, grad, random-stream id); ``backend``: the
+    backend that steps it (chosen once per device in :func:`collect`)."""
 
     group: dict[str, Any]
     device: torch.device
     kind: storage.MasterKind
     pairs: list[tuple[Tensor, Tensor, int]]
+    backend: str
 
 
-def collect(opt: Any) -> tuple[list[Bucket], bool]:
+def collect(groups: list[dict[str, Any]]) -> tuple[list[Bucket], bool]:
     """(buckets, whether any grad is a ``main_grad``), validated; raises before any param or state is
     modified.
 
@@ -42,11 +44,11 @@ def collect(opt: Any) -> tuple[list[Bucket], bool]:
     ``torch.optim.AdamW`` does on its single-tensor path: each repeat goes to a later pass.
     A param with both ``main_grad`` and ``.grad`` (a tied weight) gets their sum.
     """
-    work: list[Bucket] = []
+    found: list[tuple[dict[str, Any], torch.device, storage.MasterKind, list[tuple[Tensor, Tensor, int]]]] = []
     uses_main = False
     strided, floats = torch.strided, _grads.FLOATS
     sid = -1  # the param's random-stream id: its position among all params of the optimizer
-    for gi, group in enumerate(opt.param_groups):
+    for gi, group in enumerate(groups):
         passes: list[dict[tuple[torch.device, storage.MasterKind], list[tuple[Tensor, Tensor, int]]]] = [{}]
         plist = group["params"]
         seen: dict[int, int] | None = {} if len(set(map(id, plist))) != len(plist) else None  # C-level test
@@ -82,10 +84,11 @@ def collect(opt: Any) -> tuple[list[Bucket], bool]:
             passes[k].setdefault((p.device, kind), []).append((p, g, sid))
         for buckets in passes:
             for (dev, kind), pairs in buckets.items():
-                work.append(Bucket(group, dev, kind, pairs))
-    backends = {dev: _backend.select(dev) for dev in {b.device for b in work}}
+                found.append((group, dev, kind, pairs))
+    backends = {dev: _backend.select(dev) for dev in {b[1] for b in found}}
+    work = [Bucket(group, dev, kind, pairs, backends[dev]) for group, dev, kind, pairs in found]
     for b in work:
-        storage.check_backend(b.kind, b.group["state_dtype"], backends[b.device])
+        storage.check_backend(b.kind, b.group["state_dtype"], b.backend)
     return work, uses_main
 
 
@@ -105,7 +108,8 @@ class Prepared(NamedTuple):
     lr: tuple[Tensor | None, float]
 
 
-def prepare(opt: Any, bucket: Bucket, check_writes: bool) -> tuple[KernelLists, list[tuple[Tensor, Tensor]]]:
+def prepare(rt: Runtime, groups: list[dict[str, Any]], state: Any, bucket: Bucket, check_writes: bool
+            ) -> tuple[KernelLists, list[tuple[Tensor, Tensor]]]:
     """Kernel argument lists for one bucket: flat views of dense params/grads/state, and each
     param's random stream (id, offset of its local shard in the whole tensor); plus the
     (param, contiguous copy) pairs of params that are not one dense block. (The loop runs per
@@ -120,19 +124,20 @@ def prepare(opt: Any, bucket: Bucket, check_writes: bool) -> tuple[KernelLists, 
     mkey = kind.key
     moments = storage.moment_kind(group["state_dtype"])
     kernel_tensors, write_back = moments.kernel_tensors, moments.needs_write_back
-    versions, state = opt._versions, opt.state
+    versions = rt.versions
     for p, g, sid in bucket.pairs:
         sids.append(sid)
         st = state.get(p)
         if st is None or "step" not in st:
-            st = init_state(opt, group, p)
+            rt.drop_cache()
+            st = init_state(state, group, p)
             if check_writes:
-                versions[id(p)] = _stamp(p)
+                versions[id(p)] = stamp(p)
         elif check_writes and versions.get(id(p), -1) != (
-                (p._version, p.data_ptr()) if type(p) is Parameter else _stamp(p)):
-            opt._conform(kind, p, st)  # written or replaced: records the stamp
+                (p._version, p.data_ptr()) if type(p) is Parameter else stamp(p)):
+            rt.conform(kind, p, st, groups)  # written or replaced: records the stamp
         elif mkey not in st if mkey is not None else storage.stored_kinds(st):
-            opt._conform(kind, p, st)  # a converted checkpoint or a new param dtype
+            rt.conform(kind, p, st, groups)  # a converted checkpoint or a new param dtype
         if amsgrad and "max_exp_avg_sq" not in st:
             st["max_exp_avg_sq"] = storage.like(p, torch.float32).zero_()
         km = kernel_tensors(st)
@@ -150,10 +155,7 @@ def prepare(opt: Any, bucket: Bucket, check_writes: bool) -> tuple[KernelLists, 
         if type(p) is not Parameter and distributed.is_dtensor(p):
             # FSDP2 / tensor parallel: the kernel updates the local shard, drawing the random
             # bits the whole tensor would draw at its elements
-            off = opt._offsets.get(id(p))
-            if off is None:
-                off = opt._offsets[id(p)] = distributed.shard_offset(p)
-            offsets.append(off)
+            offsets.append(rt.shard_offset(p))
             p, g, ts = _local(p), _local(g), [_local(t) for t in ts]
         else:
             offsets.append(0)
@@ -171,15 +173,14 @@ def prepare(opt: Any, bucket: Bucket, check_writes: bool) -> tuple[KernelLists, 
         if mkey is not None:
             masters.append(ts[-1])
         steps.append(st["step"])
-    scaled = bool(mscales)
+    scaled = len(mscales) > 0  # not bool(list): dynamo 2.11 cannot trace it here
     return KernelLists(params, grads, ms, vs, vmaxs, masters, steps, sids, offsets, mscales if scaled else None,
-                       vscales if scaled else None, write_backs), copies
+                       vscales if scaled else None, moments.codec, write_backs), copies
 
 
-def init_state(opt: Any, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
+def init_state(optimizer_state: Any, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
     """``p``'s state on its first step: step 0, zero moments of the group's kind, its master."""
-    opt._fast = None
-    state = opt.state[p]
+    state = optimizer_state[p]
     if "step" in state:
         return state
     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
@@ -203,13 +204,13 @@ def _dense(p: Tensor, g: Tensor, ts: list[Tensor], copies: list[tuple[Tensor, Te
     return pp, g.contiguous(), ts
 
 
-def check_capture(opt: Any, work: list[Bucket]) -> None:
+def check_capture(groups: list[dict[str, Any]], state: Any, work: list[Bucket]) -> None:
     """During a CUDA graph capture, raise (naming the reason) unless the step can be captured:
     ``capturable=True``, state initialised by an eager warm-up step, lr a float or a tensor on
     the params' device (a CPU tensor's value would be frozen into the graph)."""
     if not _ops.capturing():
         return
-    for gi, group in enumerate(opt.param_groups):
+    for gi, group in enumerate(groups):
         if not group["capturable"]:
             raise RuntimeError(f"FusedAdamWMP.step() is being captured in a CUDA graph, but param group {gi} "
                                "has capturable=False; construct the optimizer with capturable=True")
@@ -219,7 +220,7 @@ def check_capture(opt: Any, work: list[Bucket]) -> None:
                                "its value would be frozen -- use a float or a tensor on the params' device")
     for b in work:
         for p, *_ in b.pairs:
-            if "step" not in opt.state[p]:
+            if "step" not in state[p]:
                 raise RuntimeError("FusedAdamWMP: a param has no optimizer state yet; run one eager step "
                                    "(warm-up) before capturing step() in a CUDA graph")
 
@@ -237,20 +238,19 @@ def consume_main_grads(work: list[Bucket]) -> None:
         p.main_grad = None
 
 
-def run(opt: Any, prepared: list[Prepared], factor: Tensor, found: Tensor, check_writes: bool) -> None:
+def run(rt: Runtime, prepared: list[Prepared], factor: Tensor, found: Tensor, check_writes: bool) -> None:
     """One fused kernel per prepared bucket; record the stamps the kernels moved."""
     per_dev: dict[torch.device, tuple[Tensor, Tensor]] = {}
-    versions = opt._versions
+    versions = rt.versions
     for bucket, lists, copies, (lr_tensor, lr_value) in prepared:
         dev = bucket.device
         if dev not in per_dev:
-            per_dev[dev] = (_grads.to_device(factor, dev, torch.float32).reshape(()),
-                            _grads.to_device(found, dev, torch.float32).reshape(()))
+            per_dev[dev] = (factor if factor.device == dev else _ops.copy_f32(factor, dev),
+                            found if found.device == dev else _ops.copy_f32(found, dev))
         f_dev, found_dev = per_dev[dev]
         for p, tmp in copies:  # not one dense block: (re)take the copy now -- a repeat of the
             tmp.copy_(p)       # param in a later pass must see the earlier pass's update
-        fused_adamw_mp(_backend.select(dev), lists, f_dev, found_dev, lr_tensor, lr_value, bucket.group,
-                       bucket.kind.mode)
+        fused_adamw_mp(bucket.backend, lists, f_dev, found_dev, lr_tensor, lr_value, bucket.group, bucket.kind.name)
         for p, tmp in copies:  # params that are not one dense block went through a copy
             p.copy_(tmp)
         if check_writes:
@@ -259,15 +259,15 @@ def run(opt: Any, prepared: list[Prepared], factor: Tensor, found: Tensor, check
             # that bumps (the torch reference, the contiguous-copy path) is seen on the param
             # it touched and recorded again -- one host read per bucket in the common case.
             p0 = bucket.pairs[0][0]
-            if copies or versions.get(id(p0)) != _stamp(p0):
+            if copies or versions.get(id(p0)) != stamp(p0):
                 for p, *_ in bucket.pairs:
-                    versions[id(p)] = _stamp(p)
+                    versions[id(p)] = stamp(p)
 
 
-def zero_main_grads(opt: Any, set_to_none: bool) -> None:
-    """``zero_grad`` for ``p.main_grad`` of every param of ``opt`` (None, or zeroed in place)."""
+def zero_main_grads(groups: list[dict[str, Any]], set_to_none: bool) -> None:
+    """``zero_grad`` for ``p.main_grad`` of every param of ``groups`` (None, or zeroed in place)."""
     mains = []
-    for g in opt.param_groups:
+    for g in groups:
         for p in g["params"]:
             if getattr(p, "main_grad", None) is not None:
                 if set_to_none:
@@ -278,22 +278,15 @@ def zero_main_grads(opt: Any, set_to_none: bool) -> None:
         torch._foreach_zero_(mains)
 
 
-def step_parts(opt: Any) -> dict[str, Callable[[], object]]:
-    """Callables that each run one host-side part of a full-path ``step()`` of ``opt``, for
-    benchmarks (which then never call the optimizer's private methods): ``"collect"`` (every
-    grad), ``"prepare"`` (the first bucket's lists) and ``"kernel call"`` (the first bucket's fused
-    kernel with factor 1 and lr 1e-3: it really steps those params). Call after one step."""
-    work, _ = collect(opt)
-    if not work:
-        raise ValueError("step_parts: no param has a grad")
-    first = work[0]
-    lists, _copies = prepare(opt, first, True)
-    dev = first.device
-    one, zero = torch.ones((), device=dev), torch.zeros((), device=dev)
-    backend = _backend.select(dev)
-    return {"collect": lambda: collect(opt), "prepare": lambda: prepare(opt, first, True),
-            "kernel call": lambda: fused_adamw_mp(backend, lists, one, zero, None, 1e-3, first.group,
-                                                  first.kind.mode)}
+def stats_pass(work: list[Bucket], process_group: Any) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
+    """The step's statistics pass over the grads of ``work`` (a repeated param counted once, as in
+    torch's clip), for :func:`mpkern.amp.plan_step`: the stages of ``mpkern.unscale_``
+    (:func:`mpkern.amp.stats_pass`) on each bucket's backend."""
+    seen: set[int] = set()
+    firsts = [x for b in work for x in b.pairs if not (id(x[0]) in seen or seen.add(id(x[0])))]
+    backends = {b.device: b.backend for b in work}
+    return amp.stats_pass([x[1] for x in firsts], [x[0] for x in firsts], process_group, backends)
 
 
-__all__ = ["Bucket", "Prepared", "check_capture", "check_param_dtype", "collect", "consume_main_grads", "prepare", "run", "step_parts", "zero_main_grads"]
+__all__ = ["Bucket", "Prepared", "check_capture", "check_param_dtype", "collect", "consume_main_grads", "prepare",
+           "run", "stats_pass", "zero_main_grads"]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import storage, writes
+from .runtime import LIVE_KEYS, stamp
 
 Tensor = torch.Tensor
 # mpkern's own param-group keys; the storage-layout ones are the constructor's choice even when a
@@ -122,7 +123,8 @@ class _Load:
     post-hook of the user (they see the loaded state): it puts the converted state in.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, rt: Any) -> None:
+        self.rt = rt
         self.converted: list[str] = []
         self.states: list[tuple[Tensor, dict[str, Any]]] = []
 
@@ -153,10 +155,10 @@ class _Load:
             opt.state[p] = st
         # a master loaded here is checked against its param at the next step (elementwise, on the
         # device), whichever of model and optimizer was loaded first
-        opt._versions = {id(p): writes.LOADED for p in opt.state if isinstance(p, Tensor)}
+        self.rt.mark_loaded(opt.state)
 
 
-def load(opt: Any, state_dict: dict[str, Any]) -> None:
+def load(opt: Any, state_dict: dict[str, Any], rt: Any) -> None:
     """``FusedAdamWMP.load_state_dict``: ``torch.optim.Optimizer.load_state_dict`` itself, with two hooks.
 
     The base class runs as it is -- the user's load pre-hooks, its validation, the strict mapping of
@@ -168,7 +170,7 @@ def load(opt: Any, state_dict: dict[str, Any]) -> None:
     zero); the storage layout (``master_weights``, ``state_dtype``) is this optimizer's, and a
     checkpoint saved with another layout is converted exactly (with a warning).
     """
-    hooks = _Load()
+    hooks = _Load(rt)
     pre = opt.register_load_state_dict_pre_hook(hooks.before)
     post = opt.register_load_state_dict_post_hook(hooks.after, prepend=True)
     try:
@@ -182,10 +184,10 @@ def load(opt: Any, state_dict: dict[str, Any]) -> None:
                       "converted (" + "; ".join(hooks.converted) + ")", UserWarning, stacklevel=4)
 
 
-def export(opt: Any, sd: dict[str, Any]) -> dict[str, Any]:
+def export(groups: list[dict[str, Any]], sd: dict[str, Any]) -> dict[str, Any]:
     """``Optimizer.state_dict()``'s result ``sd`` with each state as its storage kind saves it
     (:func:`mpkern.optim.storage.export_state`: new dicts; the optimizer's own state is untouched)."""
-    for group, saved in zip(opt.param_groups, sd["param_groups"]):
+    for group, saved in zip(groups, sd["param_groups"]):
         for p, i in zip(group["params"], saved["params"]):
             st = sd["state"].get(i)
             if st is not None:
@@ -217,15 +219,15 @@ def adamw_state_dict(opt: Any) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def master_params(opt: Any) -> list[Tensor]:
-    """``FusedAdamWMP.master_params`` (see there)."""
+def master_params(rt: Any, groups: list[dict[str, Any]], state: Any) -> list[Tensor]:
+    """``FusedAdamWMP.master_params`` (see there; ``rt``: the optimizer's :class:`~.runtime.Runtime`)."""
     out = []
-    opt._storage_count = None
-    for group in opt.param_groups:
+    rt.reset_storage_count()
+    for group in groups:
         for p in group["params"]:
-            st = opt.state.get(p, {})
+            st = state.get(p, {})
             kind = storage.master_kind(group["master_weights"], p.dtype)
-            rec = opt._versions.get(id(p), -1)
+            rec = rt.versions.get(id(p), -1)
             if "step" in st and rec is writes.LOADED:
                 # a checkpoint was loaded and the model may still be: read, do not conform (the
                 # step converts from the param as it is then)
@@ -233,8 +235,8 @@ def master_params(opt: Any) -> list[Tensor]:
                 if others:
                     out.append(others[0].to_fp32(p, st))
                     continue
-            elif "step" in st and rec != writes.stamp(p):
-                opt._conform(kind, p, st)  # written since our last step
+            elif "step" in st and rec != stamp(p):
+                rt.conform(kind, p, st, groups)  # written since our last step
             live = kind.live_fp32(st)
             if live is not None:
                 out.append(live)  # writing into it changes the master
@@ -294,41 +296,33 @@ def group_of_token(token: Any) -> Any:
     return pg
 
 
-LIVE_KEYS = ("_pending", "last_grad_norm", "last_found_inf")
-
-
-def getstate(opt: Any, state: dict[str, Any]) -> dict[str, Any]:
-    """``Optimizer.__getstate__``'s ``state`` plus what a step left, and a token for the process group."""
-    state.update({k: opt._live.get(k) for k in LIVE_KEYS})
-    pg = opt.__dict__.get("_mpkern_process_group")
-    if pg is not None:  # process groups do not pickle: a token valid in this process
-        state["_mpkern_process_group_token"] = group_token(pg)
+def getstate(rt: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """``Optimizer.__getstate__``'s ``state`` plus what a step left (``rt``: the optimizer's
+    :class:`~.runtime.Runtime`), and a token for the process group (they do not pickle)."""
+    state.update({k: rt.live[k] for k in LIVE_KEYS})
+    if rt.process_group is not None:
+        state["_mpkern_process_group_token"] = group_token(rt.process_group)
     return state
 
 
-def setstate(opt: Any) -> None:
-    """After ``Optimizer.__setstate__`` (a copy, an unpickle, a load): our own attributes rebuilt,
-    groups saved by older versions given today's keys, every param taken as written by us."""
-    d = opt.__dict__
-    d["_live"] = {k: d.pop(k, None) for k in LIVE_KEYS}
-    for key in ("_mpkern_process_group", "_storage_count"):
-        d.setdefault(key, None)
-    opt._offsets = {}
-    opt._fast = None  # a load or a copy: the next step takes the full path
-    d.setdefault("_fast_misses", 0)
-    token = d.pop("_mpkern_process_group_token", None)
-    if token is not None:
-        opt._mpkern_process_group = group_of_token(token)
+def restore(state: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """Take what :func:`getstate` added out of an unpickled / copied ``state``: (what a step left,
+    the process group)."""
+    live = {k: state.pop(k, None) for k in LIVE_KEYS}
+    token = state.pop("_mpkern_process_group_token", None)
+    return live, None if token is None else group_of_token(token)
+
+
+def upgrade_groups(defaults: dict[str, Any], groups: list[dict[str, Any]]) -> None:
+    """Groups (and defaults) saved by older versions given today's keys."""
     for key, val in (("max_grad_norm", None), ("master_weights", True), ("state_dtype", "float32"),
                      ("stochastic_rounding", False), ("seed", 0)):
-        opt.defaults.setdefault(key, val)
-    for group in chain(opt.param_groups, [opt.defaults]):
+        defaults.setdefault(key, val)
+    for group in chain(groups, [defaults]):
         for key, val in (("amsgrad", False), ("maximize", False), ("capturable", False)):
             group.setdefault(key, val)  # groups saved before a flag existed: AdamW's fallbacks
         if isinstance(group.get("state_dtype"), torch.dtype):  # saved by an older mpkern
             group["state_dtype"] = storage.MOMENT_DTYPE_NAMES.get(group["state_dtype"], group["state_dtype"])
-    # params and masters were copied together: they agree now
-    opt._versions = {id(p): writes.stamp(p) for p in opt.state if isinstance(p, Tensor)}
 
 
 __all__ = [
@@ -340,6 +334,7 @@ __all__ = [
     "group_token",
     "load",
     "master_params",
-    "setstate",
+    "restore",
+    "upgrade_groups",
     "state_from_checkpoint",
 ]

@@ -2,7 +2,7 @@
 
 :class:`KernelLists` is what :mod:`.buckets` prepares for one bucket (one group, one device, one
 master kind); :func:`group_scalars` turns a param group into the kernel's scalar arguments, for the
-full path (:func:`fused_adamw_mp`) and the cached one (:mod:`.step_cache`) alike.
+full path (:func:`fused_adamw_mp`) and the cached one (:mod:`.runtime`) alike.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ Tensor = torch.Tensor
 
 class KernelLists(NamedTuple):
     """The layout-matched flat lists one kernel call takes (``exp_avg_scales`` / ``exp_avg_sq_scales``:
-    None unless the moment kind has scales; ``write_backs``: (moment kind, param, state, fp32
+    None unless the moment kind has scales; ``moment_codec``: how the kernel reads the moments, the
+    ``moment_codec`` of ``mpkern::adamw_step_``; ``write_backs``: (moment kind, param, state, fp32
     moments) of kinds without a kernel variant, encoded back after the reference step)."""
 
     params: list[Tensor]
@@ -32,6 +33,7 @@ class KernelLists(NamedTuple):
     elem_offsets: list[int]
     exp_avg_scales: list[Tensor] | None
     exp_avg_sq_scales: list[Tensor] | None
+    moment_codec: str
     write_backs: list[tuple[Any, Tensor, dict, Any]]
 
 
@@ -55,21 +57,23 @@ def group_scalars(group: dict[str, Any]) -> GroupScalars:
 
 
 def fused_adamw_mp(backend: str, lists: KernelLists, grad_factor: Tensor, found_inf: Tensor,
-                   lr_tensor: Tensor | None, lr: float, group: dict[str, Any], mode: int) -> None:
-    """One fused AdamW kernel on ``backend`` over ``lists`` (one group, one device, one master kind
-    ``mode``): ``grad * grad_factor`` in registers, nothing written when ``found_inf`` is set, the
-    hyperparameters from ``group``. Random bits (bf16 moments, 8-bit master corrections, stochastic
-    param rounding) come from the stream of each param (``stream_ids``: unique per param of the
-    optimizer; ``elem_offsets``: where a shard starts in its whole tensor) at its step: same seed +
-    step = same bits, across resumes and reshards. 8-bit moments come with their bf16 group scales,
-    updated in the same kernel. Moments of a kind without a kernel variant were decoded to fp32
-    (``write_backs``) and are encoded back here."""
+                   lr_tensor: Tensor | None, lr: float, group: dict[str, Any], master_codec: str) -> None:
+    """One fused AdamW kernel on ``backend`` over ``lists`` (one group, one device, one master kind,
+    named by ``master_codec``: "none", "fp32", "remainder" or "8bit"): ``grad * grad_factor`` in
+    registers, nothing written when ``found_inf`` is set, the hyperparameters from ``group``. Random
+    bits (bf16 moments, 8-bit master corrections, stochastic param rounding) come from the stream of
+    each param (``stream_ids``: unique per param of the optimizer; ``elem_offsets``: where a shard
+    starts in its whole tensor) at its step: same seed + step = same bits, across resumes and
+    reshards. 8-bit moments come with their bf16 group scales, updated in the same kernel. Moments
+    of a kind without a kernel variant were decoded to fp32 (``write_backs``) and are encoded back
+    here."""
     s = group_scalars(group)
-    scales = () if lists.exp_avg_scales is None else (lists.exp_avg_scales, lists.exp_avg_sq_scales)
     _ops.adamw_step_(
         backend, lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs, lists.max_exp_avg_sqs, lists.masters,
-        lists.steps, grad_factor, found_inf, lr_tensor, lr, s.beta1, s.beta2, s.eps, s.weight_decay, s.maximize,
-        mode, s.stochastic_rounding, s.seed, lists.stream_ids, lists.elem_offsets, *scales)
+        lists.steps, grad_factor, found_inf, lr_tensor, lists.exp_avg_scales, lists.exp_avg_sq_scales, lr=lr,
+        beta1=s.beta1, beta2=s.beta2, eps=s.eps, weight_decay=s.weight_decay, maximize=s.maximize,
+        master_codec=master_codec, moment_codec=lists.moment_codec, stochastic_rounding=s.stochastic_rounding,
+        seed=s.seed, stream_ids=lists.stream_ids, elem_offsets=lists.elem_offsets)
     for kind, p, st, moments in lists.write_backs:
         kind.write_back(p, st, moments, found_inf)
 

@@ -30,11 +30,9 @@ from typing import Any
 import torch
 
 from .. import distributed
-from ..distributed import local as _local
 from . import storage
 
 Tensor = torch.Tensor
-stamp = distributed.stamp
 
 #: a recorded stamp meaning "loaded from a checkpoint since the last step"
 LOADED = None
@@ -94,43 +92,18 @@ def conform(kind: storage.MasterKind, p: Tensor, st: dict[str, Any], *, recorded
                     shared=shared() if recorded is not LOADED and not moved else False)
 
 
-def shares_storage(opt: Any, p: Tensor) -> bool:
-    """True if ``p``'s storage also holds another param of ``opt`` (views of one flat buffer share
-    one version counter, so a write to one of them cannot be told apart). The count is cached in
-    ``opt._storage_count`` until the next step resets it."""
-    if opt._storage_count is None:
-        count: dict[int, int] = {}
-        for group in opt.param_groups:
-            for q in group["params"]:
-                key = _local(q).untyped_storage().data_ptr()
-                count[key] = count.get(key, 0) + 1
-        opt._storage_count = count
-    return opt._storage_count.get(_local(p).untyped_storage().data_ptr(), 0) > 1
-
-
-def restamp_after_compiled(opt: Any) -> None:
-    """The first eager step after compiled ones takes the params as ``opt`` wrote them (writes
-    between compiled steps are not seen, as documented): their stamps moved with the compiled
-    step's own writes, and taking them for external writes would reset remainders and 8-bit
-    corrections. A "just loaded" mark is kept."""
-    opt._live["traced"] = False
-    versions = opt._versions
-    for p in opt.state:
-        if isinstance(p, Tensor) and versions.get(id(p), -1) is not LOADED:
-            versions[id(p)] = stamp(p)
-
-
 @torch.no_grad()
-def resync(opt: Any, params: Any) -> None:
-    """``FusedAdamWMP.resync_masters``: conform the state of ``params`` (None: all) as if written."""
+def resync(rt: Any, groups: list[dict[str, Any]], state: Any, params: Any) -> None:
+    """``FusedAdamWMP.resync_masters``: conform the state of ``params`` (None: all) as if written
+    (``rt``: the optimizer's :class:`~.runtime.Runtime`)."""
     wanted = None if params is None else {id(p) for p in ([params] if isinstance(params, Tensor) else params)}
-    opt._storage_count = None
-    for group in opt.param_groups:
+    rt.reset_storage_count()
+    for group in groups:
         for p in group["params"]:
-            st = opt.state.get(p)
+            st = state.get(p)
             if st and "step" in st and (wanted is None or id(p) in wanted):
-                opt._versions[id(p)] = -1  # "written"
-                opt._conform(storage.master_kind(group["master_weights"], p.dtype), p, st)
+                rt.versions[id(p)] = -1  # "written"
+                rt.conform(storage.master_kind(group["master_weights"], p.dtype), p, st, groups)
 
 
-__all__ = ["LOADED", "conform", "restamp_after_compiled", "resync", "shares_storage", "stamp"]
+__all__ = ["LOADED", "conform", "resync"]

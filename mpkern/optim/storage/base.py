@@ -58,7 +58,7 @@ class MasterKind:
     name: str = ""
     accepts: tuple[Any, ...] = ()  # the ``master_weights=`` values that select it
     label: str = ""  # what plan / compare / bench print
-    mode: int = 0  # the kernel variant (``master_mode`` of ``adamw_step_``, mpkern.reference.MASTER_*)
+    mode: int = 0  # the reference kernel's variant (mpkern.reference.MASTER_*); ``name`` is the op's ``master_codec``
     kernel_backends: frozenset[str] = ALL_BACKENDS
     key: str | None = None  # the state key of its tensor (None: no master state)
     state_dtype: torch.dtype | None = None
@@ -149,6 +149,9 @@ class MomentKind:
     adamw_conversion: str | None = None
     #: the step stores its moments through :meth:`write_back` (no kernel variant of its own)
     needs_write_back: bool = True
+    #: how the kernel reads the tensors of :meth:`kernel_tensors` (``moment_codec`` of
+    #: ``mpkern::adamw_step_``): a kind without a kernel variant hands it fp32 copies
+    codec: str = "float32"
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"

@@ -12,8 +12,14 @@ from ...distributed import local as _local
 from .base import ALL_BACKENDS, KernelMoments, MomentKind, State, Tensor, flat_view, laid, like
 
 #: elements per scale of the 8-bit moments: consecutive elements of a tensor's buffer
+_PLAIN = (torch.nn.Parameter, torch.Tensor)
 MOMENT8_GROUP = reference.MOM8_GROUP
 moment8_groups = reference.moment8_groups
+
+
+def _local_numel(p: Tensor) -> int:
+    """Elements of the shard the kernel steps (a plain tensor's own: state creation runs per param)."""
+    return p.numel() if type(p) in _PLAIN else _local(p).numel()
 
 
 class DenseMoments(MomentKind):
@@ -25,6 +31,7 @@ class DenseMoments(MomentKind):
 
     def __init__(self, name: str, dtype: torch.dtype, label: str) -> None:
         self.name, self.dtype, self.label, self.aliases = name, dtype, label, (dtype,)
+        self.codec = name  # "float32" / "bfloat16": the op's moment_codec
 
     def bytes_per_element(self) -> float:
         return 2.0 * self.dtype.itemsize
@@ -74,6 +81,7 @@ class Int8Moments(MomentKind):
     """
 
     name, label = "8bit", "8-bit moments"
+    codec = "8bit"
     keys = ("exp_avg_code", "exp_avg_sq_code", "exp_avg_scale", "exp_avg_sq_scale")
     kernel_backends = ALL_BACKENDS
     needs_write_back = False
@@ -108,7 +116,7 @@ class Int8Moments(MomentKind):
         return moment8_decode(codes, scales, "exp_avg")
 
     def _scales(self, p: Tensor) -> Tensor:
-        return torch.zeros(moment8_groups(_local(p).numel()), dtype=torch.bfloat16, device=p.device)
+        return torch.zeros(moment8_groups(_local_numel(p)), dtype=torch.bfloat16, device=p.device)
 
     def create(self, p: Tensor) -> State:
         ck = self._CODE["exp_avg"][0]
@@ -200,6 +208,7 @@ class Int4Moments(Int8Moments):
     """
 
     name, label = "4bit_m", "4-bit m + 8-bit v moments"
+    codec = "4bit_m"
     keys = ("exp_avg_code4", "exp_avg_sq_code", "exp_avg_scale", "exp_avg_sq_scale")
     amsgrad_why = (" (max_exp_avg_sq would need its own compact codec); use state_dtype=torch.bfloat16 or "
                    "amsgrad=False")
@@ -208,7 +217,7 @@ class Int4Moments(Int8Moments):
                                                    "exp_avg_sq": ("exp_avg_sq_code", "exp_avg_sq_scale")}
 
     def _m_code(self, p: Tensor) -> Tensor:
-        return torch.empty((_local(p).numel() + 1) // 2, dtype=torch.uint8, device=p.device)
+        return torch.empty((_local_numel(p) + 1) // 2, dtype=torch.uint8, device=p.device)
 
     def _encode_m(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return reference.moment4_encode(x)
