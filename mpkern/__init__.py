@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import _backend, _ops, reference  # noqa: F401  (_ops registers the op schemas and fakes)
+from . import _backend, _ops, reference, versions  # noqa: F401  (_ops registers the op schemas and fakes)
 from . import nn  # noqa: E402
 from .amp import NonfiniteEntry, NonfiniteReport, UnscaleResult, clip_grad_norm_, nonfinite_report, unscale_
 from .doctor import Diagnosis, diagnose
@@ -69,8 +69,10 @@ def info() -> dict[str, Any]:
     """What mpkern can run here: device, capability, dtype support, and each backend's status.
 
     Returns a dict with ``version``, ``torch``, ``device`` (name), ``capability`` (``(major, minor)``
-    or None), ``bf16``/``fp16`` support, ``forced_backend`` and ``backends``:
-    ``{name: {"available": bool, "reason": str}}``.
+    or None), ``bf16``/``fp16`` support, ``forced_backend``, ``backends``:
+    ``{name: {"available": bool, "reason": str}}``, ``torch_tested`` (the torch range mpkern is
+    tested on, :mod:`mpkern.versions`) and ``torch_warning`` (a line when torch lies outside it,
+    else None).
     """
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda") if cuda else torch.device("cpu")
@@ -99,6 +101,8 @@ def info() -> dict[str, Any]:
         "bf16": bf16_supported(dev),
         "fp16": fp16,
         "native_built_against_torch": getattr(ext, "torch_version", None),
+        "torch_tested": versions.tested_torch_label(),
+        "torch_warning": versions.torch_warning(torch.__version__),
         "forced_backend": forced,
         "backends": {b: {"available": s.available, "reason": s.reason}
                      for b, s in ((b, _backend.status(b)) for b in _backend.BACKENDS)},

@@ -98,6 +98,8 @@ def _cmd_info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(json.dumps(data, indent=2, default=str))
         return 0
     print(f"mpkern {data['version']}  (torch {data['torch']}, CUDA {data['torch_cuda']})")
+    if data["torch_warning"]:
+        print(f"warning     : {data['torch_warning']}")
     print(f"device      : {data['device']}")
     print(f"capability  : {data['capability']}")
     print(f"bf16 / fp16 : {data['bf16']} / {data['fp16']}")
