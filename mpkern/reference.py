@@ -448,6 +448,19 @@ def _moments_out(m: Tensor, v: Tensor, word: Tensor, ok: Tensor, exp_avg: Tensor
     exp_avg_sq.copy_(torch.where(ok, v_new, exp_avg_sq))
 
 
+def pow_int(b: float, n: Tensor) -> Tensor:
+    """math.h pow_int: ``b ** n`` in fp64 for an integer tensor ``n`` (0 <= n < 2^32) by binary
+    exponentiation in its fixed order -- the running square ``b^(2^k)`` multiplies the result where
+    bit k of n is set -- so it agrees bit for bit with every backend (``torch.pow``/libm ``pow`` differ
+    from it, and between CPU and GPU, in the last bit)."""
+    r = torch.ones(n.shape, dtype=torch.float64, device=n.device)
+    x = torch.full(n.shape, float(b), dtype=torch.float64, device=n.device)
+    for k in range(32):
+        r = torch.where(((n >> k) & 1) == 1, r * x, r)
+        x = x * x
+    return r
+
+
 def adamw_step_(
     params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor],
     max_exp_avg_sqs: Sequence[Tensor], masters: Sequence[Tensor], steps: Sequence[Tensor], grad_factor: Tensor,
@@ -486,8 +499,8 @@ def adamw_step_(
         def bits(purpose: int, word=word) -> Tensor:
             return rand_field16(word, purpose)
 
-        step_size = (lr_d / (1 - beta1**step)).float()
-        inv_bc2 = (1 / torch.sqrt(1 - beta2**step)).float()
+        step_size = (lr_d / (1 - pow_int(beta1, step_i))).float()
+        inv_bc2 = (1 / torch.sqrt(1 - pow_int(beta2, step_i))).float()
         g = grads[i].float() * factor
         if master_mode == MASTER_F32:
             w = masters[i].clone()

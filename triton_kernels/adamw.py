@@ -6,19 +6,21 @@ Mirrors ``adamw_update`` / ``split_master`` / ``master8_decode`` / ``master8_enc
   p  = p * (1 - lr*wd);  m = m + (1-b1)(g - m);  v = v*b2 + (1-b2)*g*g;  vm = max(vm, v)
   p  = p - step_size * m / (sqrt(v or vm) * inv_bc2 + eps)
 Per-tensor constants (step_size, inv_bc2, decay) come from the step counters, computed on the
-device in fp64 with torch ops from the float lr (a kernel argument, in double) or the lr tensor:
-no sync, no host-to-device copy. Work items are (tensor, chunk) rows of a device table that is
-built once per layout of the tensor lists and cached (``_tables.py``); per (param, grad, state)
-dtype combination one launch over the rows whose buffers are all 16-byte aligned (the compiler
-is told, and uses 16-byte accesses) and one over the few unaligned head/tail elements. Nothing is
-written when found_inf != 0. bf16 moments are stored with stochastic rounding; 8-bit moments
-(int8 / uint8 codes, a bf16 scale per 32 elements: math.h mom8_*; the 4-bit exp_avg of mom4_*, two
-codes per byte) are processed as [BLOCK // 32, 32] blocks, the group amax a tl.max along axis 1 of
-the integer bits; random bits are
-a hash of (seed, stream id, elem_offset + element, step, purpose), the keys computed once per row.
+device in fp64 (beta^t by math.h's pow_int, ``_beta_pow_kernel``) with torch ops from the float lr
+(a kernel argument, in double) or the lr tensor: no sync, no host-to-device copy. Work items are
+(tensor, chunk) rows of a device table that is built once per layout of the tensor lists and cached
+(``_tables.py``); per (param, grad, state) dtype combination one launch over the rows whose buffers
+are all 16-byte aligned (the compiler is told, and uses 16-byte accesses) and one over the few
+unaligned head/tail elements. Nothing is written when found_inf != 0. bf16 moments are stored with
+stochastic rounding; 8-bit moments (int8 / uint8 codes, a bf16 scale per 32 elements: math.h
+mom8_*; the 4-bit exp_avg of mom4_*, two codes per byte) are processed as [BLOCK // 32, 32] blocks,
+the group amax a tl.max along axis 1 of the integer bits; random bits are a hash of (seed, stream
+id, elem_offset + element, step, purpose), the keys computed once per row.
 """
 
 from __future__ import annotations
+
+import struct
 
 import torch
 import triton
@@ -368,6 +370,43 @@ def _adamw_kernel(
                 _store_f32(p_ptr, idx, w, mask, PDT)
 
 
+@triton.jit(do_not_specialize=["b1_bits", "b2_bits"])
+def _beta_pow_kernel(step_ptr, out_ptr, n, b1_bits, b2_bits, BLOCK: tl.constexpr):
+    """math.h pow_int: beta1^t and beta2^t of each tensor's step t (fp64 [n], an integer < 2^32) by
+    binary exponentiation in its order (the running square multiplies the result where bit k of t is
+    set): fp64 multiplies only. The betas come as their fp64 bit patterns (a float argument would be
+    fp32)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    t = tl.load(step_ptr + offs, mask=mask, other=0.0).to(tl.int64)
+    x1 = tl.full([BLOCK], 0, tl.int64) + b1_bits.to(tl.int64)
+    x2 = tl.full([BLOCK], 0, tl.int64) + b2_bits.to(tl.int64)
+    x1 = x1.to(tl.float64, bitcast=True)
+    x2 = x2.to(tl.float64, bitcast=True)
+    r1 = tl.full([BLOCK], 1.0, tl.float64)
+    r2 = tl.full([BLOCK], 1.0, tl.float64)
+    for k in tl.static_range(32):
+        bit = ((t >> k) & 1) != 0
+        r1 = tl.where(bit, r1 * x1, r1)
+        r2 = tl.where(bit, r2 * x2, r2)
+        x1 = x1 * x1
+        x2 = x2 * x2
+    tl.store(out_ptr + offs, r1, mask=mask)
+    tl.store(out_ptr + n + offs, r2, mask=mask)
+
+
+def _f64_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def beta_pows(step_new: torch.Tensor, beta1: float, beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(beta1^t, beta2^t) in fp64 for the fp64 step counts ``step_new`` (after the increment), one launch."""
+    n = step_new.numel()
+    out = torch.empty(2 * n, dtype=torch.float64, device=step_new.device)
+    _beta_pow_kernel[(triton.cdiv(n, 128),)](step_new, out, n, _f64_bits(beta1), _f64_bits(beta2), BLOCK=128)
+    return out[:n], out[n:]
+
+
 def _addr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -444,8 +483,9 @@ def _adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, 
     step_new = torch.stack([s.reshape(()) for s in steps]).double() + 1.0
     # lr: the tensor (read on the device) or the Python float, a kernel argument in double
     lr_d = lr_tensor.reshape(()).double() if lr_tensor is not None else float(lr)
-    step_size = lr_d / (1.0 - torch.pow(beta1, step_new))
-    inv_bc2 = 1.0 / torch.sqrt(1.0 - torch.pow(beta2, step_new))
+    pow1, pow2 = beta_pows(step_new, beta1, beta2)  # math.h pow_int, not the device's pow
+    step_size = lr_d / (1.0 - pow1)
+    inv_bc2 = 1.0 / torch.sqrt(1.0 - pow2)
     decay = 1.0 - lr_d * weight_decay
     decay = decay.expand(n) if isinstance(decay, torch.Tensor) else torch.full_like(step_new, decay)
     consts = torch.stack([step_size, inv_bc2, decay], dim=1).to(torch.float32).contiguous()

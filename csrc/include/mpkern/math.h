@@ -184,8 +184,21 @@ MPK_HD float join_master(uint16_t hi, int16_t rem) {
 //   vm = max(vm, v)                     (amsgrad only; the denominator then uses vm)
 //   p  = p - step_size * m / (sqrt(v) * inv_bc2 + eps)
 // with step_size = lr / (1 - beta1^t) and inv_bc2 = 1 / sqrt(1 - beta2^t) computed in fp64 per
-// tensor from its step count t (after the increment).
+// tensor from its step count t (after the increment). beta^t is pow_int's, not the libm pow (whose
+// last bit differs between glibc, CUDA's and others): every backend does the same fp64 multiplies.
 // ----------------------------------------------------------------------------------------------
+// b^n by binary exponentiation in fp64, in one fixed order: for each bit of n from the lowest, the
+// running power b^(2^k) multiplies the result when the bit is set, then is squared (IEEE
+// multiplies only, so the C++ host and device code, Triton and the torch reference agree bit for bit).
+MPK_HD double pow_int(double b, uint32_t n) {
+  double r = 1.0;
+  for (double x = b; n != 0u; n >>= 1) {
+    if (n & 1u) r = r * x;
+    x = x * x;
+  }
+  return r;
+}
+
 struct AdamWConsts {
   float decay;       // 1 - lr * weight_decay
   float one_m_b1;    // 1 - beta1
@@ -204,8 +217,9 @@ MPK_HD AdamWConsts adamw_consts(double lr, double beta1, double beta2, double ep
   c.one_m_b1 = static_cast<float>(1.0 - beta1);
   c.beta2 = static_cast<float>(beta2);
   c.one_m_b2 = static_cast<float>(1.0 - beta2);
-  c.step_size = static_cast<float>(lr / (1.0 - pow(beta1, step)));
-  c.inv_bc2 = static_cast<float>(1.0 / sqrt(1.0 - pow(beta2, step)));
+  const uint32_t t = static_cast<uint32_t>(step);  // an integer count (float32 counters: <= 2^24)
+  c.step_size = static_cast<float>(lr / (1.0 - pow_int(beta1, t)));
+  c.inv_bc2 = static_cast<float>(1.0 / sqrt(1.0 - pow_int(beta2, t)));
   c.eps = static_cast<float>(eps);
   return c;
 }
@@ -395,6 +409,32 @@ MPK_HD float mom8_decode_v(uint8_t c, float s) {
   return (s * f2) * f2;
 }
 
+// Estimates of sqrt(y) and y^(1/4) for the code searches below, which take the floor of the
+// estimate and correct it by one step down and one step up against exact fp32 squares: every
+// estimate within 1 of the true root gives the same code, so the device may use the hardware
+// approximations (MUFU, relative error below 2^-21; y < 2^33 there, roots below 256) where the host
+// uses the IEEE roots, and the codes stay bit-identical.
+MPK_HD float root2_est(float y) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("sqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(y));
+  return r;
+#else
+  return sqrtf(y);
+#endif
+}
+
+MPK_HD float root4_est(float y) {
+#if defined(__CUDA_ARCH__)
+  float r, q;
+  asm("rsqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(y));  // y^(-1/2)
+  asm("rsqrt.approx.f32 %0, %1;" : "=f"(q) : "f"(r));  // y^(1/4)
+  return q;
+#else
+  return sqrtf(sqrtf(y));
+#endif
+}
+
 // exp_avg code of m given inv = the inverse scale and 16 random bits, for the square law with top
 // code `top` (127: 8-bit, 7: 4-bit): the code c in [-top, top] with m = sign(c) * s * c^2.
 MPK_HD int mom_encode_sq(float m, float inv, uint32_t r16, float top) {
@@ -404,7 +444,7 @@ MPK_HD int mom_encode_sq(float m, float inv, uint32_t r16, float top) {
   if (y >= top * top) {
     c = top;
   } else {
-    float k = floorf(sqrtf(y));
+    float k = floorf(root2_est(y));
     if (k * k > y) k = k - 1.0f;
     if ((k + 1.0f) * (k + 1.0f) <= y) k = k + 1.0f;
     const float d = y - k * k;
@@ -432,7 +472,7 @@ MPK_HD uint8_t mom8_encode_v(float v, float inv, uint32_t r16) {
   if (y >= mom8_q4(255.0f)) {
     c = 255.0f;
   } else {
-    float k = floorf(sqrtf(sqrtf(y)));
+    float k = floorf(root4_est(y));
     if (mom8_q4(k) > y) k = k - 1.0f;
     if (mom8_q4(k + 1.0f) <= y) k = k + 1.0f;
     const float q = mom8_q4(k);
