@@ -5,16 +5,16 @@
 // tensor. Each thread updates 8 elements at a time with 16-byte loads and stores (two for fp32
 // buffers); a tensor whose buffers are not all 16-byte aligned at a common element gets scalar
 // head and tail elements around the vector body, or the scalar loop when no common alignment
-// exists. A second one-thread-per-tensor launch bumps the step counters. Both read found_inf on
-// the device and do nothing when it is set: no host sync. The metadata table is cached on the
-// device (multi_tensor.cuh), so a step can be captured in a CUDA graph.
-// 8-bit moments (math.h mom8_*) and the 4-bit exp_avg (mom4_*): a warp updates one group of 32
-// consecutive elements (lane = element), takes the group's amax with warp shuffles and writes codes
-// and the two bf16 scales.
+// exists; the read-only grad may sit at any offset (aligned blocks and shifts). A one-block launch
+// first computes each tensor's constants for the step (fp64, once per tensor), then bumps the step
+// counters; both launches read found_inf on the device and do nothing when it is set: no host sync.
+// The metadata table is cached on the device (multi_tensor.cuh): a step can be captured in a CUDA
+// graph. 8-bit moments (math.h mom8_*) and the 4-bit exp_avg (mom4_*): 8 consecutive elements per
+// lane, wide loads, four lanes per 32-group (its amax in two shuffles); unaligned tensors and a
+// tensor's last pass use per-element loads (adam_mom_chunk).
 #include <torch/library.h>
 
 #include "../adamw_common.h"
-#include "../kernels.h"
 #include "multi_tensor.cuh"
 
 namespace mpkern {
@@ -24,7 +24,9 @@ namespace {
 
 constexpr int kAdamBlock = 256;
 constexpr int kVE = 8;  // elements per thread-iteration of the vector body
-static_assert(kChunk % kMom8Group == 0 && kAdamBlock % 32 == 0, "8-bit moment groups must not straddle chunks");
+constexpr int kMomSpan = 32 * kVE;  // compact moments: elements of one warp pass (8 groups of 32)
+static_assert(kChunk % kMomSpan == 0 && kAdamBlock % 32 == 0 && kVE * 4 == kMom8Group,
+              "compact moments: four lanes per group, whole passes per chunk");
 
 struct AdamMeta {
   int64_t p, g, m, v, vmax, master, step;  // addresses (vmax / master may be 0)
@@ -32,7 +34,8 @@ struct AdamMeta {
   int64_t numel;
   int64_t chunk_begin;  // first chunk, counted within this tensor's launch
   int64_t offset;       // global index of element 0 in its random stream (elem_offsets)
-  int32_t head;         // elements before the first element at which every buffer is 16-byte aligned; -1: none
+  int32_t head;         // elements before the first element at which every buffer but the grad (any offset:
+                        // load8_shifted) is 16-byte aligned, -1: none; compact moments: 0 or -1 (element 0)
   uint32_t stream;      // random stream id (stream_ids; default: position in the caller's list)
 };
 static_assert(sizeof(AdamMeta) == 104, "AdamMeta layout");
@@ -46,6 +49,12 @@ struct AdamScalars {
   bool maximize, sr;
   uint32_t seed;
 };
+
+struct TensorConsts {  // a tensor's constants for this step, computed once per tensor by prep_kernel
+  AdamWConsts c;
+  uint32_t step;  // the step count after the increment
+};
+static_assert(sizeof(TensorConsts) == 32, "TensorConsts layout");
 
 // Whether the param/master store draws on the element's random word (field A: param SR or the
 // 8-bit master correction); bf16 / 8-bit moments use its fields B and C (math.h, rng_key): one
@@ -121,81 +130,33 @@ __device__ __forceinline__ void adam_scalar(const AdamMeta& t, int64_t i, const 
   store_w<PDT, MODE>(t, i, p, r0, w0);
 }
 
-// 8-bit moments (SDT kMom8; kMom4: the 4-bit exp_avg, two codes per byte): one group of 32 elements
-// [gb, min(gb + 32, end)) per warp, lane = element. The group's amax is a warp-wide unsigned max (5
-// shuffles); every lane computes the same scales, lane 0 stores them. All 32 lanes must call
-// (inactive ones past `end` contribute 0 to the max). kMom4: an even lane stores the byte of its
-// code and its odd neighbour's (one shuffle; an inactive neighbour's code is 0).
-template <int PDT, int GDT, int SDT, int MODE>
-__device__ __forceinline__ void adam_mom8_group(const AdamMeta& t, int64_t gb, int64_t end, int lane,
-                                                const AdamWConsts& cs, float factor, bool sr, const RngKeys& keys) {
-  constexpr bool kM4 = SDT == kMom4;
-  uint8_t* CM4 = reinterpret_cast<uint8_t*>(t.m);
-  int8_t* CM = reinterpret_cast<int8_t*>(t.m);
-  uint8_t* CV = reinterpret_cast<uint8_t*>(t.v);
-  uint16_t* SM = reinterpret_cast<uint16_t*>(t.sm);
-  uint16_t* SV = reinterpret_cast<uint16_t*>(t.sv);
-  const int64_t i = gb + lane;
-  const int64_t j = gb / kMom8Group;
-  const bool act = i < end;
-  float m = 0.f, v = 0.f;
-  uint32_t r1 = 0u;
-  if (act) {
-    const uint64_t e = static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i);
-    const bool w0 = needs_word0<PDT, SDT, MODE>(sr);
-    r1 = rng_word(keys, e);
-    const uint32_t r0 = r1;
-    const float g = load_as_f32(reinterpret_cast<const void*>(t.g), i, GDT) * factor;
-    float p = load_w<PDT, MODE>(t, i);
-    m = kM4 ? mom4_decode_m(mom4_code(CM4[i >> 1], i), bf16_to_f32(SM[j])) : mom8_decode_m(CM[i], bf16_to_f32(SM[j]));
-    v = mom8_decode_v(CV[i], bf16_to_f32(SV[j]));
-    p = adamw_update(p, g, m, v, nullptr, cs);
-    store_w<PDT, MODE>(t, i, p, r0, w0);
-  }
-  uint32_t am = act ? (f32_bits(m) & 0x7fffffffu) : 0u;
-  uint32_t av = act ? (f32_bits(v) & 0x7fffffffu) : 0u;
+// The random words of elements e .. e + kVE - 1, one each: rng_word's, with the key of the eight
+// elements' high index half (and of the next half, when they cross a multiple of 2^32) looked up once.
+__device__ __forceinline__ void rng_words8(const RngKeys& keys, uint64_t e, uint32_t (&rw)[kVE]) {
+  const uint32_t lo = static_cast<uint32_t>(e), hi = static_cast<uint32_t>(e >> 32);
+  const uint32_t k0 = hi == keys.hi ? keys.key : rng_key(keys.seed, keys.stream, keys.step, hi);
+  const bool wrap = lo > 0xffffffffu - (kVE - 1);
+  const uint32_t k1 = wrap ? rng_key(keys.seed, keys.stream, keys.step, hi + 1u) : k0;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    am = max(am, __shfl_xor_sync(0xffffffffu, am, o));
-    av = max(av, __shfl_xor_sync(0xffffffffu, av, o));
-  }
-  const uint32_t bm = mom8_scale_bits(am, kM4 ? kMom4KM : kMom8KM), bv = mom8_scale_bits(av, kMom8KV);
-  if constexpr (kM4) {
-    const int c = act ? mom4_encode_m(m, mom8_inv_scale(bm), rand_b16(r1)) : 0;
-    const int c1 = __shfl_down_sync(0xffffffffu, c, 1);
-    if (act && (lane & 1) == 0) CM4[i >> 1] = mom4_pack(c, c1);
-  } else {
-    if (act) CM[i] = mom8_encode_m(m, mom8_inv_scale(bm), rand_b16(r1));
-  }
-  if (act) CV[i] = mom8_encode_v(v, mom8_inv_scale(bv), rand_c16(r1));
-  __syncwarp();  // every lane has read the old scales (they are in registers) before lane 0 writes
-  if (lane == 0) {
-    SM[j] = static_cast<uint16_t>(bm);
-    SV[j] = static_cast<uint16_t>(bv);
-  }
+  for (int k = 0; k < kVE; ++k) rw[k] = rng_bits(lo + k < lo ? k1 : k0, lo + k);
 }
 
-// kVE elements starting at i, where every buffer is 16-byte aligned (an int8 buffer: 8-byte accesses).
-template <int PDT, int GDT, int SDT, int MODE>
-__device__ __forceinline__ void adam_vec(const AdamMeta& t, int64_t i, const AdamWConsts& cs, float factor,
-                                         bool sr, const RngKeys& keys) {
-  void* P = reinterpret_cast<void*>(t.p);
-  void* M = reinterpret_cast<void*>(t.m);
-  void* V = reinterpret_cast<void*>(t.v);
-  float g[kVE], p[kVE], m[kVE], v[kVE];
-  load8<GDT>(reinterpret_cast<const void*>(t.g), i, g);
-  uint16_t hi[kVE];
+// The fp32 masters of kVE elements starting at i (every buffer aligned there).
+template <int PDT, int MODE>
+__device__ __forceinline__ void load8_w(const AdamMeta& t, int64_t i, float (&p)[kVE]) {
+  const void* P = reinterpret_cast<const void*>(t.p);
   if constexpr (MODE == kMasterF32) {
     load8<kF32>(reinterpret_cast<const void*>(t.master), i, p);
   } else if constexpr (MODE == kMasterRemainder) {
-    uint16_t lo[kVE];
+    uint16_t hi[kVE], lo[kVE];
     load8_u16(P, i, hi);
     load8_u16(reinterpret_cast<const void*>(t.master), i, lo);
 #pragma unroll
     for (int k = 0; k < kVE; ++k) p[k] = join_master(hi[k], static_cast<int16_t>(lo[k]));
   } else if constexpr (MODE == kMaster8bit) {
+    uint16_t hi[kVE];
     load8_u16(P, i, hi);
-    const uint2 raw = *reinterpret_cast<const uint2*>(reinterpret_cast<const int8_t*>(t.master) + i);
+    const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(reinterpret_cast<const int8_t*>(t.master) + i));
 #pragma unroll
     for (int k = 0; k < kVE; ++k) {
       const int8_t c = static_cast<int8_t>(((k < 4 ? raw.x : raw.y) >> (8 * (k & 3))) & 0xffu);
@@ -204,38 +165,14 @@ __device__ __forceinline__ void adam_vec(const AdamMeta& t, int64_t i, const Ada
   } else {
     load8<PDT>(P, i, p);
   }
-  load8<SDT>(M, i, m);
-  load8<SDT>(V, i, v);
-  if (t.vmax != 0) {
-    float vm[kVE];
-    load8<kF32>(reinterpret_cast<const void*>(t.vmax), i, vm);
-#pragma unroll
-    for (int k = 0; k < kVE; ++k) p[k] = adamw_update(p[k], g[k] * factor, m[k], v[k], &vm[k], cs);
-    store8<kF32>(reinterpret_cast<void*>(t.vmax), i, vm);
-  } else {
-#pragma unroll
-    for (int k = 0; k < kVE; ++k) p[k] = adamw_update(p[k], g[k] * factor, m[k], v[k], nullptr, cs);
-  }
-  const uint64_t e = static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i);
-  // the elements' random words, one each, for every rounding below
-  uint32_t rw[kVE];
-  if (SDT == kBF16 || needs_word0<PDT, SDT, MODE>(sr)) {
-#pragma unroll
-    for (int k = 0; k < kVE; ++k) rw[k] = rng_word(keys, e + k);
-  }
-  if constexpr (SDT == kBF16) {
-    uint16_t hm[kVE], hv[kVE];
-#pragma unroll
-    for (int k = 0; k < kVE; ++k) {
-      hm[k] = f32_to_bf16_sr(m[k], rand_b16(rw[k]));
-      hv[k] = f32_to_bf16_sr(v[k], rand_c16(rw[k]));
-    }
-    store8_u16(M, i, hm);
-    store8_u16(V, i, hv);
-  } else {
-    store8<SDT>(M, i, m);
-    store8<SDT>(V, i, v);
-  }
+}
+
+// Store the updated masters p of kVE elements starting at i and the params; rw = their random words.
+template <int PDT, int MODE>
+__device__ __forceinline__ void store8_w(const AdamMeta& t, int64_t i, const float (&p)[kVE],
+                                         const uint32_t (&rw)[kVE], bool w0) {
+  void* P = reinterpret_cast<void*>(t.p);
+  uint16_t hi[kVE];
   if constexpr (MODE == kMasterF32) {
     store8<kF32>(reinterpret_cast<void*>(t.master), i, p);
     store8<PDT>(P, i, p);
@@ -258,55 +195,228 @@ __device__ __forceinline__ void adam_vec(const AdamMeta& t, int64_t i, const Ada
       cw[k >> 2] |= static_cast<uint32_t>(static_cast<uint8_t>(c)) << (8 * (k & 3));
     }
     store8_u16(P, i, hi);
-    *reinterpret_cast<uint2*>(reinterpret_cast<int8_t*>(t.master) + i) = make_uint2(cw[0], cw[1]);
-  } else if (needs_word0<PDT, SDT, MODE>(sr)) {
+    __stcg(reinterpret_cast<uint2*>(reinterpret_cast<int8_t*>(t.master) + i), make_uint2(cw[0], cw[1]));
+  } else if (w0) {
 #pragma unroll
-    for (int k = 0; k < kVE; ++k)
-      hi[k] = f32_to_bf16_sr(p[k], rand_a16(rw[k]));
+    for (int k = 0; k < kVE; ++k) hi[k] = f32_to_bf16_sr(p[k], rand_a16(rw[k]));
     store8_u16(P, i, hi);
   } else {
     store8<PDT>(P, i, p);
   }
 }
 
+// One lane's kVE elements [i, i + kVE) of a compact-moment tensor (SDT kMom8, or kMom4: the 4-bit
+// exp_avg, two codes per byte), loaded: grads times factor, masters, codes (byte k of cm / cv is
+// element i + k's; kMom4: nibble k of cm.x), the group's old scales. WIDE: the buffers are aligned
+// (the grad at any offset: load8_shifted) and the elements inside the tensor: one access per buffer;
+// else per-element loads of the elements before `end` (the others read as 0).
+struct MomLane {
+  float g[kVE], w[kVE];
+  uint2 cm, cv;
+  float sm, sv;
+};
+
+template <int PDT, int GDT, int SDT, int MODE, bool WIDE>
+__device__ __forceinline__ void mom_load(const AdamMeta& t, int64_t i, int64_t end, float factor, MomLane& x) {
+  constexpr bool kM4 = SDT == kMom4;
+  const uint8_t* __restrict__ CM = reinterpret_cast<const uint8_t*>(t.m);
+  const uint8_t* __restrict__ CV = reinterpret_cast<const uint8_t*>(t.v);
+  const void* G = reinterpret_cast<const void*>(t.g);
+  x.sm = bf16_to_f32(reinterpret_cast<const uint16_t*>(t.sm)[i / kMom8Group]);
+  x.sv = bf16_to_f32(reinterpret_cast<const uint16_t*>(t.sv)[i / kMom8Group]);
+  if constexpr (WIDE) {
+    load8_shifted<GDT>(G, i, x.g);
+    load8_w<PDT, MODE>(t, i, x.w);
+    x.cm = kM4 ? make_uint2(__ldcg(reinterpret_cast<const unsigned int*>(CM + (i >> 1))), 0u)
+               : __ldcg(reinterpret_cast<const uint2*>(CM + i));
+    x.cv = __ldcg(reinterpret_cast<const uint2*>(CV + i));
+  } else {
+    uint32_t cm[2] = {0u, 0u}, cv[2] = {0u, 0u};
+#pragma unroll
+    for (int k = 0; k < kVE; ++k) {
+      const bool act = i + k < end;
+      x.g[k] = act ? load_as_f32(G, i + k, GDT) : 0.f;
+      x.w[k] = act ? load_w<PDT, MODE>(t, i + k) : 0.f;
+      if (act) cv[k >> 2] |= static_cast<uint32_t>(CV[i + k]) << (8 * (k & 3));
+      if (act && kM4 && (k & 1) == 0) cm[0] |= static_cast<uint32_t>(CM[(i + k) >> 1]) << (4 * k);
+      if (act && !kM4) cm[k >> 2] |= static_cast<uint32_t>(CM[i + k]) << (8 * (k & 3));
+    }
+    x.cm = make_uint2(cm[0], cm[1]), x.cv = make_uint2(cv[0], cv[1]);
+  }
+#pragma unroll
+  for (int k = 0; k < kVE; ++k) x.g[k] *= factor;
+}
+
+__device__ __forceinline__ uint32_t code_byte(uint2 w, int k) { return ((k < 4 ? w.x : w.y) >> 8 * (k & 3)) & 0xffu; }
+
+// Update the lane's elements loaded by mom_load, take the group's amax over its four lanes (lane
+// quads are groups: the elements of a pass start at a multiple of 32), encode and store. Every lane
+// of the warp calls it (the shuffles); elements at or past `end` contribute 0 to the amax and are
+// not stored. The first lane of a quad writes the group's scales.
+template <int PDT, int GDT, int SDT, int MODE, bool WIDE>
+__device__ __forceinline__ void mom_update(const AdamMeta& t, int64_t i, int64_t end, int lane, MomLane& x,
+                                           const AdamWConsts& cs, bool sr, const RngKeys& keys) {
+  constexpr bool kM4 = SDT == kMom4;
+  float m[kVE], v[kVE];
+  uint32_t am = 0u, av = 0u;
+#pragma unroll
+  for (int k = 0; k < kVE; ++k) {
+    const uint32_t b = code_byte(x.cm, kM4 ? k >> 1 : k);
+    m[k] = kM4 ? mom4_decode_m(mom4_code(static_cast<uint8_t>(b), k), x.sm)
+               : mom8_decode_m(static_cast<int8_t>(b), x.sm);
+    v[k] = mom8_decode_v(static_cast<uint8_t>(code_byte(x.cv, k)), x.sv);
+    x.w[k] = adamw_update(x.w[k], x.g[k], m[k], v[k], nullptr, cs);
+    if (WIDE || i + k < end) {
+      am = max(am, f32_bits(m[k]) & 0x7fffffffu);
+      av = max(av, f32_bits(v[k]) & 0x7fffffffu);
+    }
+  }
+#pragma unroll
+  for (int o = 1; o < 4; o <<= 1) {
+    am = max(am, __shfl_xor_sync(0xffffffffu, am, o));
+    av = max(av, __shfl_xor_sync(0xffffffffu, av, o));
+  }
+  const uint32_t bm = mom8_scale_bits(am, kM4 ? kMom4KM : kMom8KM), bv = mom8_scale_bits(av, kMom8KV);
+  const float im = mom8_inv_scale(bm), iv = mom8_inv_scale(bv);
+  uint32_t rw[kVE];
+  rng_words8(keys, static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i), rw);
+  uint32_t cm[2] = {0u, 0u}, cv[2] = {0u, 0u};
+#pragma unroll
+  for (int k = 0; k < kVE; ++k) {
+    const uint32_t r = rand_b16(rw[k]);
+    if constexpr (kM4) {
+      cm[0] |= (static_cast<uint32_t>(mom4_encode_m(m[k], im, r)) & 0xfu) << (4 * k);
+    } else {
+      cm[k >> 2] |= static_cast<uint32_t>(static_cast<uint8_t>(mom8_encode_m(m[k], im, r))) << (8 * (k & 3));
+    }
+    cv[k >> 2] |= static_cast<uint32_t>(mom8_encode_v(v[k], iv, rand_c16(rw[k]))) << (8 * (k & 3));
+  }
+  const bool w0 = needs_word0<PDT, SDT, MODE>(sr);
+  uint8_t* __restrict__ CM = reinterpret_cast<uint8_t*>(t.m);
+  uint8_t* __restrict__ CV = reinterpret_cast<uint8_t*>(t.v);
+  if constexpr (WIDE) {
+    store8_w<PDT, MODE>(t, i, x.w, rw, w0);
+    if constexpr (kM4) {
+      __stcg(reinterpret_cast<unsigned int*>(CM + (i >> 1)), cm[0]);
+    } else {
+      __stcg(reinterpret_cast<uint2*>(CM + i), make_uint2(cm[0], cm[1]));
+    }
+    __stcg(reinterpret_cast<uint2*>(CV + i), make_uint2(cv[0], cv[1]));
+  } else {
+    const uint2 cmw = make_uint2(cm[0], cm[1]), cvw = make_uint2(cv[0], cv[1]);
+#pragma unroll
+    for (int k = 0; k < kVE; ++k) {
+      if (i + k >= end) continue;
+      store_w<PDT, MODE>(t, i + k, x.w[k], rw[k], w0);
+      CV[i + k] = static_cast<uint8_t>(code_byte(cvw, k));
+      // kMom4: the byte of an even element and its odd neighbour (0 past the end)
+      if (kM4 && (k & 1) == 0) CM[(i + k) >> 1] = static_cast<uint8_t>(code_byte(cmw, k >> 1));
+      if (!kM4) CM[i + k] = static_cast<uint8_t>(code_byte(cmw, k));
+    }
+  }
+  __syncwarp();  // every lane of the group has read the old scales (they are in registers) before one writes
+  if ((lane & 3) == 0 && i < end) {
+    reinterpret_cast<uint16_t*>(t.sm)[i / kMom8Group] = static_cast<uint16_t>(bm);
+    reinterpret_cast<uint16_t*>(t.sv)[i / kMom8Group] = static_cast<uint16_t>(bv);
+  }
+}
+
+// The compact-moment elements [begin, end) of a chunk: warp passes of kMomSpan elements from the
+// chunk's start, lane l taking [pass + 8l, pass + 8l + 8) (a pass is 8 whole groups). Whole passes of
+// an aligned tensor use wide accesses; a tensor's last pass and every pass of an unaligned one use
+// per-element loads. (Two passes per iteration, loads first, took 114-162 registers and spilled.)
+template <int PDT, int GDT, int SDT, int MODE>
+__device__ __forceinline__ void adam_mom_chunk(const AdamMeta& t, int64_t begin, int64_t end, const AdamWConsts& cs,
+                                               float factor, bool sr, const RngKeys& keys) {
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  int64_t wb = begin + (threadIdx.x >> 5) * kMomSpan;
+  for (; t.head == 0 && wb + kMomSpan <= end; wb += warps * kMomSpan) {
+    MomLane x;
+    mom_load<PDT, GDT, SDT, MODE, true>(t, wb + lane * kVE, end, factor, x);
+    mom_update<PDT, GDT, SDT, MODE, true>(t, wb + lane * kVE, end, lane, x, cs, sr, keys);
+  }
+  for (; wb < end; wb += warps * kMomSpan) {
+    MomLane x;
+    mom_load<PDT, GDT, SDT, MODE, false>(t, wb + lane * kVE, end, factor, x);
+    mom_update<PDT, GDT, SDT, MODE, false>(t, wb + lane * kVE, end, lane, x, cs, sr, keys);
+  }
+}
+
+// kVE elements starting at i, where every buffer is 16-byte aligned (an int8 buffer: 8-byte accesses).
+template <int PDT, int GDT, int SDT, int MODE>
+__device__ __forceinline__ void adam_vec(const AdamMeta& t, int64_t i, const AdamWConsts& cs, float factor,
+                                         bool sr, const RngKeys& keys) {
+  void* M = reinterpret_cast<void*>(t.m);
+  void* V = reinterpret_cast<void*>(t.v);
+  float g[kVE], p[kVE], m[kVE], v[kVE];
+  load8_shifted<GDT>(reinterpret_cast<const void*>(t.g), i, g);  // the grad may be at any offset
+  load8_w<PDT, MODE>(t, i, p);
+  load8<SDT>(M, i, m);
+  load8<SDT>(V, i, v);
+  if (t.vmax != 0) {
+    float vm[kVE];
+    load8<kF32>(reinterpret_cast<const void*>(t.vmax), i, vm);
+#pragma unroll
+    for (int k = 0; k < kVE; ++k) p[k] = adamw_update(p[k], g[k] * factor, m[k], v[k], &vm[k], cs);
+    store8<kF32>(reinterpret_cast<void*>(t.vmax), i, vm);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVE; ++k) p[k] = adamw_update(p[k], g[k] * factor, m[k], v[k], nullptr, cs);
+  }
+  // the elements' random words, one each, for every rounding below
+  const bool w0 = needs_word0<PDT, SDT, MODE>(sr);
+  uint32_t rw[kVE] = {};
+  if (SDT == kBF16 || w0) {
+    const uint64_t e = static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i);
+#pragma unroll
+    for (int k = 0; k < kVE; ++k) rw[k] = rng_word(keys, e + k);
+  }
+  if constexpr (SDT == kBF16) {
+    uint16_t hm[kVE], hv[kVE];
+#pragma unroll
+    for (int k = 0; k < kVE; ++k) {
+      hm[k] = f32_to_bf16_sr(m[k], rand_b16(rw[k]));
+      hv[k] = f32_to_bf16_sr(v[k], rand_c16(rw[k]));
+    }
+    store8_u16(M, i, hm);
+    store8_u16(V, i, hv);
+  } else {
+    store8<SDT>(M, i, m);
+    store8<SDT>(V, i, v);
+  }
+  store8_w<PDT, MODE>(t, i, p, rw, w0);
+}
+
 // Blocks per SM asked of ptxas (0: its own choice, which targets 64 registers = 4 blocks of 256 for
 // every instance). The no-master fp32-moment instances spill 4 bytes at 64 registers on sm_90: they
-// may use up to 80 (3 blocks of 256 per SM), spill-free.
-constexpr int adam_min_blocks(int sdt, int mode) { return sdt == kF32 && mode == kMasterNone ? 3 : 0; }
+// may use up to 80 (3 blocks of 256 per SM), spill-free. The compact-moment instances (8 elements
+// per lane) take 100-112 registers spill-free and spill at 80: 2 blocks (512 threads, each with
+// ~60 bytes of loads in flight: ~30 KB per SM).
+constexpr int adam_min_blocks(int sdt, int mode) {
+  return sdt == kMom8 || sdt == kMom4 ? 2 : (sdt == kF32 && mode == kMasterNone ? 3 : 0);
+}
 
 template <int PDT, int GDT, int SDT, int MODE>
-__global__ void __launch_bounds__(kAdamBlock, adam_min_blocks(SDT, MODE)) adamw_kernel(const AdamMeta* __restrict__ meta, int count,
-                                                           int64_t total_chunks, AdamScalars s) {
+__global__ void __launch_bounds__(kAdamBlock, adam_min_blocks(SDT, MODE))
+    adamw_kernel(const AdamMeta* __restrict__ meta, const TensorConsts* __restrict__ consts, int count,
+                 int64_t total_chunks, AdamScalars s) {
   if (*s.found_inf != 0.f) return;
-  __shared__ int s_t;
-  __shared__ AdamWConsts s_c;
-  __shared__ uint32_t s_step;
   // maximize: -(g * factor) == g * (-factor) exactly (sign flips commute with rounding)
   const float factor = s.maximize ? -*s.factor : *s.factor;
-  const double lr = s.lr_ptr ? static_cast<double>(*s.lr_ptr) : s.lr;
   for (int64_t c = blockIdx.x; c < total_chunks; c += gridDim.x) {
-    if (threadIdx.x == 0) {
-      s_t = find_tensor(meta, count, c);
-      const double step = static_cast<double>(*reinterpret_cast<const float*>(meta[s_t].step)) + 1.0;
-      s_step = static_cast<uint32_t>(step);
-      s_c = adamw_consts(lr, s.beta1, s.beta2, s.eps, s.weight_decay, step);
-    }
-    __syncthreads();
-    const AdamMeta t = meta[s_t];
-    const AdamWConsts cs = s_c;
-    const uint32_t step = s_step;
-    __syncthreads();
+    // every thread finds the chunk's tensor (the same loads across the block: broadcasts, no barrier)
+    const int ti = find_tensor(meta, count, c);
+    const AdamMeta t = meta[ti];
+    const AdamWConsts cs = consts[ti].c;
     const int64_t begin = (c - t.chunk_begin) * kChunk;
     const int64_t end = min(t.numel, begin + kChunk);
     // random keys for this chunk's elements (math.h, rng_keys): a few multiplies per thread and chunk
     RngKeys keys{};
     if (SDT == kBF16 || SDT == kMom8 || SDT == kMom4 || needs_word0<PDT, SDT, MODE>(s.sr))
-      keys = rng_keys(s.seed, t.stream, step, static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(begin));
+      keys = rng_keys(s.seed, t.stream, consts[ti].step,
+                      static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(begin));
     if constexpr (SDT == kMom8 || SDT == kMom4) {
-      // groups of 32 from the tensor's element 0 (chunks are multiples of 32), one per warp
-      const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-      for (int64_t gb = begin + warp * kMom8Group; gb < end; gb += warps * kMom8Group)
-        adam_mom8_group<PDT, GDT, SDT, MODE>(t, gb, end, lane, cs, factor, s.sr, keys);
+      adam_mom_chunk<PDT, GDT, SDT, MODE>(t, begin, end, cs, factor, s.sr, keys);
       continue;
     }
     // vector body [vb, ve): starts at the tensor's common aligned element (chunks are multiples of kVE)
@@ -321,12 +431,24 @@ __global__ void __launch_bounds__(kAdamBlock, adam_min_blocks(SDT, MODE)) adamw_
   }
 }
 
-__global__ void bump_steps_kernel(const AdamMeta* __restrict__ meta, int count, const float* __restrict__ found_inf) {
-  const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t < count && *found_inf == 0.f) *reinterpret_cast<float*>(meta[t].step) += 1.f;
+// One block before the update: every tensor's constants for this step from its step count (fp64,
+// once per tensor instead of once per chunk), then -- after all counts are read, so a counter shared
+// by two rows is read before either increment, as before -- the counters' increment.
+constexpr int kPrepBlock = 512;
+__global__ void __launch_bounds__(kPrepBlock) prep_kernel(const AdamMeta* __restrict__ meta, int count, AdamScalars s,
+                                                          TensorConsts* __restrict__ out) {
+  if (*s.found_inf != 0.f) return;
+  const double lr = s.lr_ptr ? static_cast<double>(*s.lr_ptr) : s.lr;
+  for (int t = threadIdx.x; t < count; t += blockDim.x) {
+    const double step = static_cast<double>(*reinterpret_cast<const float*>(meta[t].step)) + 1.0;
+    out[t].c = adamw_consts(lr, s.beta1, s.beta2, s.eps, s.weight_decay, step);
+    out[t].step = static_cast<uint32_t>(step);
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < count; t += blockDim.x) *reinterpret_cast<float*>(meta[t].step) += 1.f;
 }
 
-using AdamKernel = void (*)(const AdamMeta*, int, int64_t, AdamScalars);
+using AdamKernel = void (*)(const AdamMeta*, const TensorConsts*, int, int64_t, AdamScalars);
 
 template <int PDT, int GDT, int MODE>
 AdamKernel pick_s(int32_t sdt) {
@@ -371,6 +493,13 @@ int32_t common_head(const int64_t (&ptrs)[6], const int (&sizes)[6]) {
 }
 
 int esize(const at::Tensor& t) { return static_cast<int>(t.element_size()); }
+// Compact moments: 0 when element 0 of every buffer is aligned for the lanes' 8-element accesses
+// (16 bytes for 16/32-bit buffers, 8 for 8-bit codes and corrections, 4 for 4-bit codes), else -1.
+int32_t compact_head(const int64_t (&ptrs)[6], const int (&sizes)[6], bool mom4) {
+  const int64_t need[6] = {16, 1, mom4 ? 4 : 8, 8, 16, sizes[5] == 1 ? 8 : 16};  // grad: load8_shifted
+  for (int k = 0; k < 6; ++k) if (ptrs[k] % need[k] != 0) return -1;
+  return 0;
+}
 
 }  // namespace
 
@@ -427,10 +556,10 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
     a.sv = exp_avg_sq_scales.empty() ? 0 : addr(exp_avg_sq_scales[i]);
     a.numel = params[i].numel();
     a.chunk_begin = L.chunks;
-    const int64_t ptrs[6] = {a.p, a.g, a.m, a.v, a.vmax, a.master};
+    const int64_t ptrs[6] = {a.p, 0, a.m, a.v, a.vmax, a.master};  // any grad offset: load8_shifted
     const int sizes[6] = {esize(params[i]), esize(grads[i]), esize(exp_avgs[i]), esize(exp_avg_sqs[i]), 4,
                           masters.empty() ? 4 : esize(masters[i])};
-    a.head = common_head(ptrs, sizes);
+    a.head = L.sdt == kMom8 || L.sdt == kMom4 ? compact_head(ptrs, sizes, L.sdt == kMom4) : common_head(ptrs, sizes);
     a.offset = static_cast<int64_t>(offset_of(elem_offsets, i));
     a.stream = stream_of(stream_ids, i);
     L.chunks += (a.numel + kChunk - 1) / kChunk;
@@ -449,18 +578,22 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
   s.sr = stochastic_rounding;
   s.seed = static_cast<uint32_t>(seed);
   auto stream = at::cuda::getCurrentCUDAStream();
+  // the step's per-tensor constants: a stream-ordered scratch buffer (from the graph pool under capture)
+  const int count = static_cast<int>(n);
+  at::Tensor scratch = at::empty({static_cast<int64_t>(n * sizeof(TensorConsts))},
+                                 params[0].options().dtype(at::kByte));
+  auto* consts = reinterpret_cast<TensorConsts*>(scratch.data_ptr());
+  prep_kernel<<<1, kPrepBlock, 0, stream>>>(meta, count, s, consts);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   for (const Launch& L : launches) {
     if (L.chunks == 0) continue;
-    pick(L.pdt, L.gdt, L.sdt, master_mode)<<<grid_for(L.chunks, 8), kAdamBlock, 0, stream>>>(meta + L.first, L.count,
-                                                                                             L.chunks, s);
+    pick(L.pdt, L.gdt, L.sdt, master_mode)<<<grid_for(L.chunks, 8), kAdamBlock, 0, stream>>>(
+        meta + L.first, consts + L.first, L.count, L.chunks, s);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  const int count = static_cast<int>(n);
-  bump_steps_kernel<<<(count + 255) / 256, 256, 0, stream>>>(meta, count, s.found_inf);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace cuda
 }  // namespace mpkern
 
-// registered by csrc/ops.cpp (the schema's codecs parsed there; see csrc/kernels.h)
+TORCH_LIBRARY_IMPL(mpkern, CUDA, m) { m.impl("adamw_step_", &mpkern::cuda::adamw_step_cuda_); }

@@ -177,6 +177,53 @@ __device__ __forceinline__ void store8(void* base, int64_t i, const float (&x)[8
   }
 }
 
+// Words Q.. of w shifted right by s bits (0 or 16) across word boundaries: out[k] = bits 32(Q+k)+s.. of w.
+template <int Q, int NW, int NO>
+__device__ __forceinline__ void shift_words(const uint32_t (&w)[NW], uint32_t s, uint32_t (&out)[NO]) {
+#pragma unroll
+  for (int k = 0; k < NO; ++k) out[k] = __funnelshift_r(w[Q + k], w[Q + k + 1 < NW ? Q + k + 1 : NW - 1], s);
+}
+
+// Eight elements starting at element i of a read-only buffer that need not be 16-byte aligned there
+// (a grad that is a view at an offset: DDP bucket views, flat buffers), next to buffers that are:
+// the aligned 16-byte blocks holding them are loaded whole (two for 16-bit elements, three for
+// fp32; each holds at least one of the eight, so nothing outside the buffer's own blocks is read)
+// and the bytes shifted into place. The byte offset is the same for every element of a tensor, so
+// the switch is warp-uniform; an aligned i takes load8.
+template <int DT>
+__device__ __forceinline__ void load8_shifted(const void* base, int64_t i, float (&x)[8]) {
+  const char* a = static_cast<const char*>(base) + i * elem_bytes<DT>();
+  const int o = static_cast<int>(reinterpret_cast<uintptr_t>(a) & 15);
+  if (o == 0) {
+    load8<DT>(base, i, x);
+    return;
+  }
+  constexpr int NB = DT == kF32 ? 3 : 2, NW = 4 * NB, NO = DT == kF32 ? 8 : 4;
+  const uint4* blk = reinterpret_cast<const uint4*>(a - o);
+  uint32_t w[NW], out[NO];
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    const uint4 r = blk[b];
+    w[4 * b] = r.x; w[4 * b + 1] = r.y; w[4 * b + 2] = r.z; w[4 * b + 3] = r.w;
+  }
+  const uint32_t s = static_cast<uint32_t>(o & 3) * 8u;
+  switch (o >> 2) {
+    case 0: shift_words<0>(w, s, out); break;
+    case 1: shift_words<1>(w, s, out); break;
+    case 2: shift_words<2>(w, s, out); break;
+    default: shift_words<3>(w, s, out); break;
+  }
+  if constexpr (DT == kF32) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) x[k] = __uint_as_float(out[k]);
+  } else {
+    uint16_t h[8];
+    unpack16(make_uint4(out[0], out[1], out[2], out[3]), h);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) x[k] = DT == kBF16 ? bf16_to_f32(h[k]) : f16_to_f32(h[k]);
+  }
+}
+
 __device__ __forceinline__ void load8_u16(const void* base, int64_t i, uint16_t (&h)[8]) {
   unpack16(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + i), h);
 }
