@@ -1,0 +1,165 @@
+"""SASS instructions per element of the compact-moment AdamW CUDA kernel's main loop (no GPU needed).
+
+Compiles csrc/cuda/adamw_cuda.cu of a tree (the working tree, or a git revision with --rev) to a
+cubin for one arch with nvcc, disassembles it with cuobjdump, and counts the instructions of the
+main loop of the named kernel instances (static count: every instruction between the loop's head
+and its backward branch; out-of-line slow paths -- the IEEE divide/sqrt fallbacks that are CALLs --
+are not in it, cold branches inside it are). The main loop is the innermost loop that has the
+group-amax shuffles and the widest global loads. Per element = loop instructions / elements each
+thread updates per iteration (1 in the one-element-per-lane kernel, kVE = 8 after).
+
+    python benchmarks/cuda_sass_count.py --arch sm_90            # working tree
+    python benchmarks/cuda_sass_count.py --arch sm_90 --rev HEAD # a revision
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# (label, PDT, GDT, SDT, MODE): bf16 params + bf16 grads, 8-bit master corrections
+INSTANCES = [("8bit+8bit", 2, 2, 8, 3), ("8bit+4bit_m", 2, 2, 9, 3)]
+
+
+def tool(name: str) -> str:
+    found = shutil.which(name)
+    if found:
+        return found
+    for d in [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin")]:
+        if os.path.isfile(os.path.join(d, name)):
+            return os.path.join(d, name)
+    import triton  # ships cuobjdump / nvdisasm
+
+    hits = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name))
+    if hits:
+        return hits[0]
+    sys.exit(f"{name} not found (PATH, CUDA_HOME/bin, triton's bundled tools)")
+
+
+def compile_cubin(src_root: str, arch: str, out: str) -> str:
+    from torch.utils.cpp_extension import include_paths
+
+    incs = [f"-I{p}" for p in include_paths()]
+    incs += [f"-I{os.path.join(src_root, 'csrc')}", f"-I{os.path.join(src_root, 'csrc', 'include')}"]
+    try:
+        import nvidia  # pip CUDA headers (cusparse.h), after the toolkit's as in setup.py
+
+        for r in nvidia.__path__:
+            for sub in ("cu13", "cu12"):
+                if os.path.isfile(os.path.join(r, sub, "include", "cusparse.h")):
+                    incs += ["-isystem", os.path.join(r, sub, "include")]
+    except ImportError:
+        pass
+    cmd = [tool("nvcc"), "-cubin", f"-arch={arch}", "-O3", "--fmad=false", "--expt-relaxed-constexpr", "-std=c++20",
+           "-Xptxas", "-v", "-DMPKERN_WITH_CUDA=1", *incs, "-o", out,
+           os.path.join(src_root, "csrc", "cuda", "adamw_cuda.cu")]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        sys.exit(res.stderr[-4000:])
+    return res.stderr  # ptxas -v report
+
+
+def elems_per_iteration(src_root: str) -> int:
+    text = open(os.path.join(src_root, "csrc", "cuda", "adamw_cuda.cu")).read()
+    if "adam_mom_chunk" not in text:
+        return 1  # one element per lane
+    ve = int(re.search(r"constexpr int kVE = (\d+);", text).group(1))
+    un = re.search(r"constexpr int kMomUnroll = (\d+);", text)  # passes per iteration, if unrolled
+    return ve * (int(un.group(1)) if un else 1)
+
+
+def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
+    out: dict[str, list[tuple[int, str]]] = {}
+    cur = None
+    for line in sass.splitlines():
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            cur = out.setdefault(m.group(1), [])
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m and cur is not None:
+            cur.append((int(m.group(1), 16), m.group(2).strip()))
+    return out
+
+
+def loops(ins: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    res = []
+    for addr, text in ins:
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) <= addr:
+            res.append((int(m.group(1), 16), addr))
+    return [lp for lp in res if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in res)]
+
+
+def width(text: str) -> int:
+    m = re.search(r"\b(?:LDG|STG|LD|ST)\.E(?:\.\w+)*?\.(128|64|U8|S8|U16|S16)\b", text)
+    return {"128": 16, "64": 8, "U8": 1, "S8": 1, "U16": 2, "S16": 2}.get(m.group(1), 4) if m else 4
+
+
+def stats(body: list[str]) -> dict[str, int]:
+    body = [t for t in body if not re.search(r"\bNOP\b", t)]
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body]
+    s = {"instructions": len(body)}
+    for k in ("MUFU", "SHFL", "FCHK", "CALL"):
+        s[k] = sum(o.startswith(k) for o in ops)
+    # global (LDG/STG) and generic (LD/ST: addresses read from a table) accesses
+    s["loads"] = sum(bool(re.match(r"LDG?\.", o)) for o in ops)
+    s["stores"] = sum(bool(re.match(r"STG?\.", o)) for o in ops)
+    s["load_bytes"] = sum(width(t) for t, o in zip(body, ops) if re.match(r"LDG?\.", o))
+    return s
+
+
+def main_loop(ins: list[tuple[int, str]]) -> dict[str, int]:
+    best = None
+    for lo, hi in loops(ins):
+        body = [t for a, t in ins if lo <= a <= hi]
+        if not any("SHFL" in t for t in body):
+            continue
+        key = (max((width(t) for t in body if re.search(r"\bLDG?\.", t)), default=0), len(body))
+        if best is None or key > best[0]:
+            best = (key, body)
+    if best is None:
+        sys.exit("no loop with shuffles found")
+    return stats(best[1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--rev", default=None, help="git revision of csrc/ (default: the working tree)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        src_root = ROOT
+        if args.rev:
+            src_root = os.path.join(tmp, "tree")
+            os.makedirs(src_root)
+            arch = subprocess.run(["git", "-C", ROOT, "archive", args.rev, "csrc"], capture_output=True, check=True)
+            subprocess.run(["tar", "-x", "-C", src_root], input=arch.stdout, check=True)
+        cubin = os.path.join(tmp, "k.cubin")
+        ptxas = compile_cubin(src_root, args.arch, cubin)
+        per = elems_per_iteration(src_root)
+        sass = subprocess.run([tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    funcs = functions(sass)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", ptxas)]
+    n_spill = sum(1 for a, b in spills if int(a) or int(b))
+    print(f"{args.rev or 'working tree'} {args.arch}: {len(regs)} kernels, {n_spill} with spills, "
+          f"registers max {max(regs)}")
+    for label, pdt, gdt, sdt, mode in INSTANCES:
+        tag = f"adamw_kernelILi{pdt}ELi{gdt}ELi{sdt}ELi{mode}E"
+        name = next(n for n in funcs if tag in n)
+        s = main_loop(funcs[name])
+        extra = ", ".join(f"{k} {v / per:.2f}" for k, v in s.items() if k != "instructions")
+        print(f"  {label:12s} main loop {s['instructions']} instr / {per} elem per thread = "
+              f"{s['instructions'] / per:.1f} instr/elem  (per elem: {extra})")
+
+
+if __name__ == "__main__":
+    main()
