@@ -19,7 +19,6 @@
 // references so a cache never keeps grads alive between steps.
 #include "fastpath.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <Python.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -65,17 +64,6 @@ struct DictSnapshot {
     return true;
   }
 };
-
-const c10::TypedOperatorHandle<AdamwStepOp>& adamw_op() {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mpkern::adamw_step_", "").typed<AdamwStepOp>();
-  return op;
-}
-
-const c10::TypedOperatorHandle<GradStatsOp>& grad_stats_op() {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mpkern::grad_stats", "").typed<GradStatsOp>();
-  return op;
-}
 
 inline bool has_python_key(const at::Tensor& t) { return t.key_set().has(c10::DispatchKey::Python); }
 
@@ -215,7 +203,7 @@ class StepCache {
 
   std::tuple<at::Tensor, at::Tensor> grad_stats(const at::Tensor& inv_scale) {
     py::gil_scoped_release nogil;
-    return grad_stats_op().call(stats_, inv_scale);
+    return grad_stats_handle().call(stats_, inv_scale);
   }
 
   // One mpkern::adamw_step_ call over bucket bi; true when it moved the version counter of the
@@ -232,7 +220,7 @@ class StepCache {
     }
     const int64_t v0 = b.params.empty() ? 0 : b.params[0]._version();
     py::gil_scoped_release nogil;
-    adamw_op().call(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.masters, b.steps, grad_factor,
+    adamw_step_handle().call(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.masters, b.steps, grad_factor,
                     found_inf, lr_tensor, sm, sv, lr, beta1, beta2, eps, weight_decay, maximize, b.master_codec,
                     b.moment_codec, stochastic_rounding, seed, b.stream_ids, b.elem_offsets);
     return !b.params.empty() && b.params[0]._version() != v0;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <optional>
 #include <tuple>
@@ -24,6 +25,10 @@ using AdamwStepOp = void(at::TensorList params, at::TensorList grads, at::Tensor
 
 // mpkern::grad_stats as the dispatcher calls it.
 using GradStatsOp = std::tuple<at::Tensor, at::Tensor>(at::TensorList grads, const at::Tensor& inv_scale);
+
+// Typed dispatcher handles of the registered ops (csrc/ops.cpp), for C++ callers (csrc/fastpath.cpp).
+const c10::TypedOperatorHandle<AdamwStepOp>& adamw_step_handle();
+const c10::TypedOperatorHandle<GradStatsOp>& grad_stats_handle();
 
 // The kernels' own entry points (the master codec already parsed into a MasterMode, see
 // adamw_common.h); csrc/cpu/adamw_cpu.cpp and csrc/cuda/adamw_cuda.cu define them.

@@ -67,8 +67,46 @@ void adamw_step_op(at::TensorList params, at::TensorList grads, at::TensorList e
          beta1, beta2, eps, weight_decay, maximize, mode, stochastic_rounding, seed, stream_ids, elem_offsets,
          exp_avg_scales, exp_avg_sq_scales);
 }
+// The Autograd kernels: the ops are not differentiable (nothing to record), so they go straight to
+// the device kernel. Without them the dispatcher's boxed autograd fallback would box every tensor
+// list (7 lists of one entry per param) on each call -- most of a cached step's host time.
+void adamw_step_autograd(c10::DispatchKeySet ks, at::TensorList params, at::TensorList grads,
+                         at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                         at::TensorList masters, at::TensorList steps, const at::Tensor& grad_factor,
+                         const at::Tensor& found_inf, const std::optional<at::Tensor>& lr_tensor,
+                         const std::optional<at::TensorList>& exp_avg_scales,
+                         const std::optional<at::TensorList>& exp_avg_sq_scales, double lr, double beta1,
+                         double beta2, double eps, double weight_decay, bool maximize, c10::string_view master_codec,
+                         c10::string_view moment_codec, bool stochastic_rounding, int64_t seed,
+                         at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets) {
+  adamw_step_handle().redispatch(ks & c10::after_autograd_keyset, params, grads, exp_avgs, exp_avg_sqs,
+                                 max_exp_avg_sqs, masters, steps, grad_factor, found_inf, lr_tensor, exp_avg_scales,
+                                 exp_avg_sq_scales, lr, beta1, beta2, eps, weight_decay, maximize, master_codec,
+                                 moment_codec, stochastic_rounding, seed, stream_ids, elem_offsets);
+}
+
+std::tuple<at::Tensor, at::Tensor> grad_stats_autograd(c10::DispatchKeySet ks, at::TensorList grads,
+                                                       const at::Tensor& inv_scale) {
+  return grad_stats_handle().redispatch(ks & c10::after_autograd_keyset, grads, inv_scale);
+}
 }  // namespace
+
+const c10::TypedOperatorHandle<AdamwStepOp>& adamw_step_handle() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mpkern::adamw_step_", "").typed<AdamwStepOp>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<GradStatsOp>& grad_stats_handle() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mpkern::grad_stats", "").typed<GradStatsOp>();
+  return op;
+}
 }  // namespace mpkern
+
+TORCH_LIBRARY_IMPL(mpkern, Autograd, m) {
+  m.impl("adamw_step_", &mpkern::adamw_step_autograd);
+  m.impl("grad_stats", &mpkern::grad_stats_autograd);
+}
 
 TORCH_LIBRARY_IMPL(mpkern, CPU, m) {
   m.impl("adamw_step_", static_cast<mpkern::AdamwStepOp*>(&mpkern::adamw_step_op<&mpkern::cpu::adamw_step_cpu_>));
