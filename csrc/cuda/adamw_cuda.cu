@@ -110,8 +110,7 @@ __device__ __forceinline__ void store_w(const AdamMeta& t, int64_t i, float p, u
 template <int PDT, int GDT, int SDT, int MODE>
 __device__ __forceinline__ void adam_scalar(const AdamMeta& t, int64_t i, const AdamWConsts& cs, float factor,
                                             bool sr, const RngKeys& keys) {
-  void* M = reinterpret_cast<void*>(t.m);
-  void* V = reinterpret_cast<void*>(t.v);
+  void *M = reinterpret_cast<void*>(t.m), *V = reinterpret_cast<void*>(t.v);
   float* VMAX = reinterpret_cast<float*>(t.vmax);
   const uint64_t e = static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i);
   const bool w0 = needs_word0<PDT, SDT, MODE>(sr);
@@ -223,8 +222,9 @@ __device__ __forceinline__ void mom_load(const AdamMeta& t, int64_t i, int64_t e
   const uint8_t* __restrict__ CM = reinterpret_cast<const uint8_t*>(t.m);
   const uint8_t* __restrict__ CV = reinterpret_cast<const uint8_t*>(t.v);
   const void* G = reinterpret_cast<const void*>(t.g);
-  x.sm = bf16_to_f32(reinterpret_cast<const uint16_t*>(t.sm)[i / kMom8Group]);
-  x.sv = bf16_to_f32(reinterpret_cast<const uint16_t*>(t.sv)[i / kMom8Group]);
+  const bool in = WIDE || i < end;  // a lane past the end reads no scale (its group may not exist)
+  x.sm = in ? bf16_to_f32(reinterpret_cast<const uint16_t*>(t.sm)[i / kMom8Group]) : 0.f;
+  x.sv = in ? bf16_to_f32(reinterpret_cast<const uint16_t*>(t.sv)[i / kMom8Group]) : 0.f;
   if constexpr (WIDE) {
     load8_shifted<GDT>(G, i, x.g);
     load8_w<PDT, MODE>(t, i, x.w);
