@@ -97,14 +97,14 @@ def _fake_adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, mas
                                                         f"'4bit_m', got {moment_codec!r}")
     code = MOMENT_CODECS[moment_codec]
     for i, m in enumerate(exp_avgs):
-        torch._check(m.dtype == code, lambda: f"{op}: moment_codec {moment_codec!r} needs {code} exp_avgs; "
-                                              f"exp_avgs[{i}] is {m.dtype}")
+        torch._check(m.dtype == code, lambda i=i, m=m: f"{op}: moment_codec {moment_codec!r} needs {code} exp_avgs; "
+                                                       f"exp_avgs[{i}] is {m.dtype}")
     sm, sv = exp_avg_scales, exp_avg_sq_scales
     if moment_codec in ("8bit", "4bit_m"):
         torch._check(not max_exp_avg_sqs, lambda: f"{op}: amsgrad is not supported with 8-bit moments")
         torch._check(sm is not None and sv is not None and len(sm) == len(params) and len(sv) == len(params),
                      lambda: f"{op}: 8-bit moments need exp_avg_scales and exp_avg_sq_scales, one per param")
-        for i, p in enumerate(params):
+        for i in range(len(params)):
             torch._check(exp_avg_sqs[i].dtype == torch.uint8, lambda: (
                 f"{op}: 8-bit moments are int8 exp_avgs (4-bit: uint8) and uint8 exp_avg_sqs"))
             torch._check(sm[i].dtype == torch.bfloat16 and sv[i].dtype == torch.bfloat16,
@@ -114,11 +114,10 @@ def _fake_adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, mas
             f"{op}: exp_avg_scales and exp_avg_sq_scales must be empty unless the moments are 8-bit"))
     if master_codec == "8bit":
         for i, p in enumerate(params):
-            torch._check(p.dtype in (torch.bfloat16, torch.float16), lambda: (
+            torch._check(p.dtype in (torch.bfloat16, torch.float16), lambda i=i, p=p: (
                 f"{op}: master_codec '8bit' (8-bit master corrections) needs bfloat16 or float16 params; "
                 f"params[{i}] is {p.dtype}"))
             torch._check(masters[i].dtype == torch.int8, lambda: f"{op}: 8-bit master corrections must be int8")
-    return None
 
 
 torch.library.register_fake("mpkern::grad_stats")(_fake_grad_stats)

@@ -6,7 +6,8 @@ grads at offsets 1, 3, 5 and 8 elements into a buffer gives exactly the bits of 
 the same grad values in fresh (aligned) tensors, and the paths agree with each other bit for bit --
 for fp32 / bf16 moments and the 8-bit and 4-bit compact moments, fp32 / bf16 / fp16 grads. (The CUDA
 kernel loads such a grad through aligned 16-byte blocks and shifts instead of dropping the tensor to
-its scalar path; this is what checks it on a GPU.)
+its scalar path; this is what checks it on a GPU. The Triton plan keeps such a tensor's aligned
+rows, only its grad loses the 16-byte hint: checked on its plan below.)
 """
 
 from __future__ import annotations
@@ -17,14 +18,8 @@ from functools import partial
 import pytest
 import torch
 
-from conftest import DEVICE, available_backends
+from conftest import DEVICE, available_backends, call_adamw_op
 from mpkern import _backend, _ops, reference
-
-try:
-    from conftest import call_adamw_op
-except ImportError:  # the positional op schema
-    def call_adamw_op(op, *legacy):
-        return op(*legacy)
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 SIZES = (300, 1000, 4099)
@@ -136,3 +131,22 @@ def test_offset_grads_same_bits_as_aligned_on_every_path(mode, pdt, kind, sr):
         for key in ("p", "m", "v", "w", "sm", "sv"):
             for i, (a, b) in enumerate(zip(first[1][key], views[key])):
                 assert torch.equal(_bits(a), _bits(b)), f"{path} vs {first[0]}: {key}[{i}] differs"
+
+
+@pytest.mark.parametrize("sdt", [F32, torch.int8])
+def test_triton_plan_keeps_the_aligned_rows_of_a_misaligned_grad(sdt):
+    pytest.importorskip("triton")
+    from mpkern.triton_kernels import adamw as tadamw
+
+    n = 4096
+    p = torch.zeros(n, dtype=BF16)
+    g = torch.zeros(n + 8, dtype=BF16)[3:3 + n]  # 6 bytes past a 16-byte boundary
+    m = torch.zeros(n, dtype=sdt)
+    v = torch.zeros(n, dtype=F32 if sdt == F32 else torch.uint8)
+    w = torch.zeros(n, dtype=F32)
+    scales = ([torch.zeros(n // 32, dtype=BF16)], [torch.zeros(n // 32, dtype=BF16)]) if sdt == torch.int8 else ((), ())
+    _table, launches = tadamw._build_plan([p], [g], [m], [v], [], [w], (), (), torch.device("cpu"), *scales)
+    aligned = [(al, gal, rows) for *_k, al, gal, _first, rows in launches if al]
+    assert aligned and all(not gal for _al, gal, _rows in aligned)  # the body stays aligned, its grad is not
+    _table, launches = tadamw._build_plan([p], [g.clone()], [m], [v], [], [w], (), (), torch.device("cpu"), *scales)
+    assert all(gal == al for *_k, al, gal, _first, _rows in launches)

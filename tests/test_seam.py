@@ -18,7 +18,7 @@ from conftest import DEVICE
 
 import mpkern
 from mpkern import _backend, _handoff, amp
-from mpkern.optim.trace import module_key, modules_run
+from mpkern.optim.trace import module_key
 
 ROOT = pathlib.Path(mpkern.__file__).parent
 NATIVE_CACHE = _backend.native() is not None and hasattr(_backend.native(), "StepCache")

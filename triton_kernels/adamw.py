@@ -233,15 +233,17 @@ def _adamw_kernel(
     found_ptr,  # float32 [1]
     one_m_b1, beta2, one_m_b2, eps, seed,
     PDT: tl.constexpr, GDT: tl.constexpr, SDT: tl.constexpr, MODE: tl.constexpr, AMSGRAD: tl.constexpr,
-    MAXIMIZE: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr, ROW: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK: tl.constexpr,
+    MAXIMIZE: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr, GRAD_ALIGNED: tl.constexpr, ROW: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):
     item = tl.program_id(0).to(tl.int64)
     found = tl.load(found_ptr)
     if found == 0.0:
         base = table_ptr + item * ROW
         p_ptr = _ptr_at(base, 0, PDT, ALIGNED)
-        g_ptr = _ptr_at(base, 1, GDT, ALIGNED)
+        # a grad view at another alignment (DDP bucket views, flat buffers) is only read: it loses
+        # the 16-byte hint, the param and the state keep it
+        g_ptr = _ptr_at(base, 1, GDT, ALIGNED and GRAD_ALIGNED)
         m_ptr = _ptr_at(base, 2, SDT, ALIGNED)
         v_ptr = _ptr_at(base, 3, SDT, ALIGNED)
         begin = tl.load(base + 6)
@@ -413,10 +415,12 @@ def _addr(t: torch.Tensor | None) -> int:
 
 def _build_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, stream_ids, elem_offsets, device,
                 exp_avg_scales=(), exp_avg_sq_scales=()):
-    """(device table, launches) for one layout; launches: (pdt, gdt, sdt, aligned, first row, rows).
-    8-bit moments (sdt MOM8): rows start at element 0 (no head shift) and at multiples of 32, so a
-    group of 32 never straddles two rows; the aligned rows end at the last multiple of 32."""
-    groups: dict[tuple[int, int, int, bool], list[list[int]]] = {}
+    """(device table, launches) for one layout; launches: (pdt, gdt, sdt, aligned, grad aligned, first
+    row, rows). The aligned body starts where the param and its state are 16-byte aligned; the grad,
+    read only, may sit at another alignment (its rows say so). 8-bit moments (sdt MOM8): rows start
+    at element 0 (no head shift) and at multiples of 32, so a group of 32 never straddles two rows;
+    the aligned rows end at the last multiple of 32."""
+    groups: dict[tuple[int, int, int, bool, bool], list[list[int]]] = {}
     for i, p in enumerate(params):
         n = p.numel()
         if not n:
@@ -425,7 +429,8 @@ def _build_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, 
                 masters[i] if masters else None]
         addrs = [_addr(b) for b in bufs]
         sizes = [4 if b is None else b.element_size() for b in bufs]
-        head = common_head(list(zip(addrs, sizes)), VEC)
+        head = common_head([(a, es) for k, (a, es) in enumerate(zip(addrs, sizes)) if k != 1], VEC)
+        grad_al = head >= 0 and (addrs[1] + head * sizes[1]) % 16 == 0
         mom4 = exp_avgs[i].dtype == torch.uint8  # 4-bit exp_avg, two codes per byte
         mom8 = exp_avgs[i].dtype == torch.int8 or mom4
         key = (_CODES[p.dtype], _CODES[grads[i].dtype],
@@ -443,7 +448,7 @@ def _build_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, 
             offset = elem_offsets[i] if elem_offsets else 0
             row = [a + shift * es if a else 0 for a, es in zip(addrs, sizes)] + [b, e, i, shift, stream, offset]
             row += scales
-            groups.setdefault(key + (al,), []).append(row)
+            groups.setdefault(key + (al, al and grad_al), []).append(row)
     rows: list[list[int]] = []
     launches = []
     for key, grp in sorted(groups.items()):
@@ -490,12 +495,12 @@ def _adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, 
     decay = decay.expand(n) if isinstance(decay, torch.Tensor) else torch.full_like(step_new, decay)
     consts = torch.stack([step_size, inv_bc2, decay], dim=1).to(torch.float32).contiguous()
     step_i32 = step_new.to(torch.int32)
-    for pdt, gdt, sdt, al, first, rows in launches:
+    for pdt, gdt, sdt, al, gal, first, rows in launches:
         _adamw_kernel[(rows,)](
             table[first:], consts, step_i32, grad_factor, found_inf,
             1.0 - beta1, beta2, 1.0 - beta2, eps, int(seed) & 0xFFFFFFFF,
             PDT=pdt, GDT=gdt, SDT=sdt, MODE=int(master_mode), AMSGRAD=bool(max_exp_avg_sqs),
             MAXIMIZE=bool(maximize), SR=bool(stochastic_rounding) and pdt == 2 and int(master_mode) == 0,
-            ALIGNED=al, ROW=_ROW, CHUNK=CHUNK,
+            ALIGNED=al, GRAD_ALIGNED=gal, ROW=_ROW, CHUNK=CHUNK,
             BLOCK=BLOCK, enable_fp_fusion=False)
     torch._foreach_add_(list(steps), ok)
