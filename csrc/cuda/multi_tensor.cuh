@@ -5,8 +5,8 @@
 // bytes: a step over the same tensors (same storage, sizes, dtypes) finds the table built by an
 // earlier step, so there is no host-to-device copy per call, and a CUDA graph can capture the
 // kernels (the table a graph uses stays allocated for the life of the process). Params that move
-// to new storage, a new param group or new grads give new bytes: a new table is built, outside a
-// capture; inside one it is an error that says why.
+// to new storage, a new param group or new grads give new bytes: a new table is built -- inside a
+// capture (grads first allocated in the graph's pool), beside it (csrc/cuda/table_cache.cpp).
 //
 // Each block takes chunks in a grid-stride loop and finds its tensor by binary search over
 // `chunk_begin`. All element indexing is int64, so a tensor over 2^31 elements works.
@@ -28,8 +28,8 @@ constexpr int64_t kChunk = 1 << 16;  // elements per work item (multiple of 8: c
 constexpr int kBlock = 512;
 
 // The device copy of `bytes` on `device` (the current device), from the cache if this exact
-// table was built before. Raises (naming the reason) if it must be built during a CUDA graph
-// capture. Thread-safe.
+// table was built before; one first needed during a CUDA graph capture is built beside the capture
+// and kept (csrc/cuda/table_cache.cpp). Thread-safe.
 const void* cached_table(c10::Device device, const void* bytes, size_t nbytes);
 
 template <typename Row>
