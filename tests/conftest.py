@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -75,3 +76,26 @@ def call_adamw_op(op, *legacy):
     backend)``) called with :func:`adamw_op_args`."""
     args, kwargs = adamw_op_args(*legacy)
     return op(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def kernel_path(path: str):
+    """Select a kernel path by name and yield its backend: "cpu-scalar" (the C++ CPU kernel without
+    SIMD), "cpu-avx2" (MPKERN_CPU_AVX512=0, read by the kernel on every call), or any backend name
+    as it is ("cpu": AVX-512 where the CPU has it). The previous setting is restored."""
+    ext = _backend.native()
+    old = os.environ.get("MPKERN_CPU_AVX512")
+    if path == "cpu-scalar":
+        ext.set_cpu_simd(False)
+    elif path == "cpu-avx2":
+        os.environ["MPKERN_CPU_AVX512"] = "0"
+    try:
+        yield "cpu" if path.startswith("cpu") else path
+    finally:
+        if path == "cpu-scalar":
+            ext.set_cpu_simd(True)
+        elif path == "cpu-avx2":
+            if old is None:
+                del os.environ["MPKERN_CPU_AVX512"]
+            else:
+                os.environ["MPKERN_CPU_AVX512"] = old

@@ -11,21 +11,14 @@ on every backend, not the libm/device ``pow`` (whose last bit differs between gl
 from __future__ import annotations
 
 import math
-import os
 from functools import partial
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import DEVICE, available_backends
-from mpkern import _backend, _ops, reference
-
-try:
-    from conftest import call_adamw_op
-except ImportError:  # the positional op schema
-    def call_adamw_op(op, *legacy):
-        return op(*legacy)
+from conftest import DEVICE, available_backends, call_adamw_op, kernel_path
+from mpkern import _ops, reference
 
 F32 = np.float32
 
@@ -76,29 +69,15 @@ def _paths():
 
 def _run(path, p, g, step, b1, b2, lr):
     """One fp32 AdamW step (params are their own masters, fp32 moments from 0) on one path."""
-    ext = _backend.native()
-    old = os.environ.get("MPKERN_CPU_AVX512")
-    if path == "cpu-scalar":
-        ext.set_cpu_simd(False)
-    elif path == "cpu-avx2":
-        os.environ["MPKERN_CPU_AVX512"] = "0"
-    try:
-        state = [[p.clone()], [g.clone()], [torch.zeros_like(p)], [torch.zeros_like(p)], [], [],
-                 [torch.full((), float(step - 1), device=DEVICE)]]
-        args = (*state, torch.tensor(1.0, device=DEVICE), torch.tensor(0.0, device=DEVICE), None,
-                lr, b1, b2, 1e-8, 0.0, False, 0, False, 7, [0], [0])
-        if path == "torch":
-            reference.adamw_step_(*args)
-        else:
-            call_adamw_op(partial(_ops.adamw_step_, path.split("-")[0]), *args)
-    finally:
-        if path == "cpu-scalar":
-            ext.set_cpu_simd(True)
-        elif path == "cpu-avx2":
-            if old is None:
-                del os.environ["MPKERN_CPU_AVX512"]
-            else:
-                os.environ["MPKERN_CPU_AVX512"] = old
+    state = [[p.clone()], [g.clone()], [torch.zeros_like(p)], [torch.zeros_like(p)], [], [],
+             [torch.full((), float(step - 1), device=DEVICE)]]
+    args = (*state, torch.tensor(1.0, device=DEVICE), torch.tensor(0.0, device=DEVICE), None,
+            lr, b1, b2, 1e-8, 0.0, False, 0, False, 7, [0], [0])
+    if path == "torch":
+        reference.adamw_step_(*args)
+    else:
+        with kernel_path(path) as backend:
+            call_adamw_op(partial(_ops.adamw_step_, backend), *args)
     return state[0][0].cpu()
 
 

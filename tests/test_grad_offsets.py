@@ -12,14 +12,13 @@ rows, only its grad loses the 16-byte hint: checked on its plan below.)
 
 from __future__ import annotations
 
-import os
 from functools import partial
 
 import pytest
 import torch
 
-from conftest import DEVICE, available_backends, call_adamw_op
-from mpkern import _backend, _ops, reference
+from conftest import DEVICE, available_backends, call_adamw_op, kernel_path
+from mpkern import _ops, reference
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 SIZES = (300, 1000, 4099)
@@ -70,26 +69,12 @@ def _state(mode, pdt, kind, gen):
 
 
 def _step(path, st, mode, sr):
-    ext = _backend.native()
-    old = os.environ.get("MPKERN_CPU_AVX512")
-    if path == "cpu-scalar":
-        ext.set_cpu_simd(False)
-    elif path == "cpu-avx2":
-        os.environ["MPKERN_CPU_AVX512"] = "0"
-    try:
+    with kernel_path(path) as backend:
         scales = (st["sm"], st["sv"]) if st["sm"] else (None, None)
-        call_adamw_op(partial(_ops.adamw_step_, path.split("-")[0]), st["p"], st["g"], st["m"], st["v"], [],
+        call_adamw_op(partial(_ops.adamw_step_, backend), st["p"], st["g"], st["m"], st["v"], [],
                       st["w"], st["t"], torch.tensor(0.5, device=DEVICE), torch.tensor(0.0, device=DEVICE), None,
                       1e-3, 0.9, 0.999, 1e-8, 0.01, False, mode, sr, 99, list(range(5, 5 + len(SIZES))),
                       [0, 2**32 - 600, 17], *scales)
-    finally:
-        if path == "cpu-scalar":
-            ext.set_cpu_simd(True)
-        elif path == "cpu-avx2":
-            if old is None:
-                del os.environ["MPKERN_CPU_AVX512"]
-            else:
-                os.environ["MPKERN_CPU_AVX512"] = old
     return st
 
 

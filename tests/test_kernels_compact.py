@@ -16,15 +16,13 @@ rounded bf16 moments, the 8-bit master correction (master_mode 3).
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 
 import pytest
 from functools import partial
 import torch
 
-from conftest import DEVICE, HAS_CUDA, available_backends, call_adamw_op
+from conftest import DEVICE, HAS_CUDA, available_backends, call_adamw_op, kernel_path
 from mpkern import _backend, _ops, reference
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -39,28 +37,6 @@ def _kernel_backends():
     if "cpu" in out:  # "cpu" is the AVX-512 path where the CPU has it; this one forces AVX2
         out.insert(out.index("cpu") + 1, "cpu-avx2")
     return out
-
-
-@contextlib.contextmanager
-def _cpu_path(backend):
-    """Select the C++ CPU kernel path: "cpu-scalar" (no SIMD), "cpu-avx2" (MPKERN_CPU_AVX512=0,
-    read by the kernel on every call) or the default (AVX-512 where the CPU has it)."""
-    ext = _backend.native()
-    old = os.environ.get("MPKERN_CPU_AVX512")
-    if backend == "cpu-scalar":
-        ext.set_cpu_simd(False)
-    elif backend == "cpu-avx2":
-        os.environ["MPKERN_CPU_AVX512"] = "0"
-    try:
-        yield "cpu" if backend.startswith("cpu") else backend
-    finally:
-        if backend == "cpu-scalar":
-            ext.set_cpu_simd(True)
-        elif backend == "cpu-avx2":
-            if old is None:
-                del os.environ["MPKERN_CPU_AVX512"]
-            else:
-                os.environ["MPKERN_CPU_AVX512"] = old
 
 
 def _rand(n, dtype, gen, scale=1.0):
@@ -116,7 +92,7 @@ def _clone(state):
 def _run(backend, state, *args, **kw):
     """One step on a kernel path; "cpu-scalar" / "cpu-avx2" are the C++ CPU kernel without SIMD /
     with AVX2 only."""
-    with _cpu_path(backend) as name:
+    with kernel_path(backend) as name:
         call_adamw_op(partial(_ops.adamw_step_, name), *_args(state, *args, **kw))
     return state
 
@@ -361,7 +337,7 @@ def test_cpu_simd_paths_bit_identical(mode, pdt, sdt, sr, amsgrad):
     out = {}
     for b in CPU_PATHS:
         st = [[t.clone() for t in lst] for lst in state0]
-        with _cpu_path(b) as name:
+        with kernel_path(b) as name:
             args = list(_args(st, mode, sr, streams, offsets))
             args[15] = mode == 1  # maximize
             call_adamw_op(partial(_ops.adamw_step_, name), *args)
@@ -567,7 +543,7 @@ def _args8(state, mode, sr, streams, offsets, found_inf=0.0, maximize=False, lr=
 
 
 def _run8(backend, state, *args, **kw):
-    with _cpu_path(backend) as name:
+    with kernel_path(backend) as name:
         call_adamw_op(partial(_ops.adamw_step_, name), *_args8(state, *args, **kw))
     return state
 
