@@ -51,6 +51,10 @@ class Pending(NamedTuple):
     reported: Tensor
     inf_norm: bool
 
+    def tightened(self, other: Pending) -> Pending:
+        """This one with ``other``'s clip too: the smaller coefficient wins, either found flag counts."""
+        return self._replace(coef=torch.minimum(other.coef, self.coef), found=torch.maximum(other.found, self.found))
+
 
 class ScalerInternals(NamedTuple):
     """What mpkern uses of a ``torch.amp.GradScaler`` beyond its public methods (see :func:`scaler_internals`).

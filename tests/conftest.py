@@ -19,7 +19,7 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import mpkern  # noqa: E402
-from mpkern import _backend  # noqa: E402
+from mpkern import _backend, _ops  # noqa: E402
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
@@ -52,8 +52,8 @@ def backend(request, monkeypatch):
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
-_MASTER_CODECS = {0: "none", 1: "fp32", 2: "remainder", 3: "8bit"}
-_MOMENT_CODECS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int8: "8bit", torch.uint8: "4bit_m"}
+_MASTER_CODECS = {mode: name for name, mode in _ops.MASTER_MODES.items()}
+_MOMENT_CODECS = {dtype: name for name, dtype in _ops.MOMENT_CODECS.items()}
 
 
 def adamw_op_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,

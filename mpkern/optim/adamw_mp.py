@@ -164,8 +164,6 @@ class FusedAdamWMP(torch.optim.Optimizer):
         return self._rt
 
     # ---- what a step leaves ---------------------------------------------------------------------
-    _pending = _live_attr("_pending", "What mpkern.unscale_ / clip_grad_norm_ left for the next step "
-                                      "(a mpkern._handoff.Pending).")
     last_grad_norm = _live_attr("last_grad_norm", "The global grad norm of the last step() (a device tensor; "
                                                   "None until a norm was computed).")
     last_found_inf = _live_attr("last_found_inf", "1.0 if the last step() was skipped for a non-finite grad, "
@@ -234,12 +232,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
         live, process_group = checkpoint.restore(state)
         super().__setstate__(state)
         checkpoint.upgrade_groups(self.defaults, self.param_groups)
-        rt = self.__dict__.get("_rt")
-        if rt is None:  # a copy or an unpickle
-            self._rt = Runtime(process_group, live)
-        else:  # Optimizer.load_state_dict's own call: this optimizer's runtime, what a step left dropped
-            rt.restart(live)
-        self._rt.stamp_all(self.state)
+        self._rt = Runtime.resumed(self.__dict__.get("_rt"), live, process_group, self.state)
 
     # ---- grads: clip, zero ---------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -255,10 +248,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
         """
         prev = self._rt.pending
         res = amp.unscale_(self, prev.inv if prev is not None else 1.0, max_norm=max_norm, norm_type=norm_type)
-        new = self._rt.pending
-        if prev is not None and new is not None:  # the unscale factor stays, the smallest coefficient wins
-            self._rt.leave(new._replace(coef=torch.minimum(prev.coef, new.coef),
-                                        found=torch.maximum(prev.found, new.found)))
+        if prev is not None and self._rt.pending is not None:  # the unscale factor stays
+            self._rt.leave(self._rt.pending.tightened(prev))
         return res.total_norm
 
     clip_grad_norm = clip_grad_norm_
@@ -334,7 +325,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
             rt.live["traced"] = True
         elif rt.live["traced"]:  # a compiled step ran since the last eager one
             rt.restamp_after_compiled(self.state)
-        fast = self._cached()
+        fast = (runtime.refresh(rt, self.param_groups, self.state)
+                if self._mpkern_step_cache and self._mpkern_check_writes else None)
         if fast is not None:
             try:
                 self._fast_step(fast)
@@ -343,13 +335,6 @@ class FusedAdamWMP(torch.optim.Optimizer):
             return loss
         self._full_step()
         return loss
-
-    def _cached(self) -> runtime.StepCache | None:
-        """The step cache, re-validated, when this step may use it (eager, not capturing, on)."""
-        if (torch.compiler.is_compiling() or not (self._mpkern_step_cache and self._mpkern_check_writes)
-                or _ops.capturing()):
-            return None
-        return runtime.refresh(self._rt, self.param_groups, self.state)
 
     def _fast_step(self, fc: runtime.StepCache) -> None:
         runtime.fast_step(self._rt, fc, self.max_grad_norm, getattr(self, "grad_scale", None),

@@ -70,13 +70,21 @@ class Runtime:
         #: ``cache``: the StepCache or None; ``misses``: invalidations in a row; ``storage``: see shares_storage
         self.work: dict[str, Any] = {"cache": None, "misses": 0, "storage": None}
 
-    def restart(self, live: dict[str, Any]) -> None:
-        """After a state load: what a step left replaced by ``live``, shard offsets and the cache dropped
-        (the process group and the attached scaler stay)."""
-        self.live.update(dict.fromkeys(LIVE_KEYS))
-        self.live.update(live)
-        self.offsets.clear()
-        self.drop_cache()
+    @classmethod
+    def resumed(cls, rt: Runtime | None, live: dict[str, Any], process_group: Any, params: Any) -> Runtime:
+        """The runtime after ``Optimizer.__setstate__``: for a copy or an unpickle (``rt`` None) a new
+        one with what the step left (``live``); for ``Optimizer.load_state_dict``'s own call ``rt``
+        itself, what a step left replaced by ``live``, shard offsets dropped (the process group and
+        the attached scaler stay). Either way every param of ``params`` is taken as written by us
+        (params and masters were copied together: they agree now)."""
+        if rt is None:
+            rt = cls(process_group, live)
+        else:
+            rt.live.update(dict.fromkeys(LIVE_KEYS))
+            rt.live.update(live)
+            rt.offsets.clear()
+        rt.stamp_all(params)
+        return rt
 
     # ---- what mpkern.unscale_ / clip_grad_norm_ leave, what a step reports ---------------------
     @property
@@ -292,11 +300,12 @@ def build(rt: Runtime, groups: list[dict[str, Any]], state: Any, prepared: list,
 
 
 def refresh(rt: Runtime, groups: list[dict[str, Any]], state: Any) -> StepCache | None:
-    """The step cache, re-validated (grads gathered), or None: take the full path. O(groups)
+    """The step cache, re-validated (grads gathered), or None: take the full path (also while
+    compiling or capturing a CUDA graph: those trace or record the full path). O(groups)
     Python checks here, then one C++ loop over the params (csrc/fastpath.cpp: param identities and
     stamps, grad presence/dtype/shape/contiguity, no main_grad, state dicts unchanged)."""
     fc = rt.work["cache"]
-    if fc is None:
+    if fc is None or torch.compiler.is_compiling() or _ops.capturing():
         return None
     ok = (groups is fc.groups_list and len(groups) == len(fc.groups) and state is fc.state
           and os.environ.get(_backend.ENV) == fc.forced)
