@@ -51,6 +51,19 @@ def main_grad_of(p: Tensor, main_grad: Tensor) -> Tensor:
     return main_grad
 
 
+def mark_feeds_main_grad(p: Tensor) -> None:
+    """Mark ``p`` as a weight whose gradient is accumulated into ``p.main_grad`` by a layer's own
+    backward (``mpkern.nn`` with ``fp32_main_grad=True``), not by autograd's AccumulateGrad."""
+    if not getattr(p, "_mpkern_feeds_main_grad", False):
+        p._mpkern_feeds_main_grad = True
+
+
+def feeds_main_grad(p: Tensor) -> bool:
+    """Whether ``p``'s gradient has gone to ``main_grad`` (see :func:`mark_feeds_main_grad`): no
+    post-accumulate-grad hook ever fires for it."""
+    return bool(getattr(p, "_mpkern_feeds_main_grad", False))
+
+
 def acceptable(g: Any) -> bool:
     """The cheap combined test of the hot loops: a dense floating-point tensor."""
     return isinstance(g, Tensor) and g.layout == torch.strided and g.dtype in FLOATS

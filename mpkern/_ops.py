@@ -239,6 +239,12 @@ def scalar_on(value: Tensor | float, device: torch.device) -> Tensor:
     return t
 
 
+def host_flag(flag: Tensor) -> bool:
+    """Read a 0-dim device flag (``found_inf``) back to the host: a synchronisation, so only where a
+    host decision cannot be avoided (gradient release skips its second backward pass on an overflow)."""
+    return bool(flag.item() != 0.0)
+
+
 def lr_args(lr: Tensor | float, device: torch.device) -> tuple[Tensor | None, float]:
     """The ``(lr_tensor, lr)`` arguments of ``adamw_step_`` for a group's ``lr`` on ``device``.
 

@@ -348,6 +348,15 @@ def check_step_scaler(pending: Any, grad_scale: Tensor | None, found_inf: Tensor
     return pending is None and grad_scale is not None and uses_main
 
 
+def step_inverse(grad_scale: Tensor | None, device: torch.device) -> Tensor:
+    """The step's unscale factor ``1 / grad_scale``: the reciprocal taken in fp64, as GradScaler does,
+    as a 0-dim float32 tensor on the scale's device; 1 on ``device`` without a scale. Gradient release
+    computes its pass-1 statistics with these bits, so its plan equals the regular step's."""
+    if grad_scale is None:
+        return _ops.scalar_on(1.0, device)
+    return grad_scale.double().reciprocal().float().reshape(())
+
+
 def plan_step(pending: Any, *, max_norm: float | None, grad_scale: Tensor | None, found_inf: Tensor | None,
               device: torch.device, stats: Callable[[Tensor], tuple[Tensor, Tensor]] | None) -> StepPlan:
     """The plan of one optimizer step, computed and returned (nothing is left anywhere).
@@ -361,8 +370,7 @@ def plan_step(pending: Any, *, max_norm: float | None, grad_scale: Tensor | None
     it: the smaller clip coefficient wins. GradScaler's ``found_inf`` is folded in last."""
     mnorm = _check_max_norm(max_norm)
     if pending is None:
-        inv = (grad_scale.double().reciprocal().float().reshape(()) if grad_scale is not None
-               else _ops.scalar_on(1.0, device))
+        inv = step_inverse(grad_scale, device)
         if stats is None:
             plan = StepPlan(inv, torch.zeros((), dtype=torch.float32, device=inv.device), None)
         else:

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _handoff
+from . import _grads, _handoff
 from .matmul import _IN_DTYPES, _fold, linear, matmul, matmul_accumulate_
 
 Tensor = torch.Tensor
@@ -64,6 +64,7 @@ class _LinearMainGrad(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, out_dtype: torch.dtype | None):
         ctx.save_for_backward(x)
         ctx.weight = weight  # the Parameter itself: main_grad lives on it
+        _grads.mark_feeds_main_grad(weight)  # its grad never passes AccumulateGrad (gradient release refuses it)
         ctx.bias_dtype = None if bias is None else bias.dtype
         return linear(x, weight, bias, out_dtype=out_dtype)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .. import _handoff, _ops, amp
-from . import buckets, checkpoint, runtime, storage, writes
+from . import buckets, checkpoint, release, runtime, storage, writes
 from .functional import fused_adamw_mp
 from .runtime import Runtime
 
@@ -142,6 +142,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
         stochastic_rounding: bool = False,
         seed: int = 0,
         process_group: Any = None,
+        release_grads: bool = False,
+        release_bucket_bytes: int | None = None,
     ) -> None:
         _check_adamw_args(lr, betas, eps, weight_decay, differentiable)
         ignored = [f"{k}={v!r}" for k, v in (("foreach", foreach), ("fused", fused)) if v is not None]
@@ -150,11 +152,15 @@ class FusedAdamWMP(torch.optim.Optimizer):
                           "kernel", UserWarning, stacklevel=2)
         state_dtype = _check_own_args(master_weights, state_dtype, max_grad_norm, stochastic_rounding)
         storage.check_amsgrad(amsgrad, state_dtype, "")
+        rel = _check_release_args(release_grads, release_bucket_bytes, process_group)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         capturable=capturable, max_grad_norm=max_grad_norm, master_weights=master_weights,
                         state_dtype=state_dtype, stochastic_rounding=stochastic_rounding, seed=int(seed))
         self._rt = Runtime(process_group)  # everything kept between steps (see .runtime)
+        self._rt.work["release"] = rel
         super().__init__(params, defaults)
+        if rel is not None:
+            rel.hook_params(self.param_groups, self._on_grad_ready)
 
     @property
     def mpkern_runtime(self) -> Runtime:
@@ -214,6 +220,50 @@ class FusedAdamWMP(torch.optim.Optimizer):
         except (ValueError, TypeError):
             self.param_groups.pop()  # nothing half-added
             raise
+        rel = self._rt.release
+        if rel is not None:  # None inside __init__: its params are hooked once it has made the groups
+            rel.hook_params(self.param_groups[-1:], self._on_grad_ready)
+
+    # ---- gradient release ---------------------------------------------------------------------
+    @property
+    def release_grads(self) -> bool:
+        """Whether the step runs inside backward (``release_grads=True``; see :meth:`backward`)."""
+        return self._rt.release is not None
+
+    @property
+    def release_bucket_bytes(self) -> int | None:
+        """Bytes of grads stepped together inside backward (None without ``release_grads``)."""
+        rel = self._rt.release
+        return None if rel is None else rel.bucket_bytes
+
+    def backward(self, loss: Tensor, scaler: torch.amp.GradScaler | None = None) -> None:
+        """``loss.backward()`` with the optimizer step inside it (``release_grads=True``): each bucket
+        of about ``release_bucket_bytes`` of grads is stepped as soon as it is ready and its grads are
+        freed, so the whole gradient is never alive. Bit-identical to ``loss.backward(); opt.step()``
+        (with ``scaler``: to ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``).
+
+        * No ``max_grad_norm`` and no ``scaler``: one backward pass.
+        * ``max_grad_norm`` set or a ``scaler`` given: two passes over the retained graph -- the first
+          only gathers the statistics (global norm, ``found_inf``, combined exactly as ``step()`` does),
+          the second steps with the known factor; on an overflow the second never runs, nothing
+          changes and the scaler is told (one host read of the flag between the passes).
+        * ``loss``: the *unscaled* loss -- with a ``scaler`` this scales it itself; call
+          ``scaler.update()`` afterwards as usual (``scaler.step(opt)`` in between is allowed and a no-op).
+
+        Afterwards every ``.grad`` is None, ``last_grad_norm`` / ``last_found_inf`` are set as ``step()``
+        sets them, and the next ``step()`` is a no-op. Refused before anything changes: a param that
+        already holds a grad (gradient accumulation), distributed training, ``mpkern.nn``
+        ``fp32_main_grad`` weights, params on several devices (see :mod:`mpkern.optim.release`).
+        """
+        rel = self._rt.release
+        if rel is None:
+            raise ValueError("FusedAdamWMP.backward needs release_grads=True (the step inside backward); with "
+                             "release_grads=False call loss.backward() and opt.step()")
+        release.backward(rel, self._rt, self.param_groups, self.state, self, loss, scaler)
+
+    def _on_grad_ready(self, p: Tensor) -> None:
+        """The post-accumulate-grad hook of every param of a release optimizer (held weakly)."""
+        release.on_grad(self._rt.release, self._rt, self.param_groups, self.state, p)
 
     def attach_grad_scaler(self, scaler: torch.amp.GradScaler) -> None:
         """Attach the ``GradScaler`` that steps this optimizer (kept weakly), so that an overflow only
@@ -229,10 +279,14 @@ class FusedAdamWMP(torch.optim.Optimizer):
         """A copy, an unpickle (a new runtime with what the step left) or a load (the runtime kept,
         what a step left dropped); groups saved by older versions given today's keys; every param
         taken as written by us (params and masters were copied together: they agree now)."""
-        live, process_group = checkpoint.restore(state)
+        live, process_group, release_bytes = checkpoint.restore(state)
         super().__setstate__(state)
         checkpoint.upgrade_groups(self.defaults, self.param_groups)
-        self._rt = Runtime.resumed(self.__dict__.get("_rt"), live, process_group, self.state)
+        rt = self.__dict__.get("_rt")
+        self._rt = Runtime.resumed(rt, live, process_group, self.state)
+        if rt is None and release_bytes is not None:  # a copy or an unpickle of a release optimizer
+            self._rt.work["release"] = release.Release(release_bytes)
+            self._rt.release.hook_params(self.param_groups, self._on_grad_ready)
 
     # ---- grads: clip, zero ---------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -316,6 +370,9 @@ class FusedAdamWMP(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        rel = self._rt.release
+        if rel is not None and rel.take_done():  # a released backward has stepped already
+            return loss
         if not self._mpkern_warned_autocast and not torch.compiler.is_compiling():
             self._mpkern_warned_autocast = _warn_if_autocast()
         rt = self._rt
@@ -451,6 +508,21 @@ def _check_own_args(master_weights: Any, state_dtype: Any, max_grad_norm: Any, s
         raise ValueError("stochastic_rounding applies to 16-bit params without master weights: "
                          "use it with master_weights=False")
     return name
+
+
+def _check_release_args(release_grads: Any, bucket_bytes: Any, process_group: Any) -> release.Release | None:
+    """Validate ``release_grads`` / ``release_bucket_bytes``; the optimizer's :class:`~.release.Release` or None."""
+    if not isinstance(release_grads, bool):
+        raise TypeError(f"release_grads must be a bool, got {type(release_grads).__name__}")
+    if not release_grads:
+        if bucket_bytes is not None:
+            release.check_bucket_bytes(bucket_bytes)
+            raise ValueError("release_bucket_bytes is given but release_grads=False")
+        return None
+    if process_group is not None:
+        raise ValueError("release_grads=True is single-process: it cannot take a process_group (the grads would "
+                         "be stepped before they are reduced)")
+    return release.Release(release.DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
 
 
 def _check_group(group: dict[str, Any], gi: int, first: dict[str, Any]) -> None:

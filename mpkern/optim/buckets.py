@@ -92,6 +92,22 @@ def collect(groups: list[dict[str, Any]]) -> tuple[list[Bucket], bool]:
     return work, uses_main
 
 
+def step_order(groups: list[dict[str, Any]], present: Any) -> list[Tensor]:
+    """The params of ``groups`` whose id is in ``present``, in the order :func:`collect` puts them when
+    exactly those have grads -- so the order of the step's statistics pass (:func:`stats_pass`): group
+    by group, and in a group bucket by bucket, the (device, master kind) buckets in order of first
+    appearance. For params listed once (gradient release, which needs it, refuses repeats)."""
+    out: list[Tensor] = []
+    for group in groups:
+        found: dict[tuple[torch.device, storage.MasterKind], list[Tensor]] = {}
+        for p in group["params"]:
+            if id(p) in present:
+                found.setdefault((p.device, storage.master_kind(group["master_weights"], p.dtype)), []).append(p)
+        for params in found.values():
+            out.extend(params)
+    return out
+
+
 def check_param_dtype(group: dict[str, Any], dtype: torch.dtype, where: str) -> None:
     """Raise if a param of ``dtype`` cannot be stepped by ``group``'s storage mode."""
     storage.MASTER_KINDS[group["master_weights"]].check_param_dtype(dtype, where)
@@ -289,4 +305,4 @@ def stats_pass(work: list[Bucket], process_group: Any) -> Callable[[Tensor], tup
 
 
 __all__ = ["Bucket", "Prepared", "check_capture", "check_param_dtype", "collect", "consume_main_grads", "prepare",
-           "run", "stats_pass", "zero_main_grads"]
+           "run", "stats_pass", "step_order", "zero_main_grads"]

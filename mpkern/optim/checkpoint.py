@@ -302,15 +302,17 @@ def getstate(rt: Any, state: dict[str, Any]) -> dict[str, Any]:
     state.update({k: rt.live[k] for k in LIVE_KEYS})
     if rt.process_group is not None:
         state["_mpkern_process_group_token"] = group_token(rt.process_group)
+    if rt.release is not None:  # the gradient release setting (the hooks are made anew on the copy's params)
+        state["_mpkern_release_bucket_bytes"] = rt.release.bucket_bytes
     return state
 
 
-def restore(state: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+def restore(state: dict[str, Any]) -> tuple[dict[str, Any], Any, int | None]:
     """Take what :func:`getstate` added out of an unpickled / copied ``state``: (what a step left,
-    the process group)."""
+    the process group, the gradient release's bucket bytes or None)."""
     live = {k: state.pop(k, None) for k in LIVE_KEYS}
     token = state.pop("_mpkern_process_group_token", None)
-    return live, None if token is None else group_of_token(token)
+    return live, None if token is None else group_of_token(token), state.pop("_mpkern_release_bucket_bytes", None)
 
 
 def upgrade_groups(defaults: dict[str, Any], groups: list[dict[str, Any]]) -> None:

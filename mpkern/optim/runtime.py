@@ -67,8 +67,9 @@ class Runtime:
         #: id(param) -> its stamp after our last write (writes.LOADED: loaded since the last step)
         self.versions: dict[int, Any] = {}
         self.offsets: dict[int, int] = {}  # id(DTensor param) -> flat offset of its local shard
-        #: ``cache``: the StepCache or None; ``misses``: invalidations in a row; ``storage``: see shares_storage
-        self.work: dict[str, Any] = {"cache": None, "misses": 0, "storage": None}
+        #: ``cache``: the StepCache or None; ``misses``: invalidations in a row; ``storage``: see shares_storage;
+        #: ``release``: the gradient release's :class:`~.release.Release` (None: steps run in ``step()``)
+        self.work: dict[str, Any] = {"cache": None, "misses": 0, "storage": None, "release": None}
 
     @classmethod
     def resumed(cls, rt: Runtime | None, live: dict[str, Any], process_group: Any, params: Any) -> Runtime:
@@ -183,6 +184,11 @@ class Runtime:
         if off is None:
             off = self.offsets[id(p)] = distributed.shard_offset(p)
         return off
+
+    @property
+    def release(self) -> Any:
+        """The :class:`~.release.Release` of an optimizer built with ``release_grads=True``, else None."""
+        return self.work["release"]
 
     # ---- the step cache --------------------------------------------------------------------
     @property
