@@ -9,7 +9,9 @@ Two kinds of numbers, used by ``mpkern bench``, ``mpkern plan`` and ``mpkern com
 * **Footprint**: bytes of the persistent training state per parameter (weights, grads, master
   weights, optimizer moments), never typed in: :func:`count_state` sums the real tensors of a
   model and its optimizer, and :func:`measure_recipes` builds each recipe on a small model, takes
-  one step and counts -- so the numbers cannot drift from the code.
+  one step and counts -- so the numbers cannot drift from the code. Every mpkern storage mode has
+  a second row with gradient release (``FusedAdamWMP(release_grads=True)``, ``opt.backward(loss)``),
+  counted after that backward: its grads are freed bucket by bucket inside it, so none persists.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .optim import storage as _storage
+from .optim.release import DEFAULT_BUCKET_BYTES
 
 Tensor = torch.Tensor
 
@@ -189,31 +192,59 @@ def _backend_with_kernel(kind: _storage.MomentKind):
         yield
 
 
+def _mpkern_modes() -> dict[str, tuple[object, object]]:
+    """Every mpkern row (:data:`_MPKERN_RECIPES` and :func:`_extra_recipes`): name -> (master_weights, state_dtype)."""
+    return {**_MPKERN_RECIPES, **_extra_recipes()}
+
+
+#: the name of an mpkern row's gradient-release twin is the row's name + this
+RELEASE = " + release"
+
+
+def transient_grad_bytes(name: str) -> int | None:
+    """Grad bytes recipe ``name`` holds only inside backward, not per parameter: for a release row
+    the optimizer's default ``release_bucket_bytes`` (plus the largest param's grad, which a
+    parameter count does not give); None for every other row (all its grads are alive at once and
+    counted per parameter)."""
+    return DEFAULT_BUCKET_BYTES if name.endswith(RELEASE) else None
+
+
 def recipes() -> dict[str, str]:
-    """:data:`RECIPES` and a row for every other registered moment kind (name -> description)."""
+    """:data:`RECIPES`, a row for every other registered moment kind, then the gradient-release
+    twin (name + :data:`RELEASE`) of every mpkern row (name -> description)."""
     out = dict(RECIPES)
     for name, (mw, sd) in _extra_recipes().items():
         out[name] = (f"bf16 params/grads, FusedAdamWMP: {_storage.label(mw, sd)} "
                      f"({_storage.bytes_per_param(mw, sd):g} B/param of state)")
+    for name in _mpkern_modes():
+        out[name + RELEASE] = (f"the state of {name}, with release_grads=True: opt.backward(loss) steps bucket by "
+                               "bucket inside backward and frees each grad, so no grad persists; transient: "
+                               f"release_bucket_bytes ({DEFAULT_BUCKET_BYTES >> 20} MiB) + the largest param's grad")
     return out
 
 
 def build_recipe(name: str, seed: int = 0) -> tuple[list[Tensor], torch.optim.Optimizer, list[Tensor]]:
-    """Build recipe ``name`` on a small model and take one optimizer step.
+    """Build recipe ``name`` (any name of :func:`recipes`) on a small model and take one optimizer step.
 
     Returns ``(params, optimizer, masters)`` as :func:`count_state` takes them; the state is
-    fully materialised (grads present, optimizer state initialised).
+    fully materialised (grads present, optimizer state initialised). A release row (name +
+    :data:`RELEASE`) builds its mode with ``release_grads=True`` and steps with
+    ``opt.backward(loss)``: what remains of its grads afterwards is what persists (none).
     """
     from .optim import FusedAdamWMP
 
-    modes = {**_MPKERN_RECIPES, **_extra_recipes()}
-    if name not in RECIPES and name not in modes:
+    modes = _mpkern_modes()
+    release = name.endswith(RELEASE) and name[: -len(RELEASE)] in modes
+    mode = name[: -len(RELEASE)] if release else name
+    if mode not in RECIPES and mode not in modes:
         raise ValueError(f"recipe must be one of {list(recipes())}, got {name!r}")
     fp32 = name.startswith(("fp32", "AMP"))
     model = _probe_model(torch.float32 if fp32 else torch.bfloat16, seed)
     params = list(model.parameters())
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(seed + 1)).to(params[0].dtype)
-    model(x).float().square().mean().backward()
+    loss = model(x).float().square().mean()
+    if not release:
+        loss.backward()
     masters: list[Tensor] = []
     if fp32 or name.startswith("bf16 params, AdamW"):
         opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=1e-3)
@@ -223,10 +254,13 @@ def build_recipe(name: str, seed: int = 0) -> tuple[list[Tensor], torch.optim.Op
             m.grad = p.grad.float()
         opt = torch.optim.AdamW(masters, lr=1e-3)
     else:
-        mw, sdt = modes[name]
-        opt = FusedAdamWMP(params, lr=1e-3, master_weights=mw, state_dtype=sdt)
+        mw, sdt = modes[mode]
+        opt = FusedAdamWMP(params, lr=1e-3, master_weights=mw, state_dtype=sdt, release_grads=release)
         with _backend_with_kernel(_storage.moment_kind(sdt)):
-            opt.step()
+            if release:
+                opt.backward(loss)  # the step runs inside backward, each grad freed after its bucket
+            else:
+                opt.step()
         return params, opt, masters
     opt.step()
     return params, opt, masters

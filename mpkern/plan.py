@@ -7,7 +7,10 @@ is split evenly, so per-rank bytes are total / N -- the transient all-gathered l
 FSDP are not counted), and what is left of ``gpu_mem`` for activations.
 
 The bytes per parameter are not typed in: :func:`mpkern.bytemodel.measure_recipes` builds every
-recipe on a small model, takes one optimizer step and counts its real tensors.
+recipe on a small model, takes one optimizer step and counts its real tensors. Every mpkern storage
+mode also has a ``+ release`` row (``FusedAdamWMP(release_grads=True)``, ``opt.backward(loss)``):
+its grads are stepped and freed bucket by bucket inside backward, so none persists (grads 0); the
+bucket it holds meanwhile is a constant, not per parameter (``transient_grad_bytes``).
 """
 
 from __future__ import annotations
@@ -92,6 +95,10 @@ def plan_table(params: float, *, world_size: int = 1, gpu_mem: float | None = No
         gpu_mem: memory per device in GB; when given, each row has ``left_GB`` (may be negative:
             does not fit) and ``fits``.
         measured: the output of :func:`mpkern.bytemodel.measure_recipes` (measured when None).
+
+    A gradient-release row also has ``transient_grad_bytes``: the grads it holds only inside
+    backward (``release_bucket_bytes``, plus the largest param's grad), in no per-param column.
+    Release is single-process, so with ``world_size`` > 1 its rows are left out.
     """
     if not (isinstance(params, (int, float)) and math.isfinite(params) and params > 0):
         raise ValueError(f"params must be a positive number, got {params!r}")
@@ -103,9 +110,14 @@ def plan_table(params: float, *, world_size: int = 1, gpu_mem: float | None = No
     rows = []
     notes = bytemodel.recipes()
     for name, bpp in measured.items():
+        transient = bytemodel.transient_grad_bytes(name)
+        if transient is not None and world_size > 1:
+            continue  # release_grads=True cannot run sharded
         row: dict[str, Any] = {"recipe": name, "note": notes.get(name, "")}
         row.update({f"{k}_B": v for k, v in bpp.items() if k != "total"})
         row["total_B"] = bpp["total"]
+        if transient is not None:
+            row["transient_grad_bytes"] = transient
         row["world_size"] = world_size
         row["per_rank_GB"] = bpp["total"] * params / world_size / GB
         row["weights_GB"] = bpp["weights"] * params / world_size / GB
@@ -121,7 +133,7 @@ def _fmt_gb(v: float) -> str:
 
 
 def format_plan(rows: list[dict[str, Any]]) -> str:
-    """The plan as a markdown table."""
+    """The plan as a markdown table (and, when it has release rows, a line on their transient grads)."""
     has_left = bool(rows) and "left_GB" in rows[0]
     cols = ["recipe", "weights", "grads", "masters", "moments", "B/param", "per rank"]
     if has_left:
@@ -133,4 +145,9 @@ def format_plan(rows: list[dict[str, Any]]) -> str:
         if has_left:
             cells.append(_fmt_gb(r["left_GB"]) if r["fits"] else f"does not fit ({_fmt_gb(r['left_GB'])})")
         lines.append("| " + " | ".join(cells) + " |")
+    transient = max((r["transient_grad_bytes"] for r in rows if "transient_grad_bytes" in r), default=None)
+    if transient is not None:
+        lines.append(f"\n`{bytemodel.RELEASE.strip()}`: FusedAdamWMP(release_grads=True) + opt.backward(loss) steps "
+                     "and frees the grads bucket by bucket inside backward, so none persists (grads 0); meanwhile "
+                     f"it holds up to {transient / 2**20:g} MiB (release_bucket_bytes) + the largest param's grad.")
     return "\n".join(lines)

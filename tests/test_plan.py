@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 
@@ -10,6 +12,8 @@ import torch
 
 import mpkern
 from mpkern import bytemodel, plan
+from mpkern import cli as mpkern_cli
+from mpkern.optim.release import DEFAULT_BUCKET_BYTES
 
 
 def _model(dtype):
@@ -24,7 +28,7 @@ def _counted(params, opt, masters=()):
     n = sum(p.numel() for p in params)
     size = lambda t: t.numel() * t.element_size()
     out = {"weights": sum(size(p) for p in params),
-           "grads": sum(size(p.grad) for p in params) + sum(size(m.grad) for m in masters),
+           "grads": sum(size(p.grad) for p in params if p.grad is not None) + sum(size(m.grad) for m in masters),
            "masters": sum(size(m) for m in masters), "moments": 0}
     for st in opt.state.values():
         for k, v in st.items():
@@ -39,7 +43,12 @@ def _counted(params, opt, masters=()):
 
 def _step(model, opt):
     x = torch.randn(5, 40).to(next(model.parameters()).dtype)
-    model(x).float().pow(2).mean().backward()
+    loss = model(x).float().pow(2).mean()
+    if getattr(opt, "release_grads", False):
+        opt.backward(loss)  # the step inside backward: every grad freed after its bucket
+        assert all(p.grad is None for p in model.parameters())
+        return
+    loss.backward()
     opt.step()
 
 
@@ -73,6 +82,8 @@ def _build(name):
             kw["state_dtype"] = "8bit"
         if "4-bit m + 8-bit v moments" in name:
             kw["state_dtype"] = "4bit_m"
+        if name.endswith(" + release"):
+            kw["release_grads"] = True
         opt = mpkern.FusedAdamWMP(ps, **kw)
     _step(m, opt)
     return ps, opt, []
@@ -83,8 +94,12 @@ def rows():
     return plan.plan_table(7e9, world_size=1, gpu_mem=80.0)
 
 
+def _release_names():
+    return [name + " + release" for name in bytemodel.RECIPES if name.startswith("mpkern")]
+
+
 def test_every_recipe_matches_its_real_state_tensors(rows):
-    assert [r["recipe"] for r in rows] == list(bytemodel.RECIPES)
+    assert [r["recipe"] for r in rows] == list(bytemodel.RECIPES) + _release_names()
     for r in rows:
         want = _counted(*_build(r["recipe"]))
         for k, v in want.items():
@@ -111,8 +126,68 @@ def test_known_footprints(rows):
 def test_sharding_divides_per_rank(rows):
     sharded = plan.plan_table(7e9, world_size=8, measured={r["recipe"]: {k[:-2]: r[k] for k in r if k.endswith("_B")}
                                                             | {"total": r["total_B"]} for r in rows})
-    for a, b in zip(rows, sharded):
-        assert b["per_rank_GB"] == pytest.approx(a["per_rank_GB"] / 8)
+    # release_grads=True is single-process: its rows are not offered sharded
+    assert [b["recipe"] for b in sharded] == list(bytemodel.RECIPES)
+    by = {r["recipe"]: r for r in rows}
+    for b in sharded:
+        assert b["per_rank_GB"] == pytest.approx(by[b["recipe"]]["per_rank_GB"] / 8)
+
+
+# ---- gradient release (issue 30 item 5) --------------------------------------------------------
+@pytest.fixture(scope="module")
+def json_rows():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert mpkern_cli.main(["plan", "--params", "7e9", "--json"]) == 0
+    return json.loads(out.getvalue())["rows"]
+
+
+def test_plan_json_has_a_release_row_for_every_storage_mode(json_rows):
+    """Every mpkern master_weights x state_dtype row has a release twin: the same weights, masters and
+    moments, no persistent grads, so its total is the regular row's total minus its grads."""
+    by = {r["recipe"]: r for r in json_rows}
+    modes = [r["recipe"] for r in json_rows if r["recipe"].startswith("mpkern") and "release" not in r["recipe"]]
+    assert modes and [r["recipe"] for r in json_rows if "release" in r["recipe"]] == [m + " + release" for m in modes]
+    for mode in modes:
+        reg, rel = by[mode], by[mode + " + release"]
+        assert "release" in rel["recipe"] and "transient_grad_bytes" not in reg
+        assert rel["grads_B"] == 0 and reg["grads_B"] == 2
+        for k in ("weights_B", "masters_B", "moments_B"):
+            assert rel[k] == reg[k], (mode, k)
+        assert rel["total_B"] == reg["total_B"] - reg["grads_B"]
+        assert rel["per_rank_GB"] == pytest.approx(rel["total_B"] * 7)
+        # the bucket is a constant, not per param: in the note and its own key, in no _B column
+        assert rel["transient_grad_bytes"] == DEFAULT_BUCKET_BYTES
+        assert "32 MiB" in rel["note"] and "largest param" in rel["note"]
+
+
+def test_release_8bit_master_4bit_m_is_4_625_bytes(json_rows):
+    """2 bf16 weights + 0 grads + 1 master correction + 1.625 moments (4-bit m, 8-bit v, bf16 scales per 32)."""
+    row = next(r for r in json_rows if r["recipe"] == "mpkern 8-bit master + 4-bit m + 8-bit v moments + release")
+    assert row["total_B"] <= 4.625
+    assert (row["weights_B"], row["grads_B"], row["masters_B"], row["moments_B"]) == (2, 0, 1, 1.625)
+
+
+@pytest.mark.parametrize("name", _release_names())
+def test_release_leaves_no_grad_alive(name):
+    """Built here, not by plan: after opt.backward(loss) every .grad is None and the optimizer has
+    stepped (its state is materialised), and bytemodel's own build counts 0 grad bytes."""
+    params, opt, _ = _build(name)  # asserts every p.grad is None after opt.backward
+    assert opt.release_grads and opt.release_bucket_bytes == DEFAULT_BUCKET_BYTES
+    assert all(opt.state[p] for p in params)
+    assert _counted(params, opt)["grads"] == 0
+    params, opt, masters = bytemodel.build_recipe(name)
+    assert all(p.grad is None for p in params)
+    assert bytemodel.count_state(params, opt, masters=masters).bytes["grads"] == 0
+
+
+def test_plan_text_explains_the_transient_bucket():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert mpkern_cli.main(["plan", "--params", "7e9"]) == 0
+    text = out.getvalue()
+    assert "| mpkern 8-bit master + 4-bit m + 8-bit v moments + release | 2 | 0 | 1 | 1.625 | 4.625 |" in text
+    assert "32 MiB (release_bucket_bytes) + the largest param's grad" in text
 
 
 @pytest.mark.parametrize("kw, name", [({"params": 0}, "params"), ({"params": float("inf")}, "params"),
@@ -193,7 +268,7 @@ def test_storage_descriptions_match_the_allocated_state():
     from mpkern import bytemodel
     from mpkern.optim import storage
 
-    for name in bytemodel.RECIPES:
+    for name in list(bytemodel.RECIPES) + _release_names():
         if not name.startswith("mpkern"):
             continue
         mw = "remainder" if "remainder" in name else "8bit" if "8-bit master" in name else True
