@@ -236,22 +236,27 @@ def _finish_plain(rel: Release, rt: Runtime, groups: list[dict[str, Any]], state
 # ---- a bucket is full --------------------------------------------------------------------------
 @torch.no_grad()
 def flush(rel: Release, rt: Runtime, groups: list[dict[str, Any]], state: Any) -> None:
-    """Run the bucket: pass 1's statistics, or the fused step; then drop its grads."""
+    """Run the bucket -- pass 1's statistics, or the fused step -- then drop its grads. Either way
+    its params' state is prepared first, as ``step()`` prepares it before its kernels (created on
+    the first step, conformed to writes by others), so that a skipped step leaves the same state."""
     pairs, rel.bucket, rel.nbytes = rel.bucket, [], 0
     if not pairs:
         return
+    prepared = _prepare(rel, rt, groups, state, pairs)
     if rel.mode == "stats":
+        del prepared
         params, grads = [p for p, _ in pairs], [g for _, g in pairs]
         del pairs
         sumsq, amax = amp.stats_pass(grads, params, None, {grads[0].device: rel.backend})(rel.inv)
         rel.stats.append((params, sumsq, amax))
         return
-    _step(rel, rt, groups, state, pairs)
+    del pairs
+    buckets.run(rt, prepared, rel.factor, rel.found, True)
 
 
-def _step(rel: Release, rt: Runtime, groups: list[dict[str, Any]], state: Any,
-          pairs: list[tuple[Tensor, Tensor]]) -> None:
-    """One fused kernel per (group, master kind) of ``pairs``: what ``step()`` does for them."""
+def _prepare(rel: Release, rt: Runtime, groups: list[dict[str, Any]], state: Any,
+             pairs: list[tuple[Tensor, Tensor]]) -> list[buckets.Prepared]:
+    """The kernel lists of ``pairs``: one bucket per (group, master kind), as ``step()`` makes them."""
     split: dict[tuple[int, storage.MasterKind], tuple[dict[str, Any], list[tuple[Tensor, Tensor, int]]]] = {}
     for p, g in pairs:
         group, sid = rel.where[id(p)]
@@ -259,15 +264,12 @@ def _step(rel: Release, rt: Runtime, groups: list[dict[str, Any]], state: Any,
             _grads.raise_bad_grad("FusedAdamWMP", f"param {sid}", g, p)
         kind = storage.master_kind(group["master_weights"], p.dtype)
         split.setdefault((id(group), kind), (group, []))[1].append((p, g, sid))
-    del pairs
-    check_writes = True  # as in an eager step(): writes by others since the last step are seen
     work = [buckets.Bucket(group, bpairs[0][0].device, kind, bpairs, rel.backend)
             for (_, kind), (group, bpairs) in split.items()]
     rt.reset_storage_count()
-    prepared = [buckets.Prepared(b, *buckets.prepare(rt, groups, state, b, check_writes),
-                                 _ops.lr_args(b.group["lr"], b.device)) for b in work]
-    del work, split
-    buckets.run(rt, prepared, rel.factor, rel.found, check_writes)
+    # check_writes as in an eager step(): writes by others since the last step are seen
+    return [buckets.Prepared(b, *buckets.prepare(rt, groups, state, b, True), _ops.lr_args(b.group["lr"], b.device))
+            for b in work]
 
 
 # ---- opt.backward ------------------------------------------------------------------------------
