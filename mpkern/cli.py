@@ -119,7 +119,7 @@ def _cmd_info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 # ---- compare ------------------------------------------------------------------------------------
 _COMPARE_FLAGS = ("hf_model", "steps", "lr", "batch_size", "seq_len", "d_model", "layers", "heads", "classes", "seed",
                   "warmup", "optimizer_state", "linear", "threads", "max_grad_norm", "log_every",
-                  "time_budget", "min_steps")
+                  "time_budget", "min_steps", "release", "release_bucket_bytes")
 
 
 def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -128,6 +128,8 @@ def _cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     device = _resolve_device(args.device, parser)
     if args.memory_budget is not None and not args.find_batch:
         parser.error("--memory-budget goes with --find-batch")
+    if args.release_bucket_bytes is not None and not args.release:
+        parser.error("--release-bucket goes with --release")
     overrides = {k: getattr(args, k) for k in _COMPARE_FLAGS if getattr(args, k) is not None}
     try:
         res = compare.run(args.precision, device=device, out=args.out, progress=not args.no_progress,
@@ -307,6 +309,15 @@ def _add_compare_parser(sub: Any) -> None:
                     help="memory budget of --find-batch, e.g. 96MiB or 20GB (CPU: required, the measured peak tensor "
                          "bytes decide; CUDA: default the device's free memory, an out-of-memory error counts as not "
                          "fitting)")
+    pc.add_argument("--release", action="store_true",
+                    help="also train each mpkern run with gradient release, right after it (named RUN+release): "
+                         "FusedAdamWMP(release_grads=True), the step inside opt.backward(loss[, scaler]) and each "
+                         "bucket's grads freed once stepped -- its tokens/s and peak memory beside the regular run's, "
+                         "and whether every step's loss was the same")
+    pc.add_argument("--release-bucket", dest="release_bucket_bytes", type=_size, default=None, metavar="SIZE",
+                    help="with --release: bytes of grads stepped together inside backward, e.g. 256KiB (default "
+                         "the optimizer's release_bucket_bytes, 32 MiB: on a model whose grads are smaller, one "
+                         "bucket holds them all and none is freed early)")
     pc.add_argument("--doctor", action="store_true",
                     help="also diagnose the model (initial weights, one validation batch) in each 16-bit run's dtype "
                          "and recipe (mpkern.diagnose: the layers where it departs from fp32 and the fixes); "

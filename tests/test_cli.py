@@ -25,7 +25,8 @@ def test_help_lists_subcommands(capsys):
 
 @pytest.mark.parametrize("cmd, flags", [("compare", ["--precision", "--steps", "--lr", "--batch-size", "--seq-len",
                                                      "--d-model", "--layers", "--device", "--seed", "--out",
-                                                     "--optimizer-state", "--find-batch", "--memory-budget"]),
+                                                     "--optimizer-state", "--find-batch", "--memory-budget",
+                                                     "--release", "--release-bucket"]),
                                         ("bench", ["--device", "--quick", "--json", "--plot"]),
                                         ("plan", ["--params", "--world-size", "--gpu-mem", "--hf-config",
                                                   "--memory-budget", "--safety-margin"])])
@@ -49,6 +50,9 @@ def test_subcommand_help(cmd, flags, capsys):
     (["compare", "--bogus"], "--bogus"),
     (["compare", "--d-model", "30", "--heads", "4", "--steps", "2", "--no-progress", "--no-plot"], "d_model"),
     (["compare", "--memory-budget", "96MiB"], "--find-batch"),
+    (["compare", "--release-bucket", "64KiB"], "--release"),
+    (["compare", "--release", "--release-bucket", "lots"], "--release-bucket"),
+    (["compare", "--release", "--precision", "fp32", "--steps", "2", "--no-progress", "--no-plot"], "release"),
     (["compare", "--find-batch", "--memory-budget", "lots"], "--memory-budget"),
     (["compare", "--find-batch", "--device", "cpu", "--steps", "2", "--no-progress", "--no-plot"], "memory-budget"),
     (["plan", "--memory-budget", "0GB"], "--memory-budget"),
@@ -96,6 +100,20 @@ def test_compare_quick_path(tmp_path, capsys):
     assert [r["name"] for r in data["runs"]] == ["fp32", "mpkern-bf16"]
     assert data["config"]["steps"] == 4 and data["config"]["d_model"] == 16
     assert not (out / "compare.png").exists()
+
+
+def test_compare_release_flag(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    rc = main(["compare", "--precision", "mpkern-bf16", "--release", "--release-bucket", "4KiB", "--steps", "4",
+               "--warmup", "1", "--log-every", "2", "--batch-size", "4", "--seq-len", "8", "--d-model", "16",
+               "--heads", "2", "--layers", "1", "--out", str(out), "--no-progress", "--no-plot"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| mpkern-bf16 |" in text and "| mpkern-bf16+release |" in text and "Gradient release:" in text
+    data = json.loads((out / "results.json").read_text())
+    reg, rel = data["runs"]
+    assert rel["name"] == "mpkern-bf16+release" and rel["release"]["bucket_bytes"] == 4096
+    assert rel["peak_mem_bytes"] > 0 and rel["tokens_per_s"] > 0 and rel["final_loss"] == reg["final_loss"]
 
 
 def test_bench_quick_path(tmp_path, capsys):

@@ -494,6 +494,52 @@ def test_compact_run_keeps_the_fewest_bytes_and_the_lesson_says_what_each_mode_s
         assert r["peak_mem_bytes"] >= persistent + r["state_bytes"]["grads"]  # the grads exist at the step's peak
 
 
+# ---- --release: each mpkern run again with gradient release (issue 30) -----------------------------
+def test_release_run_sits_beside_its_mpkern_run_and_trains_bit_identically(tmp_path):
+    res = _run("fp32,mpkern-bf16", release=True, out=str(tmp_path))
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["config"]["release"] is True
+    assert [r["name"] for r in on_disk["runs"]] == ["fp32", "mpkern-bf16", "mpkern-bf16+release"]
+    _, reg, rel = on_disk["runs"]
+    assert "release_grads=True" in rel["optimizer"] and "opt.backward(loss)" in rel["clip"]
+    assert rel["status"] == "ok" and rel["tokens_per_s"] > 0 and rel["peak_mem_bytes"] > 0
+    # bit-identical training: every step's loss and the final loss are exactly the regular run's
+    assert rel["losses"] == reg["losses"] and rel["final_loss"] == reg["final_loss"]
+    info = rel["release"]
+    assert info["of"] == "mpkern-bf16" and info["same_losses"] is True
+    assert info["backward_passes"] == 2  # compare clips: pass 1 the statistics, pass 2 the step
+    assert info["tokens_per_s_vs_regular"] == pytest.approx(rel["tokens_per_s"] / reg["tokens_per_s"])
+    assert info["peak_mem_vs_regular"] == pytest.approx(rel["peak_mem_bytes"] / reg["peak_mem_bytes"])
+    # the default bucket (32 MiB) holds this tiny model's whole gradient at once
+    assert info["peak_grad_bytes"] == info["grad_bytes_all"] == rel["state_bytes"]["grads"] > 0
+    md = (tmp_path / "results.md").read_text()
+    assert "| mpkern-bf16+release | bfloat16 |" in md
+    line = next(t for t in res["lessons"] if t.startswith("Gradient release: mpkern-bf16+release"))
+    assert "bit-identical" in line and "fits one bucket" in line and "tokens/s" in line and "peak mem" in line
+
+
+def test_release_with_small_buckets_frees_grads_early_in_every_mpkern_run():
+    res = _run("mpkern-8bit,mpkern-fp16", release=True, release_bucket_bytes=2048)
+    runs = {r["name"]: r for r in res["runs"]}
+    assert list(runs) == ["mpkern-8bit", "mpkern-8bit+release", "mpkern-fp16", "mpkern-fp16+release"]
+    for name in ("mpkern-8bit", "mpkern-fp16"):
+        reg, rel = runs[name], runs[name + "+release"]
+        assert rel["losses"] == reg["losses"] and rel["final_loss"] == reg["final_loss"], name
+        assert rel["release"]["bucket_bytes"] == 2048
+        assert 0 < rel["release"]["peak_grad_bytes"] < rel["release"]["grad_bytes_all"]
+        assert rel["state_bytes_per_param"]["total"] < reg["state_bytes_per_param"]["total"]
+    assert runs["mpkern-fp16+release"]["loss_scale_history"] == runs["mpkern-fp16"]["loss_scale_history"]
+
+
+def test_release_settings_are_checked():
+    with pytest.raises(ValueError, match="release"):
+        _run("fp32", release=True)  # no mpkern run to release
+    with pytest.raises(ValueError, match="precisions"):
+        _run("bf16-naive+release")
+    with pytest.raises(ValueError, match="release_bucket_bytes"):
+        _run("mpkern-bf16", release=True, release_bucket_bytes=0)
+
+
 def test_live_bytes_counts_each_tensor_from_creation_to_free():
     from mpkern.compare.memory import live_peak
 

@@ -16,6 +16,10 @@ hyperparameters; only the precision recipe differs:
                 ``mpkern.unscale_(opt, scaler=scaler, max_norm=...)``
 ==============  ===================================================================================
 
+``release=True`` (``--release``) adds, right after each mpkern run, the same run with gradient
+release (``<run>+release``: ``FusedAdamWMP(release_grads=True)``, the step inside
+``opt.backward(loss[, scaler])``), its speed, peak memory and losses set beside the regular run's.
+
 The task (generated in code from ``seed``; no download): each sequence is noise tokens with one
 *red* class token, one *blue* class token and one *query* token ("red?" or "blue?") at three
 random positions; the label is the class of the token whose colour the query names. The model

@@ -15,6 +15,10 @@ PRECISIONS = ("fp32", "bf16", "fp16", "bf16-naive", "mpkern-bf16", "mpkern-8bit"
 BF16_RUNS = ("bf16", "bf16-naive", "mpkern-bf16", "mpkern-8bit")
 #: the runs that keep their params in bfloat16 / float16
 SIXTEEN_BIT_PARAMS = ("bf16-naive", "mpkern-bf16", "mpkern-8bit", "mpkern-fp16")
+#: the runs of ``FusedAdamWMP``: each has a gradient-release variant (``--release``)
+MPKERN_RUNS = ("mpkern-bf16", "mpkern-8bit", "mpkern-fp16")
+#: the suffix of a run name for the same recipe with ``release_grads=True`` (``mpkern-bf16+release``)
+RELEASE = "+release"
 #: ``--optimizer-state`` shorthands -> the ``MASTER:MOMENTS`` words of the storage registry; any
 #: ``MASTER:MOMENTS`` the registry reads is accepted too (a newly registered kind without an edit here)
 STATE_SHORTHANDS: dict[str, str] = {
@@ -48,6 +52,27 @@ def optimizer_state_args(word: str) -> dict[str, Any]:
 DTYPE_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
+def split_run(name: str) -> tuple[str, bool]:
+    """``(recipe, release)`` of a run name: ``"mpkern-bf16+release"`` -> ``("mpkern-bf16", True)``."""
+    return (name.removesuffix(RELEASE), True) if name.endswith(RELEASE) else (name, False)
+
+
+def known_run(name: str) -> bool:
+    """Whether ``name`` is a run: one of :data:`PRECISIONS`, or an mpkern run + :data:`RELEASE`."""
+    recipe, release = split_run(name)
+    return recipe in (MPKERN_RUNS if release else PRECISIONS)
+
+
+def with_release(precisions: tuple[str, ...]) -> tuple[str, ...]:
+    """``precisions`` with the release variant of each mpkern run right after it (``--release``)."""
+    out: list[str] = []
+    for p in precisions:
+        out.append(p)
+        if p in MPKERN_RUNS and p + RELEASE not in precisions:
+            out.append(p + RELEASE)
+    return tuple(out)
+
+
 # ---- configuration ------------------------------------------------------------------------------
 @dataclass
 class Config:
@@ -79,6 +104,8 @@ class Config:
     skipped_precisions: dict[str, str] = field(default_factory=dict)
     time_box: dict[str, float] = field(default_factory=dict)
     memory_budget: int | None = None
+    release: bool = False
+    release_bucket_bytes: int | None = None
 
 
 def default_config(device: str | torch.device = "cpu") -> Config:
@@ -153,8 +180,15 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"min_steps must be a positive integer, got {cfg.min_steps!r}")
     if not cfg.precisions:
         raise ValueError("precisions is empty: nothing to run")
-    bad = [p for p in cfg.precisions if p not in PRECISIONS]
+    bad = [p for p in cfg.precisions if not known_run(p)]
     if bad:
-        raise ValueError(f"precisions: unknown {bad}; choose from {list(PRECISIONS)}")
+        raise ValueError(f"precisions: unknown {bad}; choose from {list(PRECISIONS)} (and "
+                         f"{', '.join(r + RELEASE for r in MPKERN_RUNS)})")
+    if cfg.release and not any(split_run(p)[1] for p in cfg.precisions):
+        raise ValueError(f"release: adds a run with gradient release beside each mpkern run "
+                         f"({', '.join(MPKERN_RUNS)}), but precisions has none: {list(cfg.precisions)}")
+    rb = cfg.release_bucket_bytes
+    if rb is not None and (isinstance(rb, bool) or not isinstance(rb, int) or rb < 1):
+        raise ValueError(f"release_bucket_bytes must be a positive number of bytes or None, got {rb!r}")
     if len(set(cfg.precisions)) != len(cfg.precisions):
         raise ValueError(f"precisions lists a run twice: {list(cfg.precisions)}")

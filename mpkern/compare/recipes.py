@@ -3,6 +3,8 @@
 Every run starts from a copy of the same base model; :func:`build_recipe` returns its model, optimizer
 and one-step function. The 16-bit-param runs differ only in what the optimizer keeps
 (``--optimizer-state``, :func:`~.config.optimizer_state_args`) and in the Linear path (:func:`_linear_path`).
+A release run (``mpkern-bf16+release``, ``--release``) is its mpkern run with ``release_grads=True``:
+the same optimizer settings, its step taken by ``opt.backward(loss[, scaler])`` inside backward.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import DTYPE_NAME, DTYPE_SHORT, Config, state_name, optimizer_state_args
+from .config import DTYPE_NAME, DTYPE_SHORT, Config, optimizer_state_args, split_run, state_name
 
 Tensor = torch.Tensor
 
@@ -44,7 +46,8 @@ def _fused_ok(device: torch.device) -> dict[str, bool]:
 
 
 def param_dtype(name: str) -> torch.dtype:
-    """The param dtype of run ``name``."""
+    """The param dtype of run ``name`` (a release run: its recipe's)."""
+    name = split_run(name)[0]
     if name in ("fp32", "bf16", "fp16"):
         return torch.float32
     return torch.float16 if name.endswith("fp16") else torch.bfloat16
@@ -113,8 +116,10 @@ def mpkern_state(name: str, cfg: Config) -> dict[str, Any]:
     return state
 
 
-def _mp_optimizer(name: str, cfg: Config, model: nn.Module, device: torch.device) -> dict[str, Any]:
-    """The 16-bit-param runs: plain AdamW (bf16-naive) or FusedAdamWMP (mpkern-*)."""
+def _mp_optimizer(name: str, cfg: Config, model: nn.Module, device: torch.device,
+                  release: bool = False) -> dict[str, Any]:
+    """The 16-bit-param runs: plain AdamW (bf16-naive) or FusedAdamWMP (mpkern-*), with ``release``
+    its gradient-release variant (the clip always fused: ``opt.backward`` takes no ``unscale_``)."""
     from .. import FusedAdamWMP
 
     pdt = param_dtype(name)
@@ -127,22 +132,32 @@ def _mp_optimizer(name: str, cfg: Config, model: nn.Module, device: torch.device
                     "optimizer": "torch.optim.AdamW(fused), no master weights", "clip": "clip_grad_norm_"}
         return {"params": params, "opt": opt, "autocast": nullcontext, "scaler": None, "describe": describe}
     state = mpkern_state(name, cfg)
-    fused_clip = name != "mpkern-fp16"
+    fused_clip = name != "mpkern-fp16" or release
+    if release:
+        state = dict(state, release_grads=True, release_bucket_bytes=cfg.release_bucket_bytes)
     opt = FusedAdamWMP(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                        max_grad_norm=cfg.max_grad_norm if fused_clip else None, **state)
     if name == "mpkern-fp16":
         scaler = torch.amp.GradScaler(device.type)
     args = [f"master_weights={state.get('master_weights', True)!r}",
             f"state_dtype={state_name(state.get('state_dtype', torch.float32))}"]
+    if release:
+        args.append(f"release_grads=True, release_bucket_bytes={opt.release_bucket_bytes}")
+    if release:  # a clip (always set here) needs the global norm first: two passes
+        clip = f"max_grad_norm fused into the step inside opt.backward({'loss, scaler' if scaler else 'loss'}): " \
+               "two backward passes"
+    else:
+        clip = "max_grad_norm fused into step" if fused_clip else "mpkern.unscale_(opt, scaler=scaler, max_norm)"
     describe = {"param_dtype": DTYPE_NAME[pdt], "compute": DTYPE_NAME[pdt],
                 "optimizer": "mpkern.FusedAdamWMP(" + ", ".join(args) + ")" + (" + GradScaler" if scaler else ""),
-                "clip": "max_grad_norm fused into step" if fused_clip
-                else "mpkern.unscale_(opt, scaler=scaler, max_norm)"}
+                "clip": clip}
     return {"params": params, "opt": opt, "autocast": nullcontext, "scaler": scaler, "describe": describe}
 
 
-def _step_fn(name: str, model: nn.Module, parts: dict[str, Any], clip: float) -> Callable[[Tensor, Tensor], Tensor]:
-    """One training step of run ``name`` -> the detached loss (no host sync)."""
+def _step_fn(name: str, model: nn.Module, parts: dict[str, Any], clip: float,
+             release: bool = False) -> Callable[[Tensor, Tensor], Tensor]:
+    """One training step of run ``name`` -> the detached loss (no host sync); with ``release`` the
+    step inside ``opt.backward(loss[, scaler])`` (then ``scaler.update()``)."""
     from .. import unscale_
 
     params, opt, scaler, autocast = parts["params"], parts["opt"], parts["scaler"], parts["autocast"]
@@ -154,7 +169,11 @@ def _step_fn(name: str, model: nn.Module, parts: dict[str, Any], clip: float) ->
 
     def step(x: Tensor, y: Tensor) -> Tensor:
         loss = forward_loss(x, y)
-        if scaler is None:
+        if release:
+            opt.backward(loss, scaler)
+            if scaler is not None:
+                scaler.update()
+        elif scaler is None:
             loss.backward()
             if name in ("fp32", "bf16", "bf16-naive"):  # mpkern-bf16 / -8bit clip inside the step
                 torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
@@ -179,14 +198,15 @@ def build_recipe(name: str, cfg: Config, base: nn.Module, device: torch.device,
     """Model, optimizer and step function of run ``name``, from a copy of ``base``.
 
     ``linear_choice``: :func:`choose_linear`'s result per 16-bit dtype name (``--linear auto``)."""
+    recipe, release = split_run(name)
     model = copy.deepcopy(base).to(device)
-    pdt = param_dtype(name)
+    pdt = param_dtype(recipe)
     if pdt == torch.float32:
-        parts = _torch_optimizer(name, cfg, model, device)
+        parts = _torch_optimizer(recipe, cfg, model, device)
     else:
         model = model.to(pdt)
         linear, gemm = _linear_path(model, pdt, cfg, device, linear_choice)
-        parts = _mp_optimizer(name, cfg, model, device)
+        parts = _mp_optimizer(recipe, cfg, model, device, release)
         parts["describe"].update(linear=linear, gemm=gemm)
-    step = _step_fn(name, model, parts, cfg.max_grad_norm)
+    step = _step_fn(recipe, model, parts, cfg.max_grad_norm, release)
     return Recipe(model, parts["params"], parts["opt"], step, parts["autocast"], parts["scaler"], parts["describe"])

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .config import split_run
 from .memory import OTHERS_WARN
 from .plot import plot_results
 
@@ -24,7 +25,7 @@ def lessons(results: dict[str, Any]) -> list[str]:
     if naive is not None and naive["val_acc"] is not None and ok:
         best = max(r["val_acc"] for r in ok)
         chance = results["task"]["chance_acc"]
-        masters = [n for n in runs if n.startswith("mpkern")] or [r["name"] for r in ok]
+        masters = [n for n in runs if n.startswith("mpkern") and not split_run(n)[1]] or [r["name"] for r in ok]
         acc = ", ".join(f"{n} {100 * runs[n]['val_acc']:.1f} %" for n in masters if runs[n]["val_acc"] is not None)
         if best < max(0.3, 3 * chance):
             out.append(f"Master weights: too few steps to show the lesson -- no run has learned the task yet (best "
@@ -38,7 +39,7 @@ def lessons(results: dict[str, Any]) -> list[str]:
             out.append(f"Master weights: at lr {lr:g} bf16-naive reached {100 * naive['val_acc']:.1f} %, close to the "
                        f"runs with masters ({acc}): its updates are large enough not to round away at this lr "
                        "(at the default 1e-4 they do).")
-    out += _mode_lessons(runs) + _time_box_lessons(results)
+    out += _mode_lessons(runs) + _release_lessons(runs) + _time_box_lessons(results)
     nat = results.get("native_compute") or {}
     dev = results["device"]
     fp32 = runs.get("fp32")
@@ -82,8 +83,8 @@ def _mode_lessons(runs: dict[str, dict[str, Any]]) -> list[str]:
     fp32 = runs.get("fp32")
     parts = []
     for name, r in runs.items():
-        if (not name.startswith("mpkern") or r.get("status", "ok") != "ok" or r["val_acc"] is None
-                or "state_bytes_per_param" not in r):
+        if (not name.startswith("mpkern") or split_run(name)[1] or r.get("status", "ok") != "ok"
+                or r["val_acc"] is None or "state_bytes_per_param" not in r):
             continue
         bpp = r["state_bytes_per_param"]["total"]
         text = f"{name} ({r['optimizer'].removeprefix('mpkern.FusedAdamWMP(').split(')')[0]}) keeps {bpp:.4g} B/param"
@@ -98,6 +99,46 @@ def _mode_lessons(runs: dict[str, dict[str, Any]]) -> list[str]:
             text += f" and reached {100 * r['val_acc']:.1f} % val acc"
         parts.append(text)
     return ["mpkern modes: " + "; ".join(parts) + "."] if parts else []
+
+
+def release_vs_regular(runs: list[dict[str, Any]]) -> None:
+    """Put into each release run's ``release`` entry its numbers against its regular run's (when that
+    ran): tokens/s and peak memory ratios, and whether every step's loss was the same."""
+    by_name = {r["name"]: r for r in runs}
+    for r in runs:
+        rel, reg = r.get("release"), by_name.get(split_run(r["name"])[0])
+        if rel is None or reg is None:
+            continue
+        rel["tokens_per_s_vs_regular"] = (r["tokens_per_s"] / reg["tokens_per_s"]
+                                          if r["tokens_per_s"] and reg["tokens_per_s"] else None)
+        rel["peak_mem_vs_regular"] = (r["peak_mem_bytes"] / reg["peak_mem_bytes"]
+                                      if r["peak_mem_bytes"] and reg["peak_mem_bytes"] else None)
+        rel["same_losses"] = r["losses"] == reg["losses"] and r["steps_done"] == reg["steps_done"]
+
+
+def _release_lessons(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """Each release run against its regular run: speed, peak memory, grad bytes held, same losses."""
+    from ..batch_plan import fmt_size
+
+    out = []
+    for name, r in runs.items():
+        rel = r.get("release")
+        if rel is None or "same_losses" not in rel:
+            continue
+        reg = runs[rel["of"]]
+        speed = (f"{r['tokens_per_s']:,.0f} vs {reg['tokens_per_s']:,.0f} tokens/s "
+                 f"({rel['tokens_per_s_vs_regular']:.2f}x)" if rel["tokens_per_s_vs_regular"] else "tokens/s n/a")
+        mem = (f"peak mem {fmt_size(r['peak_mem_bytes'])} vs {fmt_size(reg['peak_mem_bytes'])} "
+               f"({rel['peak_mem_vs_regular']:.2f}x)" if rel["peak_mem_vs_regular"] else "peak mem n/a")
+        held = (f"grads held at once {fmt_size(rel['peak_grad_bytes'])} of {fmt_size(rel['grad_bytes_all'])} "
+                f"(bucket {fmt_size(rel['bucket_bytes'])}, {rel['backward_passes']} backward passes per step)")
+        if rel["peak_grad_bytes"] >= rel["grad_bytes_all"]:
+            held += " -- the whole gradient fits one bucket, so no grad is freed early (--release-bucket SIZE)"
+        same = ("the same loss at every step (bit-identical training)" if rel["same_losses"]
+                else "DIFFERENT losses from the regular run")
+        out.append(f"Gradient release: {name} (the step inside opt.backward, each bucket's grads freed once "
+                   f"stepped) against {rel['of']}: {speed}, {mem}; {held}; {same}.")
+    return out
 
 
 def _time_box_lessons(results: dict[str, Any]) -> list[str]:

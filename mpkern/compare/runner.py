@@ -15,9 +15,10 @@ from torch import nn
 from ..measure import device_info
 from . import budget as _budget
 from . import probe as _probe
-from .config import BF16_RUNS, SCHEMA, Config, check_config, no_bf16_message, default_config, default_precisions
+from .config import (BF16_RUNS, SCHEMA, Config, check_config, no_bf16_message, default_config, default_precisions,
+                     split_run, with_release)
 from .memory import OthersCpu
-from .report import MEMORY_NOTE, jsonable, lessons, write_outputs
+from .report import MEMORY_NOTE, jsonable, lessons, release_vs_regular, write_outputs
 from .task import Classifier, HFClassifier, make_task
 from .train import train_one
 from . import batch as _batch
@@ -50,8 +51,10 @@ def _resolve(precisions: Sequence[str] | str | None, device: str | torch.device 
         chosen = tuple(p.strip() for p in precisions.split(",")) if isinstance(precisions, str) else tuple(precisions)
         skipped = {}
         for p in chosen:
-            if p in BF16_RUNS and not bf16_supported(dev):
+            if split_run(p)[0] in BF16_RUNS and not bf16_supported(dev):
                 raise ValueError(f"precision {p}: {no_bf16_message(dev)}")
+    if cfg.release:
+        chosen = with_release(chosen)
     cfg = replace(cfg, precisions=chosen, skipped_precisions=skipped, device=str(dev))
     check_config(cfg)
     return cfg
@@ -134,7 +137,10 @@ def run(precisions: Sequence[str] | str | None = None, *, device: str | torch.de
         doctor: also diagnose the model (its initial weights, one validation batch) in each 16-bit run's
             dtype and recipe with :func:`mpkern.diagnose` (``results["doctor"]``, appended to the report).
         **overrides: any field of :class:`Config` (``steps``, ``lr``, ``batch_size``, ``seq_len``,
-            ``d_model``, ``layers``, ``heads``, ``seed``, ``optimizer_state``, ``linear``, ...).
+            ``d_model``, ``layers``, ``heads``, ``seed``, ``optimizer_state``, ``linear``, ...);
+            ``release=True`` adds, right after each mpkern run, the same recipe with gradient release
+            (``FusedAdamWMP(release_grads=True)`` stepped by ``opt.backward``; named ``<run>+release``),
+            ``release_bucket_bytes`` its bucket size (default: the optimizer's).
 
     Raises ValueError (naming the setting) for bad settings and for bf16 on a GPU without it.
     """
@@ -181,6 +187,7 @@ def _run(cfg: Config, explicit: bool, find_batch: bool, memory_budget: str | int
         for r in runs:
             if ref and r["tokens_per_s"]:
                 r["speedup_vs_fp32"] = r["tokens_per_s"] / ref["tokens_per_s"]
+        release_vs_regular(runs)
         from ..plan import plan_table
 
         _load(dev_info, others)
@@ -191,8 +198,9 @@ def _run(cfg: Config, explicit: bool, find_batch: bool, memory_budget: str | int
             from ..doctor.models import diagnose_compare_runs
 
             n = min(cfg.batch_size, len(task.y_val))
+            recipes = list(dict.fromkeys(split_run(p)[0] for p in cfg.precisions))  # a release run: its recipe's
             results["doctor"] = diagnose_compare_runs(base.to(dev), task.x_val[:n].to(dev), task.y_val[:n].to(dev),
-                                                      list(cfg.precisions))
+                                                      recipes)
     results["wall_s"] = time.perf_counter() - t_all
     if out is not None:
         write_outputs(results, out, plot=plot)

@@ -14,7 +14,7 @@ from torch import nn
 from .. import _progress, bytemodel
 from .._handoff import scaler_internals
 from ..measure import sync
-from .config import Config
+from .config import Config, split_run
 from .budget import TIME_BOX_WARMUP
 from .memory import LiveBytes, CpuPeak, saved_bytes
 from .recipes import build_recipe, Recipe
@@ -91,7 +91,7 @@ class _Loop:
             if self.scales is not None:
                 # after update(): the scale the next step uses (the live tensor: no host sync)
                 self.scales[i] = scaler_internals(r.scaler).scale.reshape(())
-            elif self.name in ("mpkern-bf16", "mpkern-8bit") and r.opt.last_found_inf is not None:
+            elif split_run(self.name)[0] in ("mpkern-bf16", "mpkern-8bit") and r.opt.last_found_inf is not None:
                 self.skipped_fused += r.opt.last_found_inf
             self.done = i + 1
             if self.deadline_s is not None and self.done > self.warm and time.perf_counter() - start >= self.deadline_s:
@@ -151,8 +151,8 @@ def _peak(device: torch.device, cpu_peak: CpuPeak, mem_base: int, loop: _Loop,
 
 def train_one(name: str, cfg: Config, task: Task, base: nn.Module, *, progress: bool = True,
               linear_choice: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Train run ``name`` (one of :data:`PRECISIONS`) for ``cfg.steps`` steps (or its time box,
-    ``cfg.time_box[name]`` seconds); return its report."""
+    """Train run ``name`` (one of :data:`PRECISIONS`, or an mpkern run + ``"+release"``) for
+    ``cfg.steps`` steps (or its time box, ``cfg.time_box[name]`` seconds); return its report."""
     device = torch.device(cfg.device)
     cpu_peak = CpuPeak()
     mem_base = 0
@@ -172,7 +172,9 @@ def train_one(name: str, cfg: Config, task: Task, base: nn.Module, *, progress: 
     timed_steps = done - warm if loop.t0 is not None else 0
     tokens_per_s = timed_steps * cfg.batch_size * cfg.seq_len / (loop.t1 - loop.t0) if timed_steps > 0 else None
     rss = cpu_peak.peak() if device.type == "cpu" else None
-    state = _state_with_grads(r, loop.x_all[:cfg.batch_size], loop.y_all[:cfg.batch_size])
+    release = r.opt.mpkern_runtime.release if split_run(name)[1] else None
+    state = (_state_with_grads(r, loop.x_all[:cfg.batch_size], loop.y_all[:cfg.batch_size]) if release is None
+             else _state_released(r, release))
     hist = loop.losses[:done].cpu()
     finite = hist[torch.isfinite(hist)]
     tail = hist[max(0, done - cfg.log_every):done]
@@ -192,6 +194,7 @@ def train_one(name: str, cfg: Config, task: Task, base: nn.Module, *, progress: 
         "min_loss": float(finite.min()) if len(finite) else float("nan"),
         "val_acc": _evaluate(r, task, device) if ok and not loop.over_budget else None,
         "skipped_steps": skipped, "loss_scale_history": scale_hist,
+        **({"release": _release_entry(name, r, release)} if release is not None else {}),
         "losses": [round(v, 5) if math.isfinite(v) else None for v in hist.tolist()],
         "wall_s": time.perf_counter() - t_start,
     }
@@ -207,6 +210,22 @@ def _state_with_grads(r: Recipe, x: Tensor, y: Tensor) -> bytemodel.StateBytes:
     state = bytemodel.count_state(r.params, r.opt)
     r.opt.zero_grad(set_to_none=True)
     return state
+
+
+def _state_released(r: Recipe, release: Any) -> bytemodel.StateBytes:
+    """Training-state bytes of a release run: weights, masters and moments from the real tensors
+    (no grad outlives a step), grads the most bytes the release buckets held at once in the last
+    step (a plain backward here would step the optimizer)."""
+    state = bytemodel.count_state(r.params, r.opt)
+    state.bytes["grads"] = release.peak_bytes
+    return state
+
+
+def _release_entry(name: str, r: Recipe, release: Any) -> dict[str, Any]:
+    """What ``results.json`` says of a release run: its recipe, bucket, passes and grad bytes held."""
+    return {"of": split_run(name)[0], "bucket_bytes": r.opt.release_bucket_bytes,
+            "backward_passes": release.passes, "peak_grad_bytes": release.peak_bytes,
+            "grad_bytes_all": sum(p.numel() * p.element_size() for p in r.params if p.requires_grad)}
 
 
 def _compress_scales(scales: list[float], init: float) -> list[list[float]]:
