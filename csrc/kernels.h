@@ -40,12 +40,18 @@ const c10::TypedOperatorHandle<GradStatsOp>& grad_stats_handle();
       int64_t seed, at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets,                                      \
       const std::optional<at::TensorList> &exp_avg_scales_opt, const std::optional<at::TensorList> &exp_avg_sq_scales_opt
 
+// grad_stats / scale_ kernels (csrc/cpu/unscale_cpu.cpp, csrc/cuda/unscale_cuda.cu); their arguments
+// are checked by the registered op in csrc/ops.cpp before they run.
 namespace cpu {
 void adamw_step_cpu_(MPKERN_ADAMW_KERNEL_ARGS);
+std::tuple<at::Tensor, at::Tensor> grad_stats_cpu(at::TensorList grads, const at::Tensor& inv_scale);
+void scale_cpu_(at::TensorList tensors, const at::Tensor& scale);
 }  // namespace cpu
 #if defined(MPKERN_WITH_CUDA) && MPKERN_WITH_CUDA
 namespace cuda {
 void adamw_step_cuda_(MPKERN_ADAMW_KERNEL_ARGS);
+std::tuple<at::Tensor, at::Tensor> grad_stats_cuda(at::TensorList grads, const at::Tensor& inv_scale);
+void scale_cuda_(at::TensorList tensors, const at::Tensor& scale);
 }  // namespace cuda
 #endif
 

@@ -51,8 +51,8 @@ namespace {
 constexpr const char* kAdamwOp = "mpkern::adamw_step_";
 
 // The registered kernels of mpkern::adamw_step_ (signature AdamwStepOp, csrc/kernels.h): the codecs
-// parsed and checked, then the device kernel.
-template <void (*Kernel)(MPKERN_ADAMW_KERNEL_ARGS)>
+// parsed and every argument checked (here, in host-compiled code), then the device kernel.
+template <void (*Kernel)(MPKERN_ADAMW_KERNEL_ARGS), c10::DeviceType Dev>
 void adamw_step_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                    at::TensorList max_exp_avg_sqs, at::TensorList masters, at::TensorList steps,
                    const at::Tensor& grad_factor, const at::Tensor& found_inf,
@@ -63,6 +63,9 @@ void adamw_step_op(at::TensorList params, at::TensorList grads, at::TensorList e
                    at::IntArrayRef elem_offsets) {
   const int64_t mode = master_mode_of(kAdamwOp, master_codec);
   check_moment_codec(kAdamwOp, moment_codec, exp_avgs);
+  check_adamw_args_on(kAdamwOp, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor,
+                      found_inf, lr_tensor, mode, stream_ids, elem_offsets, list_or_empty(exp_avg_scales),
+                      list_or_empty(exp_avg_sq_scales), Dev);
   Kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf, lr_tensor, lr,
          beta1, beta2, eps, weight_decay, maximize, mode, stochastic_rounding, seed, stream_ids, elem_offsets,
          exp_avg_scales, exp_avg_sq_scales);
@@ -83,6 +86,22 @@ void adamw_step_autograd(c10::DispatchKeySet ks, at::TensorList params, at::Tens
                                  max_exp_avg_sqs, masters, steps, grad_factor, found_inf, lr_tensor, exp_avg_scales,
                                  exp_avg_sq_scales, lr, beta1, beta2, eps, weight_decay, maximize, master_codec,
                                  moment_codec, stochastic_rounding, seed, stream_ids, elem_offsets);
+}
+
+// The registered kernels of mpkern::grad_stats / mpkern::scale_: the arguments checked here, in this
+// translation unit, then the device kernel. (The first GPU run, 2026-12-04, died with a segfault
+// when the CUDA kernel's own check threw for a strided view; the checks of every op now run in
+// host-compiled code before any device kernel, as adamw_step_'s always did.)
+template <std::tuple<at::Tensor, at::Tensor> (*Kernel)(at::TensorList, const at::Tensor&), c10::DeviceType Dev>
+std::tuple<at::Tensor, at::Tensor> grad_stats_op(at::TensorList grads, const at::Tensor& inv_scale) {
+  check_list_op_on("mpkern::grad_stats", "grads", grads, "inv_scale", inv_scale, Dev);
+  return Kernel(grads, inv_scale);
+}
+
+template <void (*Kernel)(at::TensorList, const at::Tensor&), c10::DeviceType Dev>
+void scale_op(at::TensorList tensors, const at::Tensor& scale) {
+  check_list_op_on("mpkern::scale_", "tensors", tensors, "scale", scale, Dev);
+  Kernel(tensors, scale);
 }
 
 std::tuple<at::Tensor, at::Tensor> grad_stats_autograd(c10::DispatchKeySet ks, at::TensorList grads,
@@ -109,11 +128,15 @@ TORCH_LIBRARY_IMPL(mpkern, Autograd, m) {
 }
 
 TORCH_LIBRARY_IMPL(mpkern, CPU, m) {
-  m.impl("adamw_step_", static_cast<mpkern::AdamwStepOp*>(&mpkern::adamw_step_op<&mpkern::cpu::adamw_step_cpu_>));
+  m.impl("adamw_step_", static_cast<mpkern::AdamwStepOp*>(&mpkern::adamw_step_op<&mpkern::cpu::adamw_step_cpu_, c10::DeviceType::CPU>));
+  m.impl("grad_stats", &mpkern::grad_stats_op<&mpkern::cpu::grad_stats_cpu, c10::DeviceType::CPU>);
+  m.impl("scale_", &mpkern::scale_op<&mpkern::cpu::scale_cpu_, c10::DeviceType::CPU>);
 }
 #if defined(MPKERN_WITH_CUDA) && MPKERN_WITH_CUDA
 TORCH_LIBRARY_IMPL(mpkern, CUDA, m) {
-  m.impl("adamw_step_", static_cast<mpkern::AdamwStepOp*>(&mpkern::adamw_step_op<&mpkern::cuda::adamw_step_cuda_>));
+  m.impl("adamw_step_", static_cast<mpkern::AdamwStepOp*>(&mpkern::adamw_step_op<&mpkern::cuda::adamw_step_cuda_, c10::DeviceType::CUDA>));
+  m.impl("grad_stats", &mpkern::grad_stats_op<&mpkern::cuda::grad_stats_cuda, c10::DeviceType::CUDA>);
+  m.impl("scale_", &mpkern::scale_op<&mpkern::cuda::scale_cuda_, c10::DeviceType::CUDA>);
 }
 #endif
 

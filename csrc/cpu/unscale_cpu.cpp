@@ -235,8 +235,8 @@ void scale_item(void* p, int32_t dt, int64_t begin, int64_t end, float s) {
 // grad_stats(grads, inv_scale) -> (sumsq[n], amax[n]), float32 on the CPU.
 //   sumsq[t] = sum_i (grads[t][i] * inv_scale)^2   (fp64, in the order of include/mpkern/norm.h)
 //   amax[t]  = max_i |grads[t][i]|                   (NaN if any NaN, else inf if any inf)
+// Arguments checked by the registered op (csrc/ops.cpp, check_list_op_on).
 std::tuple<at::Tensor, at::Tensor> grad_stats_cpu(at::TensorList grads, const at::Tensor& inv_scale) {
-  check_list_op_on("mpkern::grad_stats", "grads", grads, "inv_scale", inv_scale, c10::DeviceType::CPU);
   const int64_t n = static_cast<int64_t>(grads.size());
   const float inv = inv_scale.data_ptr<float>()[0];
   const auto items = make_work(grads, kChunk);
@@ -278,7 +278,6 @@ std::tuple<at::Tensor, at::Tensor> grad_stats_cpu(at::TensorList grads, const at
 
 // scale_(tensors, scale): tensors[t] *= scale, in place, rounded to each tensor's dtype.
 void scale_cpu_(at::TensorList tensors, const at::Tensor& scale) {
-  check_list_op_on("mpkern::scale_", "tensors", tensors, "scale", scale, c10::DeviceType::CPU);
   const float s = scale.data_ptr<float>()[0];
   if (s == 1.0f) return;  // x * 1 == x bit for bit (NaN payloads aside): skip the pass
   const auto items = make_work(tensors, kChunk);
@@ -301,8 +300,3 @@ void scale_cpu_(at::TensorList tensors, const at::Tensor& scale) {
 
 }  // namespace cpu
 }  // namespace mpkern
-
-TORCH_LIBRARY_IMPL(mpkern, CPU, m) {
-  m.impl("grad_stats", &mpkern::cpu::grad_stats_cpu);
-  m.impl("scale_", &mpkern::cpu::scale_cpu_);
-}

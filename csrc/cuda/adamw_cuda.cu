@@ -514,9 +514,7 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
                       const std::optional<at::TensorList>& exp_avg_sq_scales_opt) {
   const at::TensorList exp_avg_scales = list_or_empty(exp_avg_scales_opt);
   const at::TensorList exp_avg_sq_scales = list_or_empty(exp_avg_sq_scales_opt);
-  check_adamw_args_on("mpkern::adamw_step_", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps,
-                      grad_factor, found_inf, lr_tensor, master_mode, stream_ids, elem_offsets, exp_avg_scales,
-                      exp_avg_sq_scales, c10::DeviceType::CUDA);
+  // arguments checked by the registered op (csrc/ops.cpp, adamw_step_op)
   if (params.empty()) return;
   const c10::Device dev = params[0].device();
   const c10::cuda::CUDAGuard guard(dev);

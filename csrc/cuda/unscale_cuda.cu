@@ -236,9 +236,9 @@ __global__ void __launch_bounds__(kBlock) scale_kernel(const TensorMeta* __restr
 
 }  // namespace
 
+// Arguments checked by the registered op (csrc/ops.cpp): nothing here throws on bad input.
 std::tuple<at::Tensor, at::Tensor> grad_stats_cuda(at::TensorList grads, const at::Tensor& inv_scale) {
-  const c10::Device dev =
-      check_list_op_on("mpkern::grad_stats", "grads", grads, "inv_scale", inv_scale, c10::DeviceType::CUDA);
+  const c10::Device dev = call_device(grads, inv_scale);
   const c10::cuda::CUDAGuard guard(dev);
   const int64_t n = static_cast<int64_t>(grads.size());
   auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
@@ -264,8 +264,7 @@ std::tuple<at::Tensor, at::Tensor> grad_stats_cuda(at::TensorList grads, const a
 }
 
 void scale_cuda_(at::TensorList tensors, const at::Tensor& scale) {
-  const c10::Device dev =
-      check_list_op_on("mpkern::scale_", "tensors", tensors, "scale", scale, c10::DeviceType::CUDA);
+  const c10::Device dev = call_device(tensors, scale);
   const c10::cuda::CUDAGuard guard(dev);
   const MetaTable tab = make_table(tensors, dev);
   if (tab.count == 0) return;
@@ -288,8 +287,3 @@ std::string kernel_image_error(int64_t device_index) {
 
 }  // namespace cuda
 }  // namespace mpkern
-
-TORCH_LIBRARY_IMPL(mpkern, CUDA, m) {
-  m.impl("grad_stats", &mpkern::cuda::grad_stats_cuda);
-  m.impl("scale_", &mpkern::cuda::scale_cuda_);
-}
