@@ -414,7 +414,7 @@ def _parser_and_commands() -> tuple[argparse.ArgumentParser, Mapping[str, argpar
         description="Time mpkern's kernels against the PyTorch recipe a user would otherwise run, in one process, "
                     "and print time, GB/s (TFLOP/s for matmul), %% of measured bandwidth, the speed ratio and "
                     "its byte-model limit (peer bytes / mpkern bytes).")
-    pb.add_argument("which", nargs="?", default="all", choices=("unscale", "adamw", "matmul", "all"))
+    pb.add_argument("which", nargs="?", default="all", choices=("unscale", "adamw", "matmul", "release", "all"))
     pb.add_argument("--device", type=_device, default=None, help="cpu or cuda (default: cuda if available)")
     pb.add_argument("--quick", action="store_true", help="small sizes: under a minute on a 2-core CPU")
     pb.add_argument("--json", metavar="FILE", help="write the results (with machine and versions) as JSON")

@@ -224,3 +224,36 @@ def test_adamw_options_reach_run():
         bench.run("adamw", device="cpu", modes="bogus", log=lambda s: None)
     with pytest.raises(ValueError, match="torchao_params"):
         bench.run("adamw", device="cpu", torchao_params=0, log=lambda s: None)
+
+
+# ---- gradient release beside the regular step (issue 30 item 5) ----------------------------------
+TINY_RELEASE = {"d_model": 32, "layers": 1, "heads": 2, "seq_len": 8, "batch": 2, "bucket_bytes": 4096}
+
+
+def test_release_rows_time_every_variant_and_check_the_bits():
+    rows = bench.bench_release("cpu", quick=True, reps=1, size=TINY_RELEASE, log=lambda s: None)
+    by = {r["variant"]: r for r in rows}
+    assert list(by) == ["a", "b", "c", "bound", "d", "e", "f"]
+    tokens = TINY_RELEASE["batch"] * TINY_RELEASE["seq_len"]
+    for r in rows:
+        assert r["kernel"] == "release" and r["ms"] > 0 and r["unit"] == "tokens/s"
+        assert r["rate"] == pytest.approx(tokens / (r["ms"] / 1e3))
+    assert by["bound"]["ms"] == pytest.approx(by["c"]["ms"] + by["f"]["ms"] - by["e"]["ms"])
+    assert by["b"]["mpkern_speedup"] == pytest.approx(by["a"]["ms"] / by["b"]["ms"]) and by["b"]["vs"] == "(a)"
+    assert by["d"]["mpkern_speedup"] == pytest.approx(by["bound"]["ms"] / by["d"]["ms"])
+    assert by["b"]["backward_passes"] == 1 and by["d"]["backward_passes"] == 2
+    assert by["b"]["bit_identical"] and by["d"]["bit_identical"]  # release steps the same bits as step()
+    assert "bit-identical to (a)" in by["b"]["method"] and by["b"]["bucket_bytes"] == 4096
+    table = bench.format_table(rows)
+    assert "goal: >= 0.952x" in table and "(d) release, two passes" in table
+
+
+def test_release_sizes_are_the_ones_run_documents():
+    from mpkern.compare import Classifier
+
+    doc = " ".join(bench.run.__doc__.split())
+    for key, size in bench.RELEASE_SIZES.items():
+        with torch.device("meta"):
+            n = sum(p.numel() for p in Classifier(512, size["seq_len"], size["d_model"], size["layers"],
+                                                  size["heads"], 32).parameters())
+        assert f"{key} {n / 1e6:.1f}M params" in doc, (key, n)

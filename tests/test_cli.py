@@ -132,6 +132,17 @@ def test_bench_quick_path(tmp_path, capsys):
         assert r["rate"] == pytest.approx(r["bytes_per_param"] * 30000 / (r["ms"] / 1e3) / 1e9, rel=1e-6)
 
 
+def test_bench_release_quick_path(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    assert main(["bench", "release", "--quick", "--reps", "1", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "(b) release, one pass: opt.backward(loss)" in out and "(d) release, two passes" in out
+    data = json.loads(path.read_text())
+    assert data["meta"]["which"] == "release"
+    assert [r["variant"] for r in data["rows"]] == ["a", "b", "c", "bound", "d", "e", "f"]
+    assert all(r["ms"] > 0 and r["rate"] > 0 for r in data["rows"])
+
+
 def test_bench_adamw_limits(tmp_path):
     from mpkern import bench
 

@@ -19,6 +19,9 @@ module per kernel family:
   the Triton GEMM against cuBLAS; on CPU what mpkern runs there (ATen in fp32, then a cast) against
   ATen's own 16-bit GEMM; :func:`check_matmul_interpreter` runs the Triton kernel in the
   interpreter vs float64.
+* :mod:`.release` -- :func:`bench_release`: a training step with gradient release
+  (``FusedAdamWMP(release_grads=True)``, ``opt.backward``) beside the regular one, one pass and two
+  (``max_grad_norm``), and what one extra backward pass costs; tokens/s and the ratios against the goals.
 * :mod:`.report` -- :func:`format_table`, :func:`plot`; :mod:`.runner` -- :func:`run` (all of the
   above, as ``mpkern bench`` runs them) and the scripts' command line (:func:`script_main`);
   :mod:`.common` -- sizes, the AdamW problem, the table row, :func:`state_nbytes`.
@@ -67,6 +70,7 @@ from .modes import (
                      optimizer_kwargs,
                      step_bytes_per_param,
 )
+from .release import RELEASE_GOAL, RELEASE_SIZES, bench_release
 from .report import format_table, plot
 from .runner import adamw_run_kwargs, add_adamw_arguments, run, script_main
 from .torchao_peers import TORCHAO_CASES, bench_torchao, torchao_optim
@@ -85,6 +89,8 @@ __all__ = [
                      "GPU_SQUARE",
                      "KERNELS",
                      "QUICK",
+                     "RELEASE_GOAL",
+                     "RELEASE_SIZES",
                      "TORCHAO_CASES",
                      "adamw_modes",
                      "adamw_run_kwargs",
@@ -94,6 +100,7 @@ __all__ = [
                      "bench_adamw_modes",
                      "bench_host_time",
                      "bench_matmul",
+                     "bench_release",
                      "bench_torchao",
                      "bench_unscale",
                      "check_matmul_interpreter",

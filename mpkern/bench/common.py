@@ -15,7 +15,7 @@ import torch
 from ..measure import sync
 
 Tensor = torch.Tensor
-KERNELS = ("unscale", "adamw", "matmul")
+KERNELS = ("unscale", "adamw", "matmul", "release")
 
 #: sizes: (params, tensors, reps) for the optimizer-side benchmarks
 FULL = {"params": 32_000_000, "tensors": 200, "reps": 15}

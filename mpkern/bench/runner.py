@@ -17,6 +17,7 @@ from .host import bench_host_time
 from .matmul import bench_matmul, check_matmul_interpreter
 from .modes import adamw_modes, bench_adamw_modes
 from .report import format_table, plot
+from .release import bench_release
 from .torchao_peers import bench_torchao, torchao_optim
 from .unscale import bench_unscale
 
@@ -25,7 +26,8 @@ def run(which: str = "all", *, device: str | torch.device | None = None, quick: 
         params: int | None = None, tensors: int | None = None, reps: int | None = None,
         modes: str = "default", torchao: bool = True, torchao_params: int | None = None,
         host: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run benchmark ``which`` (``unscale``, ``adamw``, ``matmul`` or ``all``); return ``{"meta", "rows"}``.
+    """Run benchmark ``which`` (``unscale``, ``adamw``, ``matmul``, ``release`` or ``all``); return
+    ``{"meta", "rows"}``.
 
     Sizes (``params``/``tensors``/``reps`` override those of the optimizer-side benchmarks): full
     32M params in 200 tensors, 15 repetitions (``FULL``); ``quick`` 16M params in 100 tensors, 7
@@ -40,6 +42,10 @@ def run(which: str = "all", *, device: str | torch.device | None = None, quick: 
     ``"none"`` or a ``master:moments`` list); with ``torchao`` :func:`bench_torchao` on
     ``torchao_params`` (default: the same count; "not installed" rows without torchao); with
     ``host`` :func:`bench_host_time` (1000 bf16 tensors of 256 elements, clip on, fastest of 30).
+
+    ``release``: :func:`bench_release` -- a training step of mpkern compare's classifier in bf16
+    params with gradient release beside the regular step (:data:`RELEASE_SIZES`: quick 3.3M params,
+    full 19.3M params), ``reps`` rounds in alternation.
     """
     if which not in KERNELS + ("all",):
         raise ValueError(f"which must be one of {KERNELS + ('all',)}, got {which!r}")
@@ -87,6 +93,8 @@ def run(which: str = "all", *, device: str | torch.device | None = None, quick: 
             rows += bench_host_time(dev, log=log)
     if "matmul" in kernels:
         rows += bench_matmul(dev, quick=quick, log=log)
+    if "release" in kernels:
+        rows += bench_release(dev, quick=quick, reps=size["reps"], log=log)
     meta["seconds"] = time.perf_counter() - t0
     return {"meta": meta, "rows": rows}
 
