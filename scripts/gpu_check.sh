@@ -21,6 +21,8 @@
 #   unscale, adamw_cuda, adamw_triton, matmul, matmul_tuned
 #                 benchmarks, one process each, each writing its own JSON after every row: kernel time
 #                 from CUDA events over back-to-back calls, wall time, CUDA-graph replay (mpkern/bench/gpu_stages.py)
+#   release       whole training steps, regular beside gradient release (one pass; two passes with the
+#                 clip; forward + two backwards), peak memory, bitwise check (mpkern/bench/gpu_release.py)
 #   tests_rest    the other test files, in whatever time the stages above left
 #   summary       GB/s and % of the measured copy bandwidth per kernel and storage mode (bytes from
 #                 mpkern.bytemodel), TFLOP/s against cuBLAS, tests passed/failed/skipped per file
@@ -48,14 +50,15 @@ SUMMARY_LIMIT=10
 # name|limit (s)|what it runs
 STAGES=(
   "precheck|15|ninja, torch CUDA vs nvcc --version, GPU capability (mpkern/bench/gpu_precheck.py)"
-  "build|150|MPKERN_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=<this GPU> pip install --no-build-isolation --no-deps -e ."
+  "build|130|MPKERN_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=<this GPU> pip install --no-build-isolation --no-deps -e ."
   "device|15|CUDA kernels built + selected, mpkern info, copy bandwidth (1 GiB copy_, CUDA events)"
   "tests_gpu|90|one pytest process over the GPU-first files (list below), MPKERN_MATMUL_CONFIG=fixed"
   "unscale|20|mpkern.unscale_ on cuda and triton vs the torch recipe, 128M bf16 grads"
   "adamw_cuda|30|FusedAdamWMP, every storage mode with a cuda kernel, 32M params; + the torch AMP recipe"
+  "release|30|gradient release: opt.backward(loss) vs loss.backward(); opt.step(), 100M bf16 params"
   "adamw_triton|45|FusedAdamWMP, every storage mode with a triton kernel (headline modes first)"
   "matmul|25|mpkern.matmul, fixed config (no tuning) vs cuBLAS: 4096^3, LLM fwd, wgrad +=main_grad"
-  "matmul_tuned|40|one bf16 shape (LLM fwd 16384x4096x11008) through the autotuner (one tuning) vs cuBLAS"
+  "matmul_tuned|30|one bf16 shape (LLM fwd 16384x4096x11008) through the autotuner (one tuning) vs cuBLAS"
   "tests_rest|REST|the other test files, one pytest process"
   "summary|$SUMMARY_LIMIT|$OUT/summary.txt (mpkern/bench/gpu_summary.py)"
 )
@@ -94,7 +97,7 @@ GPU_FIRST=(test_gpu_paths:all test_nosync:all test_capture:all test_capture_reci
            test_backend:all test_gpu_check:k test_unscale:k test_ops:all test_kernels_compact:all
            test_kernels_m4:all test_norm_identity:all
            test_optim:k test_matmul:k test_optim_generic:k test_math:k test_compact_state:k test_dropin:k
-           test_scaler:k test_review:k test_bench:k test_moments8:all)
+           test_scaler:k test_review:k test_bench:k test_moments8:all test_release:all)
 KEXPR="cuda or triton"
 GPU_FILES=()
 for entry in "${GPU_FIRST[@]}"; do
@@ -141,7 +144,7 @@ if [[ -e "$OUT/stages.tsv" ]]; then  # a previous run's files would be summarise
   rm -rf "$OUT/previous_run"
   mkdir -p "$OUT/previous_run"
   for f in plan.tsv stages.tsv arch.txt summary.txt summary.log tests_gpu.k tests_gpu.list tests_rest.list \
-           tests_gpu.xml tests_rest.xml precheck.json device.json unscale.json matmul.json matmul_tuned.json \
+           tests_gpu.xml tests_rest.xml precheck.json device.json unscale.json matmul.json matmul_tuned.json release.json \
            adamw_*.json "${ORDER[@]/%/.log}"; do
     for g in "$OUT"/$f; do [[ -e "$g" ]] && mv "$g" "$OUT/previous_run/"; done
   done
@@ -226,7 +229,7 @@ stage precheck "$PY" mpkern/bench/gpu_precheck.py "$OUT"
 PRE=$?
 ARCH=$(cat "$OUT/arch.txt" 2>/dev/null || true)
 if [[ $PRE -eq 3 || -z "$ARCH" ]]; then
-  for s in build device tests_gpu unscale adamw_cuda adamw_triton matmul matmul_tuned tests_rest; do
+  for s in build device tests_gpu unscale adamw_cuda release adamw_triton matmul matmul_tuned tests_rest; do
     skip "$s" "no CUDA GPU visible to torch"
   done
   exit 1
@@ -256,6 +259,7 @@ stage tests_gpu "$PY" -m pytest -p no:cacheprovider -v --tb=short -rfE --duratio
 # ---- benchmarks, one process and one JSON each -------------------------------------------------------
 stage unscale "$PY" -m mpkern.bench.gpu_stages unscale --out "$OUT"
 stage adamw_cuda "$PY" -m mpkern.bench.gpu_stages adamw --backend cuda --peer --out "$OUT"
+stage release "$PY" -m mpkern.bench.gpu_release --out "$OUT"
 stage adamw_triton "$PY" -m mpkern.bench.gpu_stages adamw --backend triton --out "$OUT"
 stage matmul "$PY" -m mpkern.bench.gpu_stages matmul --out "$OUT"
 stage matmul_tuned "$PY" -m mpkern.bench.gpu_stages matmul_tuned --out "$OUT"

@@ -45,7 +45,7 @@ def test_dry_run_lists_the_stages_and_their_limits_fit_in_450_s(tmp_path):
         m = STAGE_LINE.match(line)
         if m:
             stages[m["name"]] = int(m["limit"])
-    want = ["precheck", "build", "device", "tests_gpu", "unscale", "adamw_cuda", "adamw_triton", "matmul",
+    want = ["precheck", "build", "device", "tests_gpu", "unscale", "adamw_cuda", "release", "adamw_triton", "matmul",
             "matmul_tuned", "tests_rest", "summary"]
     assert list(stages) == want, p.stdout
     assert all(v > 0 for v in stages.values()), stages
@@ -94,7 +94,7 @@ def test_script_without_a_gpu_still_prints_the_summary(tmp_path):
     assert "mpkern gpu_check summary" in p.stdout
     text = (out / "summary.txt").read_text()
     assert "torch.cuda.is_available() is False" in text
-    for stage in ("build", "tests_gpu", "adamw_triton", "matmul_tuned"):
+    for stage in ("build", "tests_gpu", "release", "adamw_triton", "matmul_tuned"):
         assert re.search(rf"^  {stage}\s+\d+ s\s+- s  not run \(no CUDA GPU visible to torch\)$", text, re.M), stage
     assert json.loads((out / "precheck.json").read_text())["gpu"] is None
     # a second run into the same folder moves the first one's files aside instead of summarising them
@@ -149,7 +149,7 @@ def test_every_stage_is_stopped_at_its_limit_and_the_summary_still_comes(tmp_pat
     assert stages["build"]["status"].startswith(("KILLED", "TIMEOUT"))  # it ignored SIGINT: SIGKILL ended it
     assert stages["tests_gpu"]["rc"] == 124 and stages["tests_gpu"]["seconds"] <= 7
     assert stages["tests_gpu"]["status"] == f"TIMEOUT after {stages['tests_gpu']['seconds']} s (limit 5 s)"
-    for name in ("precheck", "device", "unscale", "adamw_cuda", "adamw_triton", "matmul", "matmul_tuned",
+    for name in ("precheck", "device", "unscale", "adamw_cuda", "release", "adamw_triton", "matmul", "matmul_tuned",
                  "tests_rest"):
         assert stages[name]["status"] == "ok", (name, stages[name])
     assert not _alive(tmp_path / "pip.pid") and not _alive(tmp_path / "pytest.pid")
@@ -440,8 +440,8 @@ tests/test_d.py::test_two ERROR                                          [ 50%]
 tests/test_d.py::test_three[cuda-fp32] SKIPPED (needs a CUDA GPU)        [ 75%]
 tests/test_d.py::test_four
 """
-PLAN = [("precheck", 15), ("build", 150), ("device", 15), ("tests_gpu", 90), ("unscale", 20), ("adamw_cuda", 30),
-        ("adamw_triton", 45), ("matmul", 25), ("matmul_tuned", 40), ("tests_rest", 10), ("summary", 10)]
+PLAN = [("precheck", 15), ("build", 130), ("device", 15), ("tests_gpu", 90), ("unscale", 20), ("adamw_cuda", 30),
+        ("release", 30), ("adamw_triton", 45), ("matmul", 25), ("matmul_tuned", 30), ("tests_rest", 10), ("summary", 10)]
 
 
 def _canned(tmp_path) -> str:
@@ -757,3 +757,33 @@ def test_cuda_small_stages_end_to_end(tmp_path):
     assert [r["error"] for r in data["rows"]] == [None] * 3, data["rows"]
     text = gpu_summary.summarize(out)
     assert "mpkern.unscale_ (cuda)" in text and "(peer)" in text
+
+
+# ---- the gradient-release stage ----------------------------------------------------------------------
+def test_release_stage_plumbing_on_cpu(tmp_path):
+    """The stage on the CPU with a tiny model: every variant timed, the release runs bitwise equal to the
+    regular ones, and the summary prints the table."""
+    from mpkern.bench import gpu_release
+
+    assert gpu_release.stage_release(str(tmp_path), layers=2, width=16, tokens=8, iters=2, warmup=1,
+                                     device="cpu") == 0
+    data = json.loads((tmp_path / "release.json").read_text())
+    assert data["status"] == "done"
+    assert [r["variant"] for r in data["rows"]] == [v[0] for v in gpu_release.VARIANTS] + [gpu_release.REFERENCE]
+    assert all("error" not in r and len(r["all_ms"]) == 2 for r in data["rows"]), data["rows"]
+    assert [r["bitwise"] for r in data["rows"] if r["release"]] == [True, True]
+    text = gpu_summary.summarize(str(tmp_path))
+    assert "gradient release" in text and "release two passes + clip" in text
+
+
+def test_release_rows_ratios():
+    rows = [{"variant": "regular", "step_ms": 10.0, "peak_GB": 3.0},
+            {"variant": "release one pass", "step_ms": 10.5, "peak_GB": 2.5, "bitwise": True},
+            {"variant": "regular + clip", "step_ms": 11.0, "peak_GB": 3.0},
+            {"variant": "release two passes + clip", "step_ms": 16.5, "peak_GB": 2.5, "bitwise": False},
+            {"variant": "forward + two backwards", "step_ms": 15.0, "peak_GB": 3.1},
+            {"variant": "broken", "error": "RuntimeError: x"}]
+    cells = gpu_summary.release_rows(rows)
+    assert cells[1] == ["release one pass", "10.50", "1.050x regular", "2.50", "yes"]
+    assert cells[3][2] == "1.500x regular + clip; 1.100x forward + two backwards" and cells[3][4] == "NO"
+    assert cells[5] == ["broken", "-", "-", "-", "error: RuntimeError: x"]

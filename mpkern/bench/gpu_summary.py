@@ -29,7 +29,7 @@ import xml.etree.ElementTree as ET
 from typing import Any
 
 __all__ = ["gbps", "tflops", "load_json", "read_stages", "read_plan", "parse_junit", "parse_verbose_log",
-           "slowest_tests", "test_counts", "memory_rows", "matmul_rows", "summarize", "main"]
+           "slowest_tests", "test_counts", "memory_rows", "matmul_rows", "release_rows", "summarize", "main"]
 
 #: a wall time this many times the kernel time marks the step host-bound
 HOST_BOUND_RATIO = 1.5
@@ -506,6 +506,38 @@ def _matmul_section(out: str, stages: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def release_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """Cells of release.json's rows (mpkern/bench/gpu_release.py): variant, step ms, ratio to its regular
+    twin (the two-pass row also to forward + two backwards), peak GB, bitwise equal to the regular run."""
+    by = {r.get("variant"): r for r in rows}
+    twin = {"release one pass": ["regular"], "release two passes + clip": ["regular + clip", "forward + two backwards"]}
+    cells = []
+    for r in rows:
+        if "error" in r or not isinstance(r.get("step_ms"), (int, float)):
+            cells.append([str(r.get("variant")), "-", "-", "-", f"error: {r.get('error')}"])
+            continue
+        refs = [(n, by[n]["step_ms"]) for n in twin.get(r["variant"], []) if isinstance(by.get(n, {}).get("step_ms"), float)]
+        ratio = "; ".join(f"{r['step_ms'] / ms:.3f}x {n}" for n, ms in refs)
+        peak = _num_or_none(r.get("peak_GB"))
+        bit = {True: "yes", False: "NO"}.get(r.get("bitwise"), "")
+        cells.append([r["variant"], f"{r['step_ms']:.2f}", ratio, "-" if peak is None else f"{peak:.2f}", bit])
+    return cells
+
+
+def _release_section(out: str, stages: dict[str, dict[str, Any]]) -> list[str]:
+    lines = ["--- gradient release: whole steps (forward included), median wall ms of synchronised steps ---"]
+    data, why = load_json(os.path.join(out, "release.json"))
+    lines.append(f"  {_stage_state(data, why, stages, 'release')}")
+    if data is not None:
+        meta = data.get("meta") or {}
+        lines.append(f"  model: {meta.get('layers')} x Linear({meta.get('width')}) bf16, {meta.get('tokens')} rows/step, "
+                     f"release_bucket_bytes {meta.get('bucket_bytes')}")
+        cells = release_rows(_rows(data))
+        if cells:
+            lines += _table(["variant", "step ms", "ratio", "peak GB", "bitwise"], cells)
+    return lines
+
+
 def _tests_section(out: str, stages: dict[str, dict[str, Any]], stage: str) -> list[str]:
     res = test_counts(out, stage)
     kexpr = _read_list(os.path.join(out, f"{stage}.k"))
@@ -553,6 +585,7 @@ def summarize(out: str) -> str:
     lines += [""] + bw_lines
     lines += [""] + _guarded("memory-bound kernels", _memory_section, out, stages, copy_gbps)
     lines += [""] + _guarded("matmul", _matmul_section, out, stages)
+    lines += [""] + _guarded("release", _release_section, out, stages)
     for stage in ("tests_gpu", "tests_rest"):
         lines += [""] + _guarded(stage, _tests_section, out, stages, stage)
     lines.append("=" * 86)
