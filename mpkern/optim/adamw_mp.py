@@ -75,6 +75,9 @@ class FusedAdamWMP(torch.optim.Optimizer):
             (ZeRO-style flat shards, Megatron tensor parallel): ``max_grad_norm`` and
             ``mpkern.unscale_(opt)`` combine the local norms over it (one all-reduce). Not needed
             for FSDP2 / DTensor params, whose mesh says it. Not saved in ``state_dict()``.
+        release_grads: step inside backward (:meth:`backward`), freeing each grad once stepped; the
+            whole gradient is never alive. ``release_bucket_bytes``: grads stepped together (default
+            32 MiB). Single-process, one device. Not saved in ``state_dict()`` (the constructor's wins).
 
     Distributed: DTensor params (FSDP2 ``fully_shard``, tensor parallel) are updated shard by
     shard; masters and moments are DTensors laid out like their params (state memory divides by
@@ -237,24 +240,12 @@ class FusedAdamWMP(torch.optim.Optimizer):
         return None if rel is None else rel.bucket_bytes
 
     def backward(self, loss: Tensor, scaler: torch.amp.GradScaler | None = None) -> None:
-        """``loss.backward()`` with the optimizer step inside it (``release_grads=True``): each bucket
-        of about ``release_bucket_bytes`` of grads is stepped as soon as it is ready and its grads are
-        freed, so the whole gradient is never alive. Bit-identical to ``loss.backward(); opt.step()``
-        (with ``scaler``: to ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``).
-
-        * No ``max_grad_norm`` and no ``scaler``: one backward pass.
-        * ``max_grad_norm`` set or a ``scaler`` given: two passes over the retained graph -- the first
-          only gathers the statistics (global norm, ``found_inf``, combined exactly as ``step()`` does),
-          the second steps with the known factor; on an overflow the second never runs, nothing
-          changes and the scaler is told (one host read of the flag between the passes).
-        * ``loss``: the *unscaled* loss -- with a ``scaler`` this scales it itself; call
-          ``scaler.update()`` afterwards as usual (``scaler.step(opt)`` in between is allowed and a no-op).
-
-        Afterwards every ``.grad`` is None, ``last_grad_norm`` / ``last_found_inf`` are set as ``step()``
-        sets them, and the next ``step()`` is a no-op. Refused before anything changes: a param that
-        already holds a grad (gradient accumulation), distributed training, ``mpkern.nn``
-        ``fp32_main_grad`` weights, params on several devices (see :mod:`mpkern.optim.release`).
-        """
+        """``loss.backward()`` with the step inside it (``release_grads=True``): grads are stepped bucket by
+        bucket and freed, bit-identical to ``loss.backward(); opt.step()`` (with ``scaler``, the *unscaled*
+        loss: to ``scaler.scale(loss).backward(); scaler.step(opt)``; call ``scaler.update()`` after it).
+        One backward pass, or two when ``max_grad_norm`` or ``scaler`` needs the global statistics first
+        (an overflow then skips the second: nothing changes). Afterwards every ``.grad`` is None and the
+        next ``step()`` is a no-op. What it refuses and why: :mod:`mpkern.optim.release`, docs/api.md."""
         rel = self._rt.release
         if rel is None:
             raise ValueError("FusedAdamWMP.backward needs release_grads=True (the step inside backward); with "
