@@ -8,10 +8,15 @@ Two runs of the ``mpkern compare`` task (the synthetic "red?/blue?" attention cl
 
 Every run prints its final training loss (mean of the last 10 % of steps), its ratio to fp32
 AdamW's, and validation accuracy, with the storage bytes per parameter of its optimizer state.
+With ``--release`` every mpkern mode runs a second time with gradient release
+(``release_grads=True``, ``opt.backward(loss)``: the step inside backward, two passes for the clip);
+it is bit-identical to the regular step, so its row must equal the regular one -- the table says
+whether the final params are the same bits (a check of the harness as much as of release).
 This is a benchmark (it trains models), not a test: run it by hand and record the numbers in
 ``benchmarks/RESULTS.md``.
 
     python benchmarks/fidelity_compact.py [--steps 1000] [--finetune-steps 600] [--json out.json] [--only 4-bit,8-bit]
+                                          [--release]
 """
 
 from __future__ import annotations
@@ -50,13 +55,13 @@ MODES = {
 
 
 def _train(name: str, base: torch.nn.Module, task: compare.Task, cfg: compare.Config, lr: float, steps: int,
-           offset: int) -> dict:
+           offset: int, release: bool = False) -> dict:
     dtype, make, nbytes = MODES[name]
     model = copy.deepcopy(base).to(dtype)
     params = list(model.parameters())
     if isinstance(make, dict):
         opt = mpkern.FusedAdamWMP(params, lr=lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-                                  **make)
+                                  release_grads=release, **make)
         nbytes = storage.state_bytes_per_param(make.get("master_weights", True), make.get("state_dtype", "float32"),
                                                dtype)
         clip = None
@@ -70,6 +75,10 @@ def _train(name: str, base: torch.nn.Module, task: compare.Task, cfg: compare.Co
         x = task.x_train[j * cfg.batch_size:(j + 1) * cfg.batch_size]
         y = task.y_train[j * cfg.batch_size:(j + 1) * cfg.batch_size]
         loss = F.cross_entropy(model(x).float(), y)
+        if release:  # backward + clip + step, the grads freed bucket by bucket
+            opt.backward(loss)
+            losses.append(float(loss.detach()))
+            continue
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(params, clip)
@@ -88,6 +97,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--finetune-steps", type=int, default=600)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--release", action="store_true",
+                    help="run every mpkern mode a second time with release_grads=True (must equal the regular run)")
     ap.add_argument("--only", default="", metavar="SUBSTRING,...",
                     help="run only the modes whose name contains one of these (fp32 AdamW, the reference, always runs)")
     args = ap.parse_args()
@@ -105,16 +116,25 @@ def main() -> None:
     for phase, (b, lr, steps, offset) in {"pretrain": (base, 1e-4, args.steps, 0),
                                           "finetune": (start, 3e-5, args.finetune_steps, 400)}.items():
         print(f"\n## {phase}: lr {lr}, {steps} steps, batch {cfg.batch_size}\n")
-        print("| run | state B/param | final loss | vs fp32 | val acc |")
-        print("|---|---|---|---|---|")
+        print("| run | state B/param | final loss | vs fp32 | val acc | params = regular run's |")
+        print("|---|---|---|---|---|---|")
         rows = {}
         for name in names:
-            r = _train(name, b, task, cfg, lr, steps, offset)
-            r.pop("model")
-            rows[name] = r
-            ref = rows["fp32 AdamW"]["loss"]
-            print(f"| {name} | {r['state_B_per_param']:g} | {r['loss']:.4f} | {r['loss'] / ref:.3f}x | "
-                  f"{100 * r['val_acc']:.1f} % |", flush=True)
+            runs = [(name, False)] + ([(f"{name} + release", True)] if args.release and isinstance(MODES[name][1], dict)
+                                      else [])
+            for label, release in runs:
+                r = _train(name, b, task, cfg, lr, steps, offset, release)
+                model = r.pop("model")
+                if not release:
+                    regular = model
+                else:
+                    r["bitwise_equal_to_regular"] = all(torch.equal(p, q) for p, q in
+                                                        zip(model.parameters(), regular.parameters()))
+                rows[label] = r
+                ref = rows["fp32 AdamW"]["loss"]
+                same = {True: "yes", False: "**no**"}.get(r.get("bitwise_equal_to_regular"), "")
+                print(f"| {label} | {r['state_B_per_param']:g} | {r['loss']:.4f} | {r['loss'] / ref:.3f}x | "
+                      f"{100 * r['val_acc']:.1f} % | {same} |", flush=True)
         out[phase] = rows
     if args.json:
         with open(args.json, "w") as f:
