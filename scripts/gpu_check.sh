@@ -46,6 +46,15 @@ done
 OUT=${OUT:-gpu_out}
 
 TOTAL=450        # 7 min 30 s: the sum of the stage limits below may not exceed it
+# GPU_CHECK_TOTAL=SECONDS: a shorter total for a lease with less time left (with GPU_CHECK_LIMITS
+# setting some stages to 0 = not run, so that the others fit)
+if [[ -n "${GPU_CHECK_TOTAL:-}" ]]; then
+  if [[ ! $GPU_CHECK_TOTAL =~ ^[0-9]+$ ]] || (( GPU_CHECK_TOTAL > 450 )); then
+    echo "gpu_check.sh: GPU_CHECK_TOTAL must be whole seconds <= 450, got '$GPU_CHECK_TOTAL'" >&2
+    exit 2
+  fi
+  TOTAL=$GPU_CHECK_TOTAL
+fi
 SUMMARY_LIMIT=10
 # name|limit (s)|what it runs
 STAGES=(
@@ -94,10 +103,10 @@ fi
 # the process's context shows as the first failure of the list): "all" runs every test of the file,
 # "k" only its cuda/triton variants (its cpu and torch-reference variants add nothing on a GPU)
 GPU_FIRST=(test_gpu_paths:all test_nosync:all test_capture:all test_capture_recipe:all test_streams:all
-           test_backend:all test_gpu_check:k test_unscale:k test_ops:all test_kernels_compact:all
+           test_release:all test_backend:all test_gpu_check:k test_unscale:k test_ops:all test_kernels_compact:all
            test_kernels_m4:all test_norm_identity:all
            test_optim:k test_matmul:k test_optim_generic:k test_math:k test_compact_state:k test_dropin:k
-           test_scaler:k test_review:k test_bench:k test_moments8:all test_release:all)
+           test_scaler:k test_review:k test_bench:k test_moments8:all)
 KEXPR="cuda or triton"
 GPU_FILES=()
 for entry in "${GPU_FIRST[@]}"; do
@@ -180,7 +189,10 @@ stage() {  # stage NAME COMMAND... : run under min(its limit, what is left befor
   log "$name: started (limit ${limit} s): $*"
   local t0
   t0=$(date +%s)
-  timeout -s INT -k "$grace" "$((limit - grace))" "$@" > "$OUT/$name.log" 2>&1 &
+  # a Python stage still running 3 s before its SIGINT dumps every thread's stack to its log (a stage
+  # stuck in native code -- a compiler, a kernel -- never reaches Python's KeyboardInterrupt)
+  MPKERN_STAGE_DUMP_AFTER=$((limit - grace - 3)) \
+    timeout -s INT -k "$grace" "$((limit - grace))" "$@" > "$OUT/$name.log" 2>&1 &
   CUR=$! CUR_NAME=$name CUR_T0=$t0
   wait "$CUR"
   local rc=$?
@@ -253,7 +265,7 @@ fi
 stage device "$PY" -m mpkern.bench.gpu_stages device --out "$OUT"
 
 # ---- the GPU-first tests, one process --------------------------------------------------------------
-stage tests_gpu "$PY" -m pytest -p no:cacheprovider -v --tb=short -rfE --durations=25 -o junit_family=xunit1 \
+stage tests_gpu "$PY" -m pytest -p no:cacheprovider -v --tb=short -rfE --durations=25 -o junit_family=xunit1 -o faulthandler_timeout=45 \
   --junitxml="$OUT/tests_gpu.xml" -k "$KEXPR" "${GPU_FILES[@]}"
 
 # ---- benchmarks, one process and one JSON each -------------------------------------------------------
@@ -265,7 +277,7 @@ stage matmul "$PY" -m mpkern.bench.gpu_stages matmul --out "$OUT"
 stage matmul_tuned "$PY" -m mpkern.bench.gpu_stages matmul_tuned --out "$OUT"
 
 # ---- the rest of the tests, in what is left -----------------------------------------------------------
-stage tests_rest "$PY" -m pytest -p no:cacheprovider -v --tb=short -rfE -o junit_family=xunit1 \
+stage tests_rest "$PY" -m pytest -p no:cacheprovider -v --tb=short -rfE -o junit_family=xunit1 -o faulthandler_timeout=45 \
   --junitxml="$OUT/tests_rest.xml" "${REST_FILES[@]}"
 # exit status: 0 when every stage ended "ok", else 1 (the summary says which did not)
 [[ -z "$(awk -F'\t' '$5 != "ok"' "$OUT/stages.tsv")" ]] && exit 0

@@ -787,3 +787,33 @@ def test_release_rows_ratios():
     assert cells[1] == ["release one pass", "10.50", "1.050x regular", "2.50", "yes"]
     assert cells[3][2] == "1.500x regular + clip; 1.100x forward + two backwards" and cells[3][4] == "NO"
     assert cells[5] == ["broken", "-", "-", "-", "error: RuntimeError: x"]
+
+
+@needs_bash
+def test_a_shorter_total_with_stages_left_out():
+    """GPU_CHECK_TOTAL (a lease with less time left) with GPU_CHECK_LIMITS zeroing the stages not needed."""
+    env = dict(os.environ, GPU_CHECK_TOTAL="380",
+               GPU_CHECK_LIMITS="adamw_cuda=0,matmul=0,matmul_tuned=0,tests_gpu=110,adamw_triton=50")
+    p = subprocess.run(["bash", SCRIPT, "--dry-run"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"^total: 380 s .*at most 380 s", p.stdout, re.M), p.stdout
+    assert re.search(r"^  adamw_cuda\s+0 s", p.stdout, re.M)
+    for bad in ("451", "3m"):
+        p = subprocess.run(["bash", SCRIPT, "--dry-run"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                           env=dict(os.environ, GPU_CHECK_TOTAL=bad))
+        assert p.returncode == 2 and "GPU_CHECK_TOTAL" in p.stderr
+    p = subprocess.run(["bash", SCRIPT, "--dry-run"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                       env=dict(os.environ, GPU_CHECK_TOTAL="300"))
+    assert p.returncode == 1 and "over the total of 300 s" in p.stderr  # the default limits do not fit
+
+
+def test_stage_dump_after(monkeypatch):
+    import faulthandler
+
+    calls = []
+    monkeypatch.setattr(faulthandler, "dump_traceback_later", lambda t, exit: calls.append((t, exit)))
+    monkeypatch.setenv("MPKERN_STAGE_DUMP_AFTER", "37")
+    gpu_stages.dump_stacks_later()
+    monkeypatch.setenv("MPKERN_STAGE_DUMP_AFTER", "")
+    gpu_stages.dump_stacks_later()
+    assert calls == [(37, False)]

@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=None)
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    from .gpu_stages import dump_stacks_later
+
+    dump_stacks_later()
     try:
         return stage_release(args.out, layers=args.layers, width=args.width, tokens=args.tokens)
     except KeyboardInterrupt:

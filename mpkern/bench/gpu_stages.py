@@ -442,6 +442,16 @@ def stage_matmul(out: str, tuned: bool = False, *, device: Any = None,
 STAGES = ("device", "unscale", "adamw", "matmul", "matmul_tuned")
 
 
+def dump_stacks_later() -> None:
+    """With ``MPKERN_STAGE_DUMP_AFTER=SECONDS`` (set by gpu_check.sh), dump every thread's Python stack
+    to stderr after that long: a stage stuck in native code (a compile, a kernel) shows where."""
+    import faulthandler
+
+    after = os.environ.get("MPKERN_STAGE_DUMP_AFTER", "")
+    if after.isdigit() and int(after) > 0:
+        faulthandler.dump_traceback_later(int(after), exit=False)
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     """SIGTERM as KeyboardInterrupt, so a stage stopped by ``timeout`` marks its file ``interrupted``."""
     raise KeyboardInterrupt(f"signal {signum}")
@@ -482,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--params and --tensors must be positive")
     os.makedirs(args.out, exist_ok=True)
     signal.signal(signal.SIGTERM, _interrupt)
+    dump_stacks_later()
     files = {"device": ["device.json"], "unscale": ["unscale.json"], "adamw": [f"adamw_{args.backend}.json"],
              "matmul": ["matmul.json"], "matmul_tuned": ["matmul_tuned.json"]}[args.stage]
     try:
