@@ -23,10 +23,10 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DEVICE
 
 import mpkern
 from mpkern.optim import buckets, release
-from conftest import DEVICE
 
 BF16, FP16 = torch.bfloat16, torch.float16
 VOCAB, DIM = 61, 24
@@ -397,9 +397,8 @@ def test_argument_errors():
     opt = mpkern.FusedAdamWMP(model.parameters(), release_grads=True)
     assert opt.release_grads and opt.release_bucket_bytes == release.DEFAULT_BUCKET_BYTES
     assert not regular.release_grads and regular.release_bucket_bytes is None
-    with pytest.raises(ValueError, match="require grad"):
-        with torch.no_grad():
-            opt.backward(lm_loss(model, x, y))
+    with pytest.raises(ValueError, match="require grad"), torch.no_grad():
+        opt.backward(lm_loss(model, x, y))
     with pytest.raises(TypeError, match="scaler"):
         opt.backward(lm_loss(model, x, y), scaler=1.0)
     with pytest.raises(ValueError, match="twice"):

@@ -97,11 +97,27 @@ def adamw_problem(dev: torch.device, sizes: list[int], seed: int = 1) -> tuple[l
     return grads16, init
 
 
+def torch_unscale_clip(params: list[Tensor], inv: Tensor, max_norm: float) -> Tensor:
+    """PyTorch's recipe for what ``mpkern.unscale_(params, inv, max_norm=...)`` does, on the same grads;
+    returns found_inf. GradScaler's ``_amp_foreach_non_finite_check_and_unscale_`` (read + write), then
+    ``clip_grad_norm_(foreach=True)`` (norm read + scale read/write): 5 grad-sized accesses
+    (bytemodel.UNSCALE_TRAFFIC["torch"]). bf16 grads on CUDA, which that op has no kernel for (torch
+    2.11: "not implemented for 'BFloat16'"), take its foreach equivalent with the same accesses: the
+    multiply, then the clip, whose total norm is non-finite exactly when a grad is."""
+    grads = [p.grad for p in params]
+    if inv.device.type == "cuda" and any(g.dtype == torch.bfloat16 for g in grads):
+        torch._foreach_mul_(grads, inv)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        return (~torch.isfinite(norm)).float()
+    found = torch.zeros((), device=inv.device)
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+    torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    return found
+
+
 def unscale_clip(params: list[Tensor], inv: Tensor) -> None:
     """PyTorch's AMP recipe before the step: GradScaler's unscale (with its inf check), then the clip."""
-    found = torch.zeros((), device=inv.device)
-    torch._amp_foreach_non_finite_check_and_unscale_([p.grad for p in params], found, inv)
-    torch.nn.utils.clip_grad_norm_(params, ADAMW_MAX_NORM, foreach=True)
+    torch_unscale_clip(params, inv, ADAMW_MAX_NORM)
 
 
 def amp_fp32_recipe(init: list[Tensor], grads16: list[Tensor], inv: Tensor,

@@ -29,7 +29,7 @@ from typing import Any
 
 from .gpu_rows import StageFile, short_error
 
-__all__ = ["VARIANTS", "stage_release", "main"]
+__all__ = ["VARIANTS", "main", "stage_release"]
 
 #: (label, max_grad_norm, release_grads)
 VARIANTS = (("regular", None, False), ("release one pass", None, True),

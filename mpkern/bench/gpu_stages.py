@@ -170,7 +170,6 @@ def stage_unscale(out: str, params: int | None = None, tensors: int | None = Non
         p = torch.nn.Parameter(torch.empty(n, dtype=torch.bfloat16, device=dev))
         p.grad = (torch.randn(n, device=dev, generator=gen) * 64).to(torch.bfloat16)
         ps.append(p)
-    grads = [p.grad for p in ps]
     inv = torch.tensor(INV_SCALE, device=dev)
     ours, theirs = bytemodel.UNSCALE_TRAFFIC["mpkern"], bytemodel.UNSCALE_TRAFFIC["torch"]
     for name in backends:
@@ -193,10 +192,10 @@ def stage_unscale(out: str, params: int | None = None, tensors: int | None = Non
             sf.add_row(mem_row("unscale", impl, name, bytes_per_param=ours, bytes_source="bytemodel.UNSCALE_TRAFFIC"
                                "['mpkern']", params=total, error=short_error(e)))
 
+    from .common import torch_unscale_clip
+
     def recipe() -> None:
-        found = torch.zeros((), device=dev)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
-        torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)
+        torch_unscale_clip(ps, inv, 1.0)
 
     impl = "torch recipe"
     try:
@@ -204,7 +203,8 @@ def stage_unscale(out: str, params: int | None = None, tensors: int | None = Non
         sf.add_row(mem_row("unscale", impl, "torch", bytes_per_param=theirs,
                            bytes_source="bytemodel.UNSCALE_TRAFFIC['torch']", params=total, timing=t, graph=g,
                            graph_error=gerr, peer=True,
-                           method="_amp_foreach_non_finite_check_and_unscale_ + clip_grad_norm_(foreach=True)"))
+                           method="bench.common.torch_unscale_clip: _amp_foreach_non_finite_check_and_unscale_ "
+                                  "(bf16 on CUDA: _foreach_mul_) + clip_grad_norm_(foreach=True)"))
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         sf.add_row(mem_row("unscale", impl, "torch", bytes_per_param=theirs,

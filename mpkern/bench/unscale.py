@@ -10,7 +10,7 @@ import torch
 
 from .. import _backend, bytemodel
 from ..measure import measure_bandwidth, time_fn
-from .common import FULL, row, tensor_sizes
+from .common import FULL, row, tensor_sizes, torch_unscale_clip
 
 
 def bench_unscale(device: torch.device | str, *, params: int = FULL["params"], tensors: int = FULL["tensors"],
@@ -35,9 +35,7 @@ def bench_unscale(device: torch.device | str, *, params: int = FULL["params"], t
         torch._foreach_copy_(grads, backup)
 
     def recipe() -> None:
-        found_inf = torch.zeros((), device=dev)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
-        torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)
+        torch_unscale_clip(ps, inv, 1.0)
 
     def fused() -> None:
         mpkern.unscale_(ps, inv, max_norm=1.0)
