@@ -443,3 +443,19 @@ def test_copies_keep_release():
         assert all(float(oc.state[p]["step"]) == 1 for p in params)  # the copy's own hooks stepped its params
     assert all(torch.equal(p, q) for p, q in zip(original, b.parameters()))  # the copies' hooks are their own
     assert not ob.state
+
+
+def test_a_param_that_starts_requiring_grad_later_is_hooked():
+    a, oa, b, ob = twins()
+    for m in (a, b):
+        m.up.bias.requires_grad_(False)
+    data = batches(4)
+    for i, (x, y) in enumerate(data):
+        if i == 2:
+            for m in (a, b):
+                m.up.bias.requires_grad_(True)
+        regular_step(a, oa, x, y)
+        ob.backward(lm_loss(b, x, y))
+        assert b.up.bias.grad is None
+        assert_same(a, oa, b, ob)
+    assert float(ob.state[b.up.bias]["step"]) == 2

@@ -250,6 +250,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
         if rel is None:
             raise ValueError("FusedAdamWMP.backward needs release_grads=True (the step inside backward); with "
                              "release_grads=False call loss.backward() and opt.step()")
+        rel.hook_params(self.param_groups, self._on_grad_ready)  # params that require grad since the last call
         release.backward(rel, self._rt, self.param_groups, self.state, self, loss, scaler)
 
     def _on_grad_ready(self, p: Tensor) -> None:
