@@ -459,3 +459,32 @@ def test_a_param_that_starts_requiring_grad_later_is_hooked():
         assert b.up.bias.grad is None
         assert_same(a, oa, b, ob)
     assert float(ob.state[b.up.bias]["step"]) == 2
+
+
+class _Boom(torch.autograd.Function):
+    """Identity whose backward raises (a backward that dies halfway)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom")
+
+
+def test_a_plain_backward_that_dies_leaves_nothing_behind():
+    """A plain backward that dies before its end-of-backward callback leaves a grad in the bucket; the
+    next backward starts afresh (by autograd's graph task) -- the dead one's grad is dropped, not stepped
+    with it, and its own last bucket is stepped at its end."""
+    _, _, b, ob = twins(bucket=1 << 20)  # one bucket for the whole model
+    x, y = batches(1)[0]
+    h = b.down(F.gelu(b.up(b.emb(x))))
+    loss = _Boom.apply(h).float().sum() + b.norm.weight.float().sum()  # norm.weight's grad arrives first
+    with pytest.raises(RuntimeError, match="boom"):
+        loss.backward()
+    assert not ob.state  # nothing was stepped: the one grad that arrived waits in the bucket
+    for x, y in batches(3, seed=4):
+        lm_loss(b, x, y).backward()
+        assert all(p.grad is None for p in b.parameters())
+    assert all(float(ob.state[p]["step"]) == 3 for p in b.parameters())

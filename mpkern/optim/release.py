@@ -80,6 +80,7 @@ class Release:
         self.stats: list[tuple[list[Tensor], Tensor, Tensor]] = []
         self.where: dict[int, tuple[dict[str, Any], int]] = {}
         self.backend = "cpu"
+        self.task = -1  # the graph task of the plain backward in progress
         self.inv: Tensor | None = None
         self.factor: Tensor | None = None
         self.found: Tensor | None = None
@@ -184,7 +185,8 @@ def must_split(max_grad_norm: float | None, scaler: Any) -> bool:
 def on_grad(rel: Release, rt: Runtime, groups: list[dict[str, Any]], state: Any, p: Tensor) -> None:
     """The hook's work for ``p``: take its grad into the bucket (``p.grad`` becomes None) and flush
     a full bucket. In a plain ``loss.backward()`` the first hook starts the one-pass mode."""
-    if rel.mode is None:
+    if rel.mode is None or (rel.mode == "plain" and rel.task != _graph_task()):
+        # a plain backward starts (or one that died before its end-of-backward callback is left behind)
         _start_plain(rel, rt, groups, state, p)
     g = p.grad
     if g is None:
@@ -196,7 +198,18 @@ def on_grad(rel: Release, rt: Runtime, groups: list[dict[str, Any]], state: Any,
     rel.nbytes += g.numel() * g.element_size()
     rel.peak_bytes = max(rel.peak_bytes, rel.nbytes)
     if rel.nbytes >= rel.bucket_bytes:
-        flush(rel, rt, groups, state)
+        try:
+            flush(rel, rt, groups, state)
+        except BaseException:
+            if rel.mode == "plain":  # opt.backward resets itself; a plain backward ends here
+                rel.reset()
+            raise
+
+
+def _graph_task() -> int:
+    """The id of the backward pass running now (autograd's graph task; -1 outside one)."""
+    fn = getattr(torch._C, "_current_graph_task_id", None)
+    return -1 if fn is None else int(fn())
 
 
 def _start_plain(rel: Release, rt: Runtime, groups: list[dict[str, Any]], state: Any, p: Tensor) -> None:
@@ -219,7 +232,7 @@ def _start_plain(rel: Release, rt: Runtime, groups: list[dict[str, Any]], state:
         p.grad = None
         raise
     plan = amp.plan_step(None, max_norm=None, grad_scale=None, found_inf=None, device=device, stats=None)
-    rel.mode, rel.factor, rel.found = "plain", plan.factor, plan.found_inf
+    rel.mode, rel.factor, rel.found, rel.task = "plain", plan.factor, plan.found_inf, _graph_task()
     rt.record(plan)
     # autograd's end-of-backward callback (what DDP and FSDP use) steps the last bucket
     torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish_plain(rel, rt, groups, state))
