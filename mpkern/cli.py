@@ -175,7 +175,8 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     m = res["meta"]
     print(f"\n{m['device']}, torch {m['torch']}, {m['threads']} threads, {m['timestamp']}"
           + (f", in-place bandwidth {m['bandwidth']['inplace_GBps']:.1f} GB/s" if "bandwidth" in m else "")
-          + f"; optimizer-side sizes: {m['params'] / 1e6:g}M params in {m['tensors']} tensors\n")
+          + (f"; optimizer-side sizes: {m['params'] / 1e6:g}M params in {m['tensors']} tensors"
+             if m["which"] in ("unscale", "adamw", "all") else "") + "\n")
     print(bench.format_table(res["rows"]))
     if args.json:
         measure.write_json(res, args.json)

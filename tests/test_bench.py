@@ -231,7 +231,7 @@ TINY_RELEASE = {"d_model": 32, "layers": 1, "heads": 2, "seq_len": 8, "batch": 2
 
 
 def test_release_rows_time_every_variant_and_check_the_bits():
-    rows = bench.bench_release("cpu", quick=True, reps=1, size=TINY_RELEASE, log=lambda s: None)
+    rows = bench.bench_release("cpu", quick=True, reps=1, size=TINY_RELEASE, linear="torch", log=lambda s: None)
     by = {r["variant"]: r for r in rows}
     assert list(by) == ["a", "b", "c", "bound", "d", "e", "f"]
     tokens = TINY_RELEASE["batch"] * TINY_RELEASE["seq_len"]
@@ -246,6 +246,8 @@ def test_release_rows_time_every_variant_and_check_the_bits():
     assert "bit-identical to (a)" in by["b"]["method"] and by["b"]["bucket_bytes"] == 4096
     table = bench.format_table(rows)
     assert "goal: >= 0.952x" in table and "(d) release, two passes" in table
+    with pytest.raises(ValueError, match="linear"):
+        bench.bench_release("cpu", quick=True, reps=1, size=TINY_RELEASE, linear="cublas", log=lambda s: None)
 
 
 def test_release_sizes_are_the_ones_run_documents():
@@ -257,3 +259,44 @@ def test_release_sizes_are_the_ones_run_documents():
             n = sum(p.numel() for p in Classifier(512, size["seq_len"], size["d_model"], size["layers"],
                                                   size["heads"], 32).parameters())
         assert f"{key} {n / 1e6:.1f}M params" in doc, (key, n)
+
+
+def _release_memory_script():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "release_memory.py")
+    spec = importlib.util.spec_from_file_location("release_memory", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("release", [False, True])
+def test_release_memory_meter_follows_each_grad_until_freed(release):
+    """benchmarks/release_memory.py's meter: the regular step holds every grad at once; release holds
+    what the optimizer's buckets held (its own count), and no grad outlives either step."""
+    import mpkern
+
+    rm = _release_memory_script()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)]).to(torch.bfloat16)
+    params = list(model.parameters())
+    meter = rm.GradMeter(params)
+    extra = {"release_grads": True, "release_bucket_bytes": 3 * 64 * 64 * 2} if release else {}
+    opt = mpkern.FusedAdamWMP(params, lr=1e-3, max_grad_norm=1.0, **extra)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    for _ in range(2):
+        meter.reset()
+        loss = model(x).float().square().mean()
+        if release:
+            opt.backward(loss)
+        else:
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    every = sum(p.numel() * 2 for p in params)
+    if release:
+        assert meter.peak == opt.mpkern_runtime.release.peak_bytes < every
+    else:
+        assert meter.peak == every
+    assert meter.live == 0

@@ -1,6 +1,7 @@
 """Gradient release (issue 30) timed beside the regular step, in one run: a training step of mpkern
-compare's transformer classifier (:class:`mpkern.compare.Classifier`) in bf16 params, forward +
-backward + ``FusedAdamWMP`` step, each way from a fresh forward on the same batch:
+compare's transformer classifier (:class:`mpkern.compare.Classifier`) in bf16 params -- its Linear
+layers on the faster GEMM of the device (:func:`choose_linear`) -- forward + backward +
+``FusedAdamWMP`` step, each way from a fresh forward on the same batch:
 
 * (a) regular: ``loss.backward(); opt.step()``; (b) release, one pass: ``opt.backward(loss)``;
 * (c) regular with ``max_grad_norm``; (d) release, two passes, with ``max_grad_norm``;
@@ -31,7 +32,7 @@ Tensor = torch.Tensor
 #: the model, batch and release bucket of the quick and the full run
 RELEASE_SIZES: dict[str, dict[str, int]] = {
     "quick": {"d_model": 256, "layers": 4, "heads": 4, "seq_len": 64, "batch": 8, "bucket_bytes": 1 << 20},
-    "full": {"d_model": 512, "layers": 6, "heads": 8, "seq_len": 128, "batch": 8, "bucket_bytes": 4 << 20},
+    "full": {"d_model": 512, "layers": 6, "heads": 8, "seq_len": 128, "batch": 8, "bucket_bytes": 8 << 20},
 }
 #: the goals the rows are read against: one-pass within 5 % of regular; two-pass at most 5 % over
 #: the regular clipped step plus one extra backward pass
@@ -101,14 +102,33 @@ def _same_params(opts: dict[str, Any], a: str, b: str) -> bool:
     return all(torch.equal(p, q) for p, q in zip(pa, pb))
 
 
+def choose_linear(device: torch.device) -> tuple[str, str]:
+    """``("torch", why)`` where the device computes bf16 natively (ATen's bf16 GEMM is the fast path),
+    else ``("mpkern", why)`` (mpkern.linear's fp32 GEMM of the upcast operands): the faster GEMM, so
+    that the forward and backward do not dilute what the step costs. The probe is mpkern compare's
+    (:func:`mpkern.compare.compute_support`)."""
+    from ..compare import compute_support
+
+    bf16 = compute_support(device)["bfloat16"]
+    if bf16["native"]:
+        return "torch", f"torch.nn.Linear: bf16 native here ({bf16['why']})"
+    return "mpkern", f"mpkern.nn.Linear: bf16 emulated here ({bf16['why']})"
+
+
 def bench_release(device: torch.device | str, *, quick: bool = False, reps: int = FULL["reps"],
-                  size: dict[str, int] | None = None, linear: str = "mpkern",
+                  size: dict[str, int] | None = None, linear: str = "auto",
                   log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Rows (a)-(f) of the module docs, timed in alternation (median of ``reps``); ``size``
-    overrides :data:`RELEASE_SIZES` (``"quick"`` or ``"full"``) key by key. Each row's ``rate`` is
-    tokens/s; (b) carries its speed over (a), (d) over the sum row "(c) + one extra backward"."""
+    overrides :data:`RELEASE_SIZES` (``"quick"`` or ``"full"``) key by key; ``linear``: ``"torch"``,
+    ``"mpkern"`` or ``"auto"`` (:func:`choose_linear`). Each row's ``rate`` is tokens/s; (b) carries
+    its speed over (a), (d) over the sum row "(c) + one extra backward"."""
     dev = torch.device(device)
     sz = RELEASE_SIZES["quick" if quick else "full"] | (size or {})
+    if linear == "auto":
+        linear, why = choose_linear(dev)
+        log(f"release: {why}")
+    elif linear not in ("torch", "mpkern"):
+        raise ValueError(f"linear must be 'auto', 'torch' or 'mpkern', got {linear!r}")
     base, x, y = _problem(sz, dev, linear)
     fns, opts = _variants(base, x, y, sz["bucket_bytes"])
     keys = list(fns)

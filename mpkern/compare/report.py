@@ -134,6 +134,10 @@ def _release_lessons(runs: dict[str, dict[str, Any]]) -> list[str]:
                 f"(bucket {fmt_size(rel['bucket_bytes'])}, {rel['backward_passes']} backward passes per step)")
         if rel["peak_grad_bytes"] >= rel["grad_bytes_all"]:
             held += " -- the whole gradient fits one bucket, so no grad is freed early (--release-bucket SIZE)"
+        if rel["peak_mem_vs_regular"] and rel["peak_mem_vs_regular"] >= 1.0:
+            held += (" -- peak mem is not lower: the activations, not the grads, set the step's peak"
+                     + (", and the two-pass backward keeps the whole graph (retain_graph) while pass 1's grads "
+                        "arrive" if rel["backward_passes"] == 2 else ""))
         same = ("the same loss at every step (bit-identical training)" if rel["same_losses"]
                 else "DIFFERENT losses from the regular run")
         out.append(f"Gradient release: {name} (the step inside opt.backward, each bucket's grads freed once "
