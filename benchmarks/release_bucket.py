@@ -18,6 +18,7 @@ import time
 import torch
 
 import mpkern
+from mpkern.bench.common import backward_step
 
 
 def main() -> None:
@@ -46,13 +47,7 @@ def main() -> None:
         for name, (model, opt, times) in runs.items():
             x = xs[rep % len(xs)]
             t0 = time.perf_counter()
-            loss = model(x).float().square().mean()
-            if opt.release_grads:
-                opt.backward(loss)
-            else:
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
+            backward_step(opt, model(x).float().square().mean())
             if rep:  # the first round warms up (state, tables)
                 times.append((time.perf_counter() - t0) * 1e3)
     ref = statistics.median(runs["regular"][2])

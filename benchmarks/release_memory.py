@@ -45,6 +45,7 @@ from torch import nn
 import mpkern
 from mpkern import bytemodel
 from mpkern.batch_plan import fmt_size
+from mpkern.bench.common import backward_step
 from mpkern.measure import machine_info
 
 #: (label, FusedAdamWMP keywords) of the optimizer states measured
@@ -135,13 +136,7 @@ def measure(kwargs: dict[str, Any], release: bool, ids: torch.Tensor, clip: floa
     opt = mpkern.FusedAdamWMP(params, lr=1e-4, max_grad_norm=clip, **kwargs, **extra)
 
     def step() -> None:
-        loss = lm_loss(model, ids)
-        if release:
-            opt.backward(loss)
-        else:
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        backward_step(opt, lm_loss(model, ids))
 
     step()
     meter.reset()

@@ -10,6 +10,7 @@ import torch
 from conftest import requires_cuda
 
 from mpkern import bench, bytemodel
+from mpkern.bench.common import backward_step
 
 
 def test_run_docstring_gives_the_sizes_the_code_uses():
@@ -287,13 +288,7 @@ def test_release_memory_meter_follows_each_grad_until_freed(release):
     x = torch.randn(4, 64).to(torch.bfloat16)
     for _ in range(2):
         meter.reset()
-        loss = model(x).float().square().mean()
-        if release:
-            opt.backward(loss)
-        else:
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        backward_step(opt, model(x).float().square().mean())
     every = sum(p.numel() * 2 for p in params)
     if release:
         assert meter.peak == opt.mpkern_runtime.release.peak_bytes < every

@@ -97,6 +97,18 @@ def adamw_problem(dev: torch.device, sizes: list[int], seed: int = 1) -> tuple[l
     return grads16, init
 
 
+def backward_step(opt: torch.optim.Optimizer, loss: Tensor) -> None:
+    """One training step's backward and optimizer step: ``opt.backward(loss)`` for a ``FusedAdamWMP`` with
+    ``release_grads=True`` (the step inside backward), else ``loss.backward(); opt.step();
+    opt.zero_grad(set_to_none=True)`` -- the two ways the release benchmarks set side by side."""
+    if getattr(opt, "release_grads", False):
+        opt.backward(loss)
+        return
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def torch_unscale_clip(params: list[Tensor], inv: Tensor, max_norm: float) -> Tensor:
     """PyTorch's recipe for what ``mpkern.unscale_(params, inv, max_norm=...)`` does, on the same grads;
     returns found_inf. GradScaler's ``_amp_foreach_non_finite_check_and_unscale_`` (read + write), then

@@ -53,16 +53,12 @@ def _stepper(model: Any, clip: float | None, release: bool) -> tuple[Any, Callab
     """(optimizer, step(x)) of one variant."""
     import mpkern
 
+    from .common import backward_step
+
     opt = mpkern.FusedAdamWMP(model.parameters(), lr=1e-4, max_grad_norm=clip, release_grads=release)
 
     def step(x: Any) -> None:
-        loss = model(x).float().square().mean()
-        if release:
-            opt.backward(loss)
-        else:
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+        backward_step(opt, model(x).float().square().mean())
 
     return opt, step
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..measure import time_alternating
-from .common import ADAMW_LR, ADAMW_MAX_NORM, FULL, row
+from .common import ADAMW_LR, ADAMW_MAX_NORM, FULL, backward_step, row
 
 Tensor = torch.Tensor
 
@@ -73,14 +73,8 @@ def _variants(base: torch.nn.Module, x: Tensor, y: Tensor,
         opt = FusedAdamWMP(model.parameters(), lr=ADAMW_LR, max_grad_norm=ADAMW_MAX_NORM if clip else None, **kw)
         opts[key] = (model, opt)
 
-        def step(model: torch.nn.Module = model, opt: Any = opt, release: bool = release) -> None:
-            loss = loss_of(model)
-            if release:
-                opt.backward(loss)
-            else:
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+        def step(model: torch.nn.Module = model, opt: Any = opt) -> None:
+            backward_step(opt, loss_of(model))
 
         fns[key] = step
     plain = copy.deepcopy(base)
