@@ -266,11 +266,12 @@ def test_step_after_backward_changes_nothing():
     assert all(torch.equal(s, ob.state[p]["step"]) for s, p in zip(steps, b.parameters()))
 
 
+@pytest.mark.parametrize("bucket", [0, 1000])
 @pytest.mark.parametrize("clip", [None, 0.5])
-def test_grad_bytes_alive_at_once(clip):
+def test_grad_bytes_alive_at_once(clip, bucket):
     """Every grad autograd makes is followed by a weak reference from a hook registered before the
-    optimizer's: at each hook, the grads still alive anywhere (bucket, .grad) are summed."""
-    bucket = 1000
+    optimizer's: at each hook, the grads still alive anywhere (bucket, .grad) are summed. Bucket 0: every
+    grad is stepped (or counted) the moment it arrives."""
     model = make_model()
     alive: list[tuple[weakref.ref, int]] = []
     peaks = []
@@ -383,11 +384,15 @@ def test_fp32_main_grad_weights_refused():
 def test_argument_errors():
     model = make_model()
     with pytest.raises(TypeError, match="release_bucket_bytes"):
-        mpkern.FusedAdamWMP(model.parameters(), release_grads=True, release_bucket_bytes=1.5)
+        mpkern.FusedAdamWMP(model.parameters(), release_grads=True, release_bucket_bytes="1MB")
+    for bad in (1.5, -1):
+        with pytest.raises(ValueError, match="release_bucket_bytes"):
+            mpkern.FusedAdamWMP(model.parameters(), release_grads=True, release_bucket_bytes=bad)
     with pytest.raises(ValueError, match="release_bucket_bytes"):
-        mpkern.FusedAdamWMP(model.parameters(), release_grads=True, release_bucket_bytes=0)
-    with pytest.raises(ValueError, match="release_grads=False"):
-        mpkern.FusedAdamWMP(model.parameters(), release_bucket_bytes=1 << 20)
+        mpkern.FusedAdamWMP(model.parameters(), release_bucket_bytes=-5)  # checked even when unused
+    assert mpkern.FusedAdamWMP(model.parameters(), release_grads=True, release_bucket_bytes=4e6).release_bucket_bytes \
+        == 4_000_000
+    assert mpkern.FusedAdamWMP(model.parameters(), release_bucket_bytes=1 << 20).release_bucket_bytes is None
     with pytest.raises(TypeError, match="release_grads"):
         mpkern.FusedAdamWMP(model.parameters(), release_grads="yes")
     regular = mpkern.FusedAdamWMP(model.parameters())

@@ -507,9 +507,8 @@ def _check_release_args(release_grads: Any, bucket_bytes: Any, process_group: An
     if not isinstance(release_grads, bool):
         raise TypeError(f"release_grads must be a bool, got {type(release_grads).__name__}")
     if not release_grads:
-        if bucket_bytes is not None:
+        if bucket_bytes is not None:  # checked, unused: a twin built with release_grads=False may pass it
             release.check_bucket_bytes(bucket_bytes)
-            raise ValueError("release_bucket_bytes is given but release_grads=False")
         return None
     if process_group is not None:
         raise ValueError("release_grads=True is single-process: it cannot take a process_group (the grads would "

@@ -53,12 +53,13 @@ DEFAULT_BUCKET_BYTES = 32 << 20
 
 
 def check_bucket_bytes(value: Any) -> int:
-    """``release_bucket_bytes`` validated: a positive int (bytes of grads per fused kernel call)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"release_bucket_bytes must be an int (bytes), got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"release_bucket_bytes must be positive, got {value}")
-    return value
+    """``release_bucket_bytes`` validated, as an int: bytes of grads per fused kernel call (a whole
+    number >= 0; 0 steps every grad the moment it arrives)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"release_bucket_bytes must be a number of bytes (int), got {type(value).__name__}")
+    if not (value >= 0 and value == int(value)):
+        raise ValueError(f"release_bucket_bytes must be a whole number of bytes >= 0, got {value!r}")
+    return int(value)
 
 
 class Release:
