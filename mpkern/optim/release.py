@@ -110,11 +110,6 @@ class Release:
                     continue
                 self.handles[id(p)] = p.register_post_accumulate_grad_hook(_weak_hook(ref))
 
-    def unhook(self) -> None:
-        for h in self.handles.values():
-            h.remove()
-        self.handles.clear()
-
 
 def _weak_hook(ref: Callable[[], Any]) -> Callable[[Tensor], None]:
     def hook(p: Tensor) -> None:
