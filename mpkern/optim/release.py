@@ -185,10 +185,8 @@ def on_grad(rel: Release, rt: Runtime, groups: list[dict[str, Any]], state: Any,
         # a plain backward starts (or one that died before its end-of-backward callback is left behind)
         _start_plain(rel, rt, groups, state, p)
     g = p.grad
-    if g is None:
+    if g is None or id(p) not in rel.where:  # a param no longer in the groups keeps its grad, as without release
         return
-    if id(p) not in rel.where:
-        raise RuntimeError("FusedAdamWMP(release_grads=True): a param the optimizer no longer holds got a grad")
     p.grad = None
     rel.bucket.append((p, g))
     rel.nbytes += g.numel() * g.element_size()
