@@ -39,7 +39,7 @@ RELEASE_SIZES: dict[str, dict[str, int]] = {
 RELEASE_GOAL = 1.05
 
 
-def _problem(size: dict[str, int], dev: torch.device, linear: str,
+def release_problem(size: dict[str, int], dev: torch.device, linear: str,
              seed: int = 0) -> tuple[torch.nn.Module, Tensor, Tensor]:
     """The bf16 classifier (mpkern.nn.Linear layers with ``linear="mpkern"``), one batch of ids and labels."""
     from .. import nn as mpnn
@@ -123,7 +123,7 @@ def bench_release(device: torch.device | str, *, quick: bool = False, reps: int 
         log(f"release: {why}")
     elif linear not in ("torch", "mpkern"):
         raise ValueError(f"linear must be 'auto', 'torch' or 'mpkern', got {linear!r}")
-    base, x, y = _problem(sz, dev, linear)
+    base, x, y = release_problem(sz, dev, linear)
     fns, opts = _variants(base, x, y, sz["bucket_bytes"])
     keys = list(fns)
     t = dict(zip(keys, time_alternating([(fns[k], None) for k in keys], dev, reps=reps)))
