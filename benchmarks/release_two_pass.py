@@ -1,7 +1,7 @@
-"""The two-pass release step against the clipped regular step plus one extra backward whose grads are
-allocated anew -- what release's pass 2 does (pass 1 freed them) -- on ``mpkern bench release``'s
-full-size model, alternating, median of 8. (The bench's (f) - (e) estimate lets the second backward
-accumulate into grads that exist, which on a CPU costs less than allocating them again.)
+"""The two-pass release step against the clipped regular step with one extra backward inside it (its
+grads freed before the second backward, as release's pass 1 frees them) on ``mpkern bench release``'s
+full-size model, alternating, median of 8. (The bench's (f) - (e) estimate times the extra backward
+in steps without an optimizer step, where the caches are kinder than inside a training step.)
 
     OMP_NUM_THREADS=1 python benchmarks/release_two_pass.py
 """
