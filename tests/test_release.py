@@ -493,3 +493,27 @@ def test_a_plain_backward_that_dies_leaves_nothing_behind():
         lm_loss(b, x, y).backward()
         assert all(p.grad is None for p in b.parameters())
     assert all(float(ob.state[p]["step"]) == 3 for p in b.parameters())
+
+
+def test_gpt2_tied_embedding_and_head_bitwise():
+    """GPT-2 (transformers) shares one Parameter between its embedding and its LM head: its hook fires once,
+    after both contributions; three storage modes, clip active, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=101, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    base = transformers.GPT2LMHeadModel(cfg).to(device=DEVICE, dtype=BF16)
+    assert base.lm_head.weight is base.transformer.wte.weight
+    for master, sd in (MODES[0], MODES[1], MODES[3]):
+        a, b = copy.deepcopy(base), copy.deepcopy(base)
+        kw = dict(lr=1e-3, max_grad_norm=0.5, master_weights=master, state_dtype=sd)
+        oa = mpkern.FusedAdamWMP(a.parameters(), **kw)
+        ob = mpkern.FusedAdamWMP(b.parameters(), release_grads=True, release_bucket_bytes=20_000, **kw)
+        for s in range(3):
+            ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(s)).to(DEVICE)
+            a(ids, labels=ids).loss.backward()
+            oa.step()
+            oa.zero_grad()
+            ob.backward(b(ids, labels=ids).loss)
+        assert float(ob.last_grad_norm) > 0.5  # the clip was active
+        assert_same(a, oa, b, ob)
