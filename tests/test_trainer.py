@@ -74,3 +74,27 @@ def test_trainer_loss_falls_and_resume_continues_the_trajectory(tmp_path):
         assert lr_[s] == pytest.approx(lf[s], rel=1e-3, abs=1e-3), s
     for (n, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a, b), n
+
+
+def test_trainer_with_gradient_release_is_bitwise_the_regular_run(tmp_path):
+    """docs/recipes.md's release recipe: Trainer's backward routed to ``opt.backward`` (the step and the fused
+    clip inside backward, two passes); Trainer's own ``optimizer.step()`` is then a no-op. Same losses and
+    weights as the regular run, every grad freed."""
+    def run(out: str, release: bool) -> transformers.Trainer:
+        trainer = make_trainer(out, max_steps=8)
+        if release:
+            regular = trainer.optimizer
+            opt = mpkern.FusedAdamWMP(trainer.model.parameters(), lr=3e-3, weight_decay=0.0, max_grad_norm=1.0,
+                                      release_grads=True)
+            trainer.optimizer = opt
+            trainer.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+            assert not regular.state
+            trainer.accelerator.backward = lambda loss, **kw: opt.backward(loss)
+        trainer.train()
+        return trainer
+
+    a, b = run(str(tmp_path / "a"), False), run(str(tmp_path / "b"), True)
+    assert _losses(a) == _losses(b) and len(_losses(a)) == 8
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+    assert all(p.grad is None for p in b.model.parameters())
+    assert float(b.optimizer.state[next(b.model.parameters())]["step"]) == 8
