@@ -778,9 +778,10 @@ def test_release_stage_plumbing_on_cpu(tmp_path):
 
 def test_release_rows_ratios():
     rows = [{"variant": "regular", "step_ms": 10.0, "peak_GB": 3.0},
-            {"variant": "release one pass", "step_ms": 10.5, "peak_GB": 2.5, "bitwise": True},
+            {"variant": "release one pass", "step_ms": 10.5, "peak_GB": 2.5, "bitwise": True, "vs": ["regular"]},
             {"variant": "regular + clip", "step_ms": 11.0, "peak_GB": 3.0},
-            {"variant": "release two passes + clip", "step_ms": 16.5, "peak_GB": 2.5, "bitwise": False},
+            {"variant": "release two passes + clip", "step_ms": 16.5, "peak_GB": 2.5, "bitwise": False,
+             "vs": ["regular + clip", "forward + two backwards"]},
             {"variant": "forward + two backwards", "step_ms": 15.0, "peak_GB": 3.1},
             {"variant": "broken", "error": "RuntimeError: x"}]
     cells = gpu_summary.release_rows(rows)

@@ -31,10 +31,10 @@ from .gpu_rows import StageFile, short_error
 
 __all__ = ["VARIANTS", "main", "stage_release"]
 
-#: (label, max_grad_norm, release_grads)
-VARIANTS = (("regular", None, False), ("release one pass", None, True),
-            ("regular + clip", 1.0, False), ("release two passes + clip", 1.0, True))
 REFERENCE = "forward + two backwards"
+#: (label, max_grad_norm, release_grads, the rows its time is compared with -- in the row as ``vs``)
+VARIANTS = (("regular", None, False, ()), ("release one pass", None, True, ("regular",)),
+            ("regular + clip", 1.0, False, ()), ("release two passes + clip", 1.0, True, ("regular + clip", REFERENCE)))
 #: the default problem: 24 x Linear(2048, 2048) (100M bf16 params), 4096 rows per step
 SIZE = {"layers": 24, "width": 2048, "tokens": 4096}
 
@@ -105,6 +105,8 @@ def stage_release(out: str, *, layers: int | None = None, width: int | None = No
     given (a CPU test drives the plumbing on the CPU with a tiny model)."""
     import torch
 
+    from mpkern.optim.release import DEFAULT_BUCKET_BYTES
+
     layers, width, tokens = layers or SIZE["layers"], width or SIZE["width"], tokens or SIZE["tokens"]
     if device is None:
         if not torch.cuda.is_available():
@@ -114,18 +116,18 @@ def stage_release(out: str, *, layers: int | None = None, width: int | None = No
     sf = StageFile(os.path.join(out, "release.json"), "release", kernel="release")
     sf.set(meta={"layers": layers, "width": width, "tokens": tokens, "params": layers * (width * width + width),
                  "iters": iters, "warmup": warmup, "device": str(dev), "torch": torch.__version__,
-                 "bucket_bytes": _default_bucket()},
+                 "bucket_bytes": DEFAULT_BUCKET_BYTES},
            planned=[v[0] for v in VARIANTS] + [REFERENCE])
     gen = torch.Generator(device=dev).manual_seed(1)
     xs = [torch.randn(tokens, width, device=dev, generator=gen).to(torch.bfloat16) for _ in range(iters + warmup)]
-    for label, clip, release in VARIANTS:
+    for label, clip, release, vs in VARIANTS:
         try:
             model = _model(layers, width, dev)
             _, step = _stepper(model, clip, release)
             times, peak = _timed(step, xs, dev, warmup)
             del model, step
             row = {"variant": label, "clip": clip, "release": release, "step_ms": statistics.median(times),
-                   "all_ms": times, "peak_GB": peak}
+                   "all_ms": times, "peak_GB": peak, "vs": list(vs)}
             if release:
                 row["bitwise"] = _bitwise(layers, width, clip, xs, dev)
             sf.add_row(row)
@@ -154,12 +156,6 @@ def stage_release(out: str, *, layers: int | None = None, width: int | None = No
         sf.add_row({"variant": REFERENCE, "error": short_error(e)})
     sf.set(status="done")
     return 0
-
-
-def _default_bucket() -> int:
-    from mpkern.optim.release import DEFAULT_BUCKET_BYTES
-
-    return DEFAULT_BUCKET_BYTES
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -507,20 +507,18 @@ def _matmul_section(out: str, stages: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def release_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
-    """Cells of release.json's rows (mpkern/bench/gpu_release.py): variant, step ms, ratio to its regular
-    twin (the two-pass row also to forward + two backwards), peak GB, bitwise equal to the regular run."""
-    by = {r.get("variant"): r for r in rows}
-    twin = {"release one pass": ["regular"], "release two passes + clip": ["regular + clip", "forward + two backwards"]}
+    """Cells of release.json's rows (mpkern/bench/gpu_release.py): variant, step ms, its ratio to each
+    row the stage named as its reference (``vs``), peak GB, bitwise equal to the regular run."""
+    ms = {r.get("variant"): _num_or_none(r.get("step_ms")) for r in rows}
     cells = []
     for r in rows:
-        if "error" in r or not isinstance(r.get("step_ms"), (int, float)):
+        t, peak = ms.get(r.get("variant")), _num_or_none(r.get("peak_GB"))
+        if "error" in r or t is None:
             cells.append([str(r.get("variant")), "-", "-", "-", f"error: {r.get('error')}"])
             continue
-        refs = [(n, by[n]["step_ms"]) for n in twin.get(r["variant"], []) if isinstance(by.get(n, {}).get("step_ms"), float)]
-        ratio = "; ".join(f"{r['step_ms'] / ms:.3f}x {n}" for n, ms in refs)
-        peak = _num_or_none(r.get("peak_GB"))
-        bit = {True: "yes", False: "NO"}.get(r.get("bitwise"), "")
-        cells.append([r["variant"], f"{r['step_ms']:.2f}", ratio, "-" if peak is None else f"{peak:.2f}", bit])
+        ratio = "; ".join(f"{t / ms[n]:.3f}x {n}" for n in r.get("vs", []) if ms.get(n))
+        cells.append([r["variant"], f"{t:.2f}", ratio, "-" if peak is None else f"{peak:.2f}",
+                      {True: "yes", False: "NO"}.get(r.get("bitwise"), "")])
     return cells
 
 

@@ -141,9 +141,8 @@ def _mp_optimizer(name: str, cfg: Config, model: nn.Module, device: torch.device
         scaler = torch.amp.GradScaler(device.type)
     args = [f"master_weights={state.get('master_weights', True)!r}",
             f"state_dtype={state_name(state.get('state_dtype', torch.float32))}"]
-    if release:
-        args.append(f"release_grads=True, release_bucket_bytes={opt.release_bucket_bytes}")
     if release:  # a clip (always set here) needs the global norm first: two passes
+        args.append(f"release_grads=True, release_bucket_bytes={opt.release_bucket_bytes}")
         clip = f"max_grad_norm fused into the step inside opt.backward({'loss, scaler' if scaler else 'loss'}): " \
                "two backward passes"
     else:

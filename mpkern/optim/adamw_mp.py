@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .. import _handoff, _ops, amp
+from .. import _handoff, amp
 from . import buckets, checkpoint, release, runtime, storage, writes
 from .functional import fused_adamw_mp
 from .runtime import Runtime
@@ -390,34 +390,11 @@ class FusedAdamWMP(torch.optim.Optimizer):
                           getattr(self, "found_inf", None))
 
     def _full_step(self) -> None:
-        """``step()`` without the cache: collect, prepare every bucket, plan the factor, run the kernels."""
-        rt, groups, state = self._rt, self.param_groups, self.state
-        work, uses_main = buckets.collect(groups)
-        buckets.check_capture(groups, state, work)
-        # GradScaler's amp-scaling protocol: GradScaler.step sets these on the optimizer
-        grad_scale, found_ext = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        own_check = amp.check_step_scaler(rt.pending, grad_scale, found_ext, uses_main)
-        if not work:
-            rt.leave(None)
-            return
-        # the external-write check is host-side: it runs in eager steps (not while compiling or
-        # capturing a CUDA graph, whose replays run no Python)
-        check_writes = self._mpkern_check_writes and not torch.compiler.is_compiling() and not _ops.capturing()
-        rt.reset_storage_count()
-        prepared = [buckets.Prepared(b, *buckets.prepare(rt, groups, state, b, check_writes),
-                                     _ops.lr_args(b.group["lr"], b.device)) for b in work]
-        mgn = self.max_grad_norm
-        stats = buckets.stats_pass(work, rt.process_group) if mgn is not None or own_check else None
-        # after everything that can fail: the pending unscale is kept on an error
-        plan = amp.plan_step(rt.take_pending(), max_norm=mgn, grad_scale=grad_scale, found_inf=found_ext,
-                             device=work[0].device, stats=stats)
-        rt.record(plan)
-        if own_check:
-            rt.tell_scaler(self, plan.found_inf)
-        buckets.run(rt, prepared, plan.factor, plan.found_inf, check_writes)
-        buckets.consume_main_grads(work)
-        if self._mpkern_step_cache:
-            runtime.build(rt, groups, state, prepared, uses_main, check_writes)
+        """``step()`` without the cache (:func:`.buckets.full_step`); GradScaler's amp-scaling protocol
+        hands ``grad_scale`` / ``found_inf`` over as attributes of the optimizer."""
+        buckets.full_step(self._rt, self.param_groups, self.state, self, max_grad_norm=self.max_grad_norm,
+                          grad_scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None),
+                          check_writes=self._mpkern_check_writes, cache=self._mpkern_step_cache)
 
     # ---- checkpoints --------------------------------------------------------------------------
     @torch.no_grad()

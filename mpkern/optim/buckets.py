@@ -19,6 +19,7 @@ from ..distributed import local as _local
 from . import storage
 from .functional import KernelLists, fused_adamw_mp
 from .runtime import Runtime, stamp
+from .runtime import build as build_cache
 
 Tensor = torch.Tensor
 Parameter = torch.nn.Parameter
@@ -194,6 +195,42 @@ def prepare(rt: Runtime, groups: list[dict[str, Any]], state: Any, bucket: Bucke
                        vscales if scaled else None, moments.codec, write_backs), copies
 
 
+def prepare_all(rt: Runtime, groups: list[dict[str, Any]], state: Any, work: list[Bucket], check_writes: bool
+                ) -> list[Prepared]:
+    """Every bucket of ``work`` ready for its kernel (:func:`prepare`, and its lr arguments)."""
+    rt.reset_storage_count()
+    return [Prepared(b, *prepare(rt, groups, state, b, check_writes), _ops.lr_args(b.group["lr"], b.device))
+            for b in work]
+
+
+def full_step(rt: Runtime, groups: list[dict[str, Any]], state: Any, optimizer: Any, *, max_grad_norm: float | None,
+              grad_scale: Tensor | None, found_inf: Tensor | None, check_writes: bool, cache: bool) -> None:
+    """``step()`` without the step cache: collect, prepare every bucket, plan the factor, run the
+    kernels (and build the cache when ``cache``). ``grad_scale`` / ``found_inf``: what GradScaler handed
+    over; ``optimizer`` is only named to the attached GradScaler (its per-optimizer record)."""
+    work, uses_main = collect(groups)
+    check_capture(groups, state, work)
+    own_check = amp.check_step_scaler(rt.pending, grad_scale, found_inf, uses_main)
+    if not work:
+        rt.leave(None)
+        return
+    # the external-write check is host-side: it runs in eager steps (not while compiling or
+    # capturing a CUDA graph, whose replays run no Python)
+    check_writes = check_writes and not torch.compiler.is_compiling() and not _ops.capturing()
+    prepared = prepare_all(rt, groups, state, work, check_writes)
+    stats = stats_pass(work, rt.process_group) if max_grad_norm is not None or own_check else None
+    # after everything that can fail: the pending unscale is kept on an error
+    plan = amp.plan_step(rt.take_pending(), max_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf,
+                         device=work[0].device, stats=stats)
+    rt.record(plan)
+    if own_check:
+        rt.tell_scaler(optimizer, plan.found_inf)
+    run(rt, prepared, plan.factor, plan.found_inf, check_writes)
+    consume_main_grads(work)
+    if cache:
+        build_cache(rt, groups, state, prepared, uses_main, check_writes)
+
+
 def init_state(optimizer_state: Any, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
     """``p``'s state on its first step: step 0, zero moments of the group's kind, its master."""
     state = optimizer_state[p]
@@ -304,5 +341,5 @@ def stats_pass(work: list[Bucket], process_group: Any) -> Callable[[Tensor], tup
     return amp.stats_pass([x[1] for x in firsts], [x[0] for x in firsts], process_group, backends)
 
 
-__all__ = ["Bucket", "Prepared", "check_capture", "check_param_dtype", "collect", "consume_main_grads", "prepare",
-           "run", "stats_pass", "step_order", "zero_main_grads"]
+__all__ = ["Bucket", "Prepared", "check_capture", "check_param_dtype", "collect", "consume_main_grads", "full_step",
+           "prepare", "prepare_all", "run", "stats_pass", "step_order", "zero_main_grads"]

@@ -273,10 +273,8 @@ def _prepare(rel: Release, rt: Runtime, groups: list[dict[str, Any]], state: Any
         split.setdefault((id(group), kind), (group, []))[1].append((p, g, sid))
     work = [buckets.Bucket(group, bpairs[0][0].device, kind, bpairs, rel.backend)
             for (_, kind), (group, bpairs) in split.items()]
-    rt.reset_storage_count()
     # check_writes as in an eager step(): writes by others since the last step are seen
-    return [buckets.Prepared(b, *buckets.prepare(rt, groups, state, b, True), _ops.lr_args(b.group["lr"], b.device))
-            for b in work]
+    return buckets.prepare_all(rt, groups, state, work, True)
 
 
 # ---- opt.backward ------------------------------------------------------------------------------
