@@ -44,9 +44,8 @@ from torch import nn
 
 import mpkern
 from mpkern import bytemodel
-from mpkern.batch_plan import fmt_size
 from mpkern.bench.common import backward_step
-from mpkern.measure import machine_info
+from mpkern.measure import fmt_size, machine_info
 
 #: (label, FusedAdamWMP keywords) of the optimizer states measured
 STATES = (("master_weights=True, fp32 moments", {"master_weights": True, "state_dtype": torch.float32}),
@@ -76,7 +75,7 @@ class LinearStack(nn.Module):
 def model_source() -> str:
     """What :func:`build_model` builds here."""
     try:
-        import transformers  # noqa: F401
+        import transformers
     except ImportError:
         return "nn.Linear stack of GPT-2 small's shapes (transformers not installed)"
     return f"transformers {transformers.__version__} GPT2LMHeadModel(GPT2Config()), random init"

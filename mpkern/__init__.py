@@ -16,10 +16,16 @@ from typing import Any
 
 import torch
 
-from . import _backend, _ops, reference, versions  # noqa: F401  (_ops registers the op schemas and fakes)
-from . import nn  # noqa: E402
-from .amp import NonfiniteEntry, NonfiniteReport, UnscaleResult, clip_grad_norm_, nonfinite_report, unscale_
-from .doctor import Diagnosis, diagnose
+from . import (
+    _backend,
+    _ops,  # noqa: F401 -- imported for its effect: it registers the op schemas and fakes
+    nn,
+    reference,
+    versions,
+)
+from ._backend import use_backend
+from .amp import UnscaleResult, clip_grad_norm_, unscale_
+from .doctor import Diagnosis, NonfiniteEntry, NonfiniteReport, diagnose, nonfinite_report
 from .matmul import linear, matmul
 from .optim import FusedAdamWMP
 
@@ -41,6 +47,7 @@ __all__ = [
     "nonfinite_report",
     "reference",
     "unscale_",
+    "use_backend",
     "UnscaleResult",
 ]
 

@@ -20,6 +20,7 @@ import functools
 import importlib
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,7 @@ class BackendStatus:
     reason: str
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def native():
     """The native extension module ``mpkern._C``, or None if it cannot be imported."""
     try:
@@ -47,7 +48,7 @@ def native():
         return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def native_error() -> str:
     try:
         importlib.import_module("mpkern._C")
@@ -57,11 +58,11 @@ def native_error() -> str:
     return ""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_error() -> str:
     """Empty if Triton imports, else why not."""
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401 -- imported only to learn whether it imports
     except Exception as e:  # noqa: BLE001 - any import failure means "not available"
         return f"triton not importable ({type(e).__name__}: {e})"
     return ""
@@ -163,7 +164,7 @@ def arch_match(capability: tuple[int, int], arch_list: str) -> tuple[bool, str]:
                    "the triton backend is used")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cuda_device_problem(index: int) -> str:
     """Empty if the native CUDA kernels can run on GPU ``index``, else why not (cached per GPU).
 
@@ -195,12 +196,29 @@ def forced() -> str | None:
 
 
 @contextlib.contextmanager
-def forcing(name: str):
-    """Within the block, ``MPKERN_BACKEND=name`` (the previous value, or its absence, restored)."""
-    if name not in BACKENDS:
-        raise ValueError(f"forcing: {name!r} is not a backend; expected one of {', '.join(BACKENDS)}")
+def use_backend(name: str | None) -> Iterator[None]:
+    """Run the mpkern ops of the block on backend ``name`` -- ``"cuda"``, ``"triton"``, ``"cpu"`` or
+    ``"torch"`` -- as ``MPKERN_BACKEND=name`` would (``None``: the automatic choice); on leaving the
+    block the previous setting, or its absence, is restored, also when the block raises.
+
+    ``mpkern.use_backend``. The setting is process-wide (it is the environment variable, which
+    subprocesses inherit), not per thread. A backend that cannot run on an op's tensors is refused
+    by that op with the reason (:func:`select`); an unknown name is a ``ValueError`` here, before
+    anything changes. ``torch.compile`` reads the backend once, when it traces.
+
+    >>> import mpkern, torch
+    >>> with mpkern.use_backend("torch"):   # the pure-PyTorch reference kernels
+    ...     res = mpkern.unscale_([torch.nn.Parameter(torch.ones(3))], max_norm=1.0)
+    """
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"use_backend: name must be a str or None, got {type(name).__name__}")
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"use_backend: {name!r} is not a backend; expected one of {', '.join(BACKENDS)} or None")
     old = os.environ.get(ENV)
-    os.environ[ENV] = name
+    if name is None:
+        os.environ.pop(ENV, None)
+    else:
+        os.environ[ENV] = name
     try:
         yield
     finally:
@@ -210,7 +228,7 @@ def forcing(name: str):
             os.environ[ENV] = old
 
 
-def _runs_on(name: str, device: torch.device) -> str:
+def runs_on(name: str, device: torch.device) -> str:
     """Empty if backend ``name`` can run on ``device`` now, else the reason it cannot."""
     st = status(name)
     if not st.available:
@@ -238,12 +256,12 @@ def select(device: torch.device | str) -> str:
     device = torch.device(device)
     name = forced()
     if name is not None:
-        why = _runs_on(name, device)
+        why = runs_on(name, device)
         if why:
             raise RuntimeError(f"{ENV}={name} cannot run on {device}: {why}")
         return name
     order = ("cuda", "triton", "torch") if device.type == "cuda" else ("cpu", "torch")
     for cand in order:
-        if not _runs_on(cand, device):
+        if not runs_on(cand, device):
             return cand
     return "torch"

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import _backend, reference
-from .triton_kernels._tables import StreamUse
+from .triton_kernels.tables import StreamUse
 
 Tensor = torch.Tensor
 
@@ -75,7 +75,7 @@ if _backend.native() is None:
 def _fake_grad_stats(grads: Sequence[Tensor], inv_scale: Tensor) -> tuple[Tensor, Tensor]:
     for g in grads:
         torch._check(g.dtype in (torch.float32, torch.float16, torch.bfloat16),
-                     lambda: f"grad_stats: grads must be float32/float16/bfloat16, got {g.dtype}")
+                     lambda g=g: f"grad_stats: grads must be float32/float16/bfloat16, got {g.dtype}")
     n = len(grads)
     return inv_scale.new_empty(n, dtype=torch.float32), inv_scale.new_empty(n, dtype=torch.float32)
 

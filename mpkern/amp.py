@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
 
-from . import _backend, _handoff, _ops, distributed, reference
-from ._grads import FLOATS as _FLOAT_DTYPES
-from ._grads import grad_of, raise_bad_grad
-from ._grads import is_flat as _flat
-from ._grads import main_grad_of as _main_grad_of
-from ._grads import to_device as _to_device
+from . import _fused_unscale, _ops, _scaler_internals, distributed
+from ._grad_stats import DeviceStats, Finished, check_max_norm, device_stats, finish_stats
+from ._grads import (
+    FLOATS as _FLOAT_DTYPES,
+    grad_of,
+    main_grad_of as _main_grad_of,
+    raise_bad_grad,
+    to_device as _to_device,
+)
 
 Tensor = torch.Tensor
 
@@ -45,10 +48,12 @@ class UnscaleResult(_UnscaleFields):
         per_tensor_norm: 1-D float32, one norm per processed gradient (``per_tensor=True``), else None.
         per_tensor_nonfinite: 1-D float32, 1.0 where that gradient holds inf/NaN, else None.
         params: the parameters whose gradients were processed, in order (for
-            :func:`nonfinite_report`).
+            :func:`mpkern.nonfinite_report`).
+        names: their names when ``unscale_`` was given ``named_parameters()`` pairs, else None.
     """
 
     params: tuple[Tensor, ...]
+    names: tuple[str, ...] | None
 
 
 def _grad_of(p: Tensor) -> Tensor | None:
@@ -61,8 +66,13 @@ def _items(params_or_optimizer: Any) -> tuple[torch.optim.Optimizer | None, Iter
     processed once: scaled once, counted once), or the given tensors / (name, tensor) pairs."""
     if isinstance(params_or_optimizer, torch.optim.Optimizer):
         seen: set[int] = set()
-        return params_or_optimizer, [p for group in params_or_optimizer.param_groups for p in group["params"]
-                                     if not (id(p) in seen or seen.add(id(p)))]
+        params = []
+        for group in params_or_optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        return params_or_optimizer, params
     if isinstance(params_or_optimizer, torch.nn.Module):
         raise TypeError("unscale_: got a torch.nn.Module; pass model.parameters() (or model.named_parameters(), "
                         "or the optimizer)")
@@ -126,23 +136,14 @@ def _check_norm_type(norm_type: Any) -> bool:
     raise ValueError(f"unscale_: norm_type must be 2.0 or inf, got {norm_type!r}")
 
 
-def _check_max_norm(max_norm: Any) -> float | None:
-    if max_norm is None:
-        return None
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
-        raise TypeError(f"unscale_: max_norm must be a positive float or None, got {type(max_norm).__name__}")
-    if not (max_norm > 0 and math.isfinite(max_norm)):
-        raise ValueError(f"unscale_: max_norm must be a positive finite float or None, got {max_norm!r}")
-    return float(max_norm)
-
-
 def _inv_scale_tensor(inv_scale: Any, scaler: Any) -> Tensor | float:
     if scaler is not None:
         if not (isinstance(inv_scale, (int, float)) and inv_scale == 1.0):
             raise ValueError("unscale_: pass either inv_scale or scaler, not both (the scaler's scale is used)")
         if not scaler.is_enabled():
             return 1.0
-        scale = _handoff.scaler_internals(scaler, needs_scale="unscale_").scale
+        scale = _scaler_internals.scaler_internals(scaler, needs_scale="unscale_").scale
+        assert scale is not None  # needs_scale: GradScaler's own check that scale() ran has passed
         # like GradScaler.unscale_: the reciprocal in fp64, on the scale's device, no sync
         return scale.double().reciprocal().float()
     if isinstance(inv_scale, Tensor):
@@ -181,7 +182,7 @@ def _validate(params_or_optimizer: Any, inv_scale: Any, max_norm: Any, norm_type
               process_group: Any) -> _Request:
     """Stage 1: check the arguments and collect the grads; raises before any grad is touched."""
     inf_norm = _check_norm_type(norm_type)
-    max_norm_f = _check_max_norm(max_norm)
+    max_norm_f = check_max_norm(max_norm)
     if not isinstance(apply, bool):
         raise TypeError(f"unscale_: apply must be a bool, got {type(apply).__name__}")
     optimizer, params, grads, names, n_items = _collect(params_or_optimizer)
@@ -190,7 +191,7 @@ def _validate(params_or_optimizer: Any, inv_scale: Any, max_norm: Any, norm_type
     if scaler is not None and optimizer is None:
         raise ValueError("unscale_: scaler= needs the optimizer as first argument (its inf check is recorded "
                          "per optimizer)")
-    fuses = _handoff.fuses_unscale(optimizer)
+    fuses = _fused_unscale.fuses_unscale(optimizer)
     defer = fuses and not apply
     enabled = scaler if scaler is not None and scaler.is_enabled() else None
     if enabled is not None and not defer and any(g.dtype == torch.float16 for g in grads):
@@ -199,7 +200,7 @@ def _validate(params_or_optimizer: Any, inv_scale: Any, max_norm: Any, norm_type
         raise ValueError("Attempting to unscale FP16 gradients.")
     inv = _inv_scale_tensor(inv_scale, scaler)
     if process_group is None and optimizer is not None:
-        process_group = _handoff.process_group(optimizer)
+        process_group = _fused_unscale.process_group(optimizer)
     reduce_plan = distributed.plan(grads, process_group, params)
     if reduce_plan is not None:
         grads = [distributed.local(g) for g in grads]  # the kernels work on local shards
@@ -209,89 +210,21 @@ def _validate(params_or_optimizer: Any, inv_scale: Any, max_norm: Any, norm_type
         warnings.warn(f"unscale_: no gradient was processed ({what}); found_inf and total_norm are 0",
                       UserWarning, stacklevel=3)
     if enabled is not None:
-        _handoff.check_unscale_stage(enabled, optimizer)
-    out_device = (_handoff.scaler_internals(enabled).scale.device if enabled is not None else grads[0].device if grads
-                  else inv.device if isinstance(inv, Tensor) else torch.device("cpu"))
+        _scaler_internals.check_unscale_stage(enabled, optimizer)
+    if enabled is not None:
+        scale = _scaler_internals.scaler_internals(enabled).scale
+        assert scale is not None  # checked by _inv_scale_tensor (needs_scale)
+        out_device = scale.device
+    else:
+        out_device = grads[0].device if grads else inv.device if isinstance(inv, Tensor) else torch.device("cpu")
     return _Request(optimizer, params, grads, names, inv, enabled, defer, fuses, inf_norm, max_norm_f, reduce_plan,
                     out_device)
 
 
-class _DeviceStats(NamedTuple):
-    """Stage 2's result: per-tensor statistics in the caller's order, and how the grads split by device."""
-
-    sumsq: Tensor
-    amax: Tensor
-    by_dev: dict[torch.device, list[int]]
-    flat: list[bool]
-    backend: dict[torch.device, str]
-
-
-def _device_stats(grads: list[Tensor], inv: Tensor | float, out_device: torch.device,
-                  backends: dict[torch.device, str] | None = None) -> _DeviceStats:
-    """Stage 2: one statistics pass per device (in order within each), gathered on ``out_device``.
-    The backend is chosen (and a forced one checked) for every device before any work, unless the
-    caller chose them (``backends``: the optimizer step's buckets)."""
-    by_dev: dict[torch.device, list[int]] = {}
-    flat: list[bool] = []
-    for i, g in enumerate(grads):
-        by_dev.setdefault(g.device, []).append(i)
-        flat.append(g.is_contiguous() or _flat(g))
-    backend = backends if backends is not None else {dev: _backend.select(dev) for dev in by_dev}
-    one_block = all(flat) and len(by_dev) == 1
-    sums, maxs, order = [], [], []
-    for dev, idx in by_dev.items():
-        gs = grads if one_block else [grads[i] if flat[i] else grads[i].contiguous() for i in idx]
-        s, m = _ops.grad_stats(gs, _ops.scalar_on(inv, dev), backend[dev])
-        sums.append(s if dev == out_device else _to_device(s, out_device))
-        maxs.append(m if dev == out_device else _to_device(m, out_device))
-        order.extend(idx)
-    if not sums:
-        empty = torch.zeros(0, dtype=torch.float32, device=out_device)
-        return _DeviceStats(empty, empty.clone(), by_dev, flat, backend)
-    sumsq = torch.cat(sums) if len(sums) > 1 else sums[0]
-    amax = torch.cat(maxs) if len(maxs) > 1 else maxs[0]
-    if len(by_dev) > 1:  # back to the caller's order
-        perm = torch.empty(len(order), dtype=torch.int64)
-        perm[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order))
-        perm = _to_device(perm, out_device)
-        sumsq, amax = sumsq[perm], amax[perm]
-    return _DeviceStats(sumsq, amax, by_dev, flat, backend)
-
-
-class _Finished(NamedTuple):
-    nonfinite: Tensor
-    tensor_norm: Tensor
-    total_norm: Tensor
-    found_inf: Tensor
-    clip_coef: Tensor
-    factor: Tensor
-
-
-def _finish_stats(sumsq: Tensor, amax: Tensor, inv_out: Tensor, inf_norm: bool, max_norm_f: float | None,
-                  out_device: torch.device) -> _Finished:
-    """Stage 3 (after the global reduction): nonfinite flags, per-tensor norms, total norm,
-    found_inf, clip coefficient, factor ``inv * coef`` -- a few tiny device ops, no sync."""
-    nonfinite = (~torch.isfinite(amax)).to(torch.float32)
-    if inf_norm:
-        tensor_norm = amax * inv_out
-        total_norm = tensor_norm.amax() if tensor_norm.numel() else torch.zeros((), device=out_device)
-    else:
-        tensor_norm = sumsq.sqrt()
-        total_norm = reference.total_sumsq(sumsq).sqrt()
-    found_inf = nonfinite.amax() if nonfinite.numel() else torch.zeros((), device=out_device)
-    one = torch.ones((), dtype=torch.float32, device=out_device)
-    if max_norm_f is None:
-        clip_coef = one
-    else:
-        clip_coef = torch.clamp(max_norm_f / (total_norm + 1e-6), max=1.0)
-        clip_coef = torch.where(found_inf > 0, one, clip_coef)
-    return _Finished(nonfinite, tensor_norm, total_norm, found_inf, clip_coef, inv_out * clip_coef)
-
-
-def _apply_or_defer(req: _Request, st: _DeviceStats, fin: _Finished, inv_out: Tensor) -> None:
+def _apply_or_defer(req: _Request, st: DeviceStats, fin: Finished, inv_out: Tensor) -> None:
     """Stage 4: leave the factor to a fusing optimizer's step, or multiply the grads now."""
     if req.fuses:  # apply=True: the grads are final now; the step still needs the skip decision
-        _handoff.leave_unscale(req.optimizer, fin.factor, fin.found_inf, fin.total_norm, inv=inv_out,
+        _fused_unscale.leave_unscale(req.optimizer, fin.factor, fin.found_inf, fin.total_norm, inv=inv_out,
                                coef=fin.clip_coef, applied=not req.defer, inf_norm=req.inf_norm)
     if req.defer:
         return
@@ -305,90 +238,6 @@ def _apply_or_defer(req: _Request, st: _DeviceStats, fin: _Finished, inv_out: Te
         for i in idx:  # rare: grads that are not one dense block (e.g. strided views)
             if not st.flat[i]:
                 grads[i].mul_(f)
-
-
-class StepPlan(NamedTuple):
-    """What one optimizer step applies: ``factor`` (the grads' multiplier, inv_scale * clip_coef),
-    ``found_inf`` (skip the step when set) and ``norm`` (the step's ``last_grad_norm``; None when
-    no norm was computed). 0-dim float32 device tensors."""
-
-    factor: Tensor
-    found_inf: Tensor
-    norm: Tensor | None
-
-
-def stats_pass(grads: list[Tensor], params: list[Tensor], process_group: Any,
-               backends: dict[torch.device, str] | None = None) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
-    """``inv -> (sumsq, amax)``: the statistics stages of :func:`unscale_` (per device, then the
-    global reduction over ``process_group`` / the DTensors' meshes) over ``grads``, validated
-    already, in their order -- what :func:`plan_step` runs for a step's own clip."""
-    rp = (distributed.plan(grads, process_group, params)
-          if process_group is not None or set(map(type, grads)) - {Tensor} else None)
-    if rp is not None:
-        grads = [distributed.local(g) for g in grads]
-    out_device = grads[0].device if grads else torch.device("cpu")
-
-    def stats(inv: Tensor) -> tuple[Tensor, Tensor]:
-        st = _device_stats(grads, inv, out_device, backends)
-        if rp is None:
-            return st.sumsq, st.amax
-        return distributed.reduce_stats(st.sumsq, st.amax, False, rp, False)
-
-    return stats
-
-
-def check_step_scaler(pending: Any, grad_scale: Tensor | None, found_inf: Tensor | None, uses_main: bool) -> bool:
-    """Before a step changes anything: ValueError for ``scaler.unscale_(opt)`` with ``main_grad``
-    (it unscaled ``.grad`` only); True when the step must check the grads itself because GradScaler
-    did not see a ``main_grad`` (its scale handed over, nothing pending)."""
-    if uses_main and pending is None and grad_scale is None and found_inf is not None:
-        raise ValueError("FusedAdamWMP.step: GradScaler.unscale_(optimizer) was called, which unscales .grad only; "
-                         "the main_grad buffers (mpkern.nn fp32_main_grad=True) are still scaled -- call "
-                         "mpkern.unscale_(optimizer, scaler=scaler) instead of scaler.unscale_(optimizer)")
-    return pending is None and grad_scale is not None and uses_main
-
-
-def step_inverse(grad_scale: Tensor | None, device: torch.device) -> Tensor:
-    """The step's unscale factor ``1 / grad_scale``: the reciprocal taken in fp64, as GradScaler does,
-    as a 0-dim float32 tensor on the scale's device; 1 on ``device`` without a scale. Gradient release
-    computes its pass-1 statistics with these bits, so its plan equals the regular step's."""
-    if grad_scale is None:
-        return _ops.scalar_on(1.0, device)
-    return grad_scale.double().reciprocal().float().reshape(())
-
-
-def plan_step(pending: Any, *, max_norm: float | None, grad_scale: Tensor | None, found_inf: Tensor | None,
-              device: torch.device, stats: Callable[[Tensor], tuple[Tensor, Tensor]] | None) -> StepPlan:
-    """The plan of one optimizer step, computed and returned (nothing is left anywhere).
-
-    ``pending``: what :func:`unscale_` / ``clip_grad_norm_`` left (a :class:`mpkern._handoff.Pending`,
-    or None); ``max_norm``: the step's own clip threshold; ``grad_scale`` / ``found_inf``: what
-    GradScaler handed over (its scale's reciprocal is taken in fp64, as GradScaler does);
-    ``stats``: the step's statistics pass (:func:`stats_pass`), run when the step needs a norm
-    nothing pending gave it (its own clip, or its own inf check), through the same final stage as
-    :func:`unscale_` (:func:`_finish_stats`). With something pending, ``max_norm`` also applies to
-    it: the smaller clip coefficient wins. GradScaler's ``found_inf`` is folded in last."""
-    mnorm = _check_max_norm(max_norm)
-    if pending is None:
-        inv = step_inverse(grad_scale, device)
-        if stats is None:
-            plan = StepPlan(inv, torch.zeros((), dtype=torch.float32, device=inv.device), None)
-        else:
-            inv = _ops.scalar_on(inv, device)
-            fin = _finish_stats(*stats(inv), inv, False, mnorm, device)
-            plan = StepPlan(fin.factor, fin.found_inf, fin.total_norm)
-    else:
-        coef, found = pending.coef, pending.found
-        if mnorm is not None and pending.inf_norm:  # the pending norm is the inf-norm: the clip needs L2
-            fin = _finish_stats(*stats(pending.inv), pending.inv, False, mnorm, device)
-            coef, found = torch.minimum(coef, fin.clip_coef), torch.maximum(found, fin.found_inf)
-        elif mnorm is not None:
-            one = torch.ones_like(coef)
-            coef = torch.minimum(coef, torch.where(found > 0, one, torch.clamp(mnorm / (pending.norm + 1e-6), max=1.0)))
-        plan = StepPlan(pending.inv * coef, found, pending.reported)
-    if found_inf is not None:
-        plan = plan._replace(found_inf=torch.maximum(plan.found_inf, _ops.scalar_on(found_inf, plan.found_inf.device)))
-    return plan
 
 
 def unscale_(
@@ -407,7 +256,7 @@ def unscale_(
     Args:
         params_or_optimizer: parameters (their ``.main_grad`` if present, else ``.grad``; ``None``
             grads are skipped), ``named_parameters()`` pairs (the names then reach
-            :func:`nonfinite_report`), or an optimizer (all its parameters). Grads may mix float32,
+            :func:`mpkern.nonfinite_report`), or an optimizer (all its parameters). Grads may mix float32,
             float16 and bfloat16 and live on several devices. A warning says when no gradient
             at all was processed (e.g. an exhausted generator).
         inv_scale: ``1 / loss_scale`` as a float or one-element tensor.
@@ -418,7 +267,7 @@ def unscale_(
             scale is used, and the inf check is recorded in it, so ``scaler.step(opt)`` skips the
             step on overflow and ``scaler.update()`` backs off the scale -- exactly like
             ``scaler.unscale_(opt); clip_grad_norm_(params, max_norm)``. With ``FusedAdamWMP`` the
-            scaler is also attached to the optimizer (see :mod:`mpkern._handoff`). Like GradScaler,
+            scaler is also attached to the optimizer (see :mod:`mpkern._fused_unscale`). Like GradScaler,
             fp16 gradients are refused here ("Attempting to unscale FP16 gradients") unless the
             optimizer is an mpkern one that applies the factor in fp32 inside its step.
         apply: with a ``FusedAdamWMP`` first argument, write the unscaled, clipped grads now
@@ -438,9 +287,9 @@ def unscale_(
     factor is applied in fp32 registers in the next ``step()``.
 
     Stages: validate and collect (:func:`_validate`), per-device statistics
-    (:func:`_device_stats`), global reduction (:func:`mpkern.distributed.reduce_stats`), norm and
-    coefficient (:func:`_finish_stats`), apply or defer (:func:`_apply_or_defer`), record in the
-    scaler (:func:`mpkern._handoff.record_found_inf`).
+    (:func:`device_stats`), global reduction (:func:`mpkern.distributed.reduce_stats`), norm and
+    coefficient (:func:`finish_stats`), apply or defer (:func:`_apply_or_defer`), record in the
+    scaler (:func:`mpkern._scaler_internals.record_found_inf`).
 
     Returns:
         :class:`UnscaleResult` of device tensors (no host synchronisation happens).
@@ -449,16 +298,16 @@ def unscale_(
         ValueError / TypeError for bad arguments, before any gradient is touched.
     """
     req = _validate(params_or_optimizer, inv_scale, max_norm, norm_type, scaler, apply, process_group)
-    st = _device_stats(req.grads, req.inv, req.out_device)
+    st = device_stats(req.grads, req.inv, req.out_device)
     sumsq, amax = st.sumsq, st.amax
     if req.reduce_plan is not None:  # one all-reduce: global statistics on every rank
         sumsq, amax = distributed.reduce_stats(sumsq, amax, req.inf_norm, req.reduce_plan, per_tensor)
     inv_out = _ops.scalar_on(req.inv, req.out_device)
-    fin = _finish_stats(sumsq, amax, inv_out, req.inf_norm, req.max_norm, req.out_device)
+    fin = finish_stats(sumsq, amax, inv_out, req.inf_norm, req.max_norm, req.out_device)
     _apply_or_defer(req, st, fin, inv_out)
     if req.scaler is not None:
-        _handoff.record_found_inf(req.scaler, req.optimizer, fin.found_inf, unscaled=True)
-        _handoff.attach_scaler(req.optimizer, req.scaler)
+        _scaler_internals.record_found_inf(req.scaler, req.optimizer, fin.found_inf, unscaled=True)
+        _fused_unscale.attach_scaler(req.optimizer, req.scaler)
     res = UnscaleResult(fin.found_inf, fin.total_norm.to(torch.float32), fin.clip_coef,
                         fin.tensor_norm if per_tensor else None, fin.nonfinite if per_tensor else None)
     res.params = tuple(req.params)
@@ -492,83 +341,3 @@ def clip_grad_norm_(
     return res.total_norm
 
 
-class NonfiniteEntry(NamedTuple):
-    """One gradient that held inf/NaN: its parameter's name, its norm and which kind it held."""
-
-    name: str
-    norm: float
-    kind: str  # "inf" (inf values, no NaN) or "nan"
-
-
-class NonfiniteReport(list):
-    """A list of :class:`NonfiniteEntry`, likeliest culprit first, with a one-line ``summary``."""
-
-    summary: str = ""
-
-    def __str__(self) -> str:
-        lines = [self.summary]
-        lines += [f"  {'->' if i == 0 else '  '} {e.name}: {e.kind} (norm {e.norm})" for i, e in enumerate(self)]
-        return "\n".join(lines)
-
-
-def nonfinite_report(
-    model_or_named_params: torch.nn.Module | Mapping[str, Tensor] | Iterable[tuple[str, Tensor]] | None,
-    result: UnscaleResult,
-    *,
-    order: str = "backward",
-) -> NonfiniteReport:
-    """Name the parameters whose gradients held inf/NaN in an :func:`unscale_` result.
-
-    Args:
-        model_or_named_params: the model, or ``named_parameters()``-style pairs / a name->param dict;
-            None when ``unscale_`` was given ``named_parameters()`` (the names are in the result).
-        result: the value :func:`unscale_` returned, computed with ``per_tensor=True``.
-        order: ``"backward"`` (default): reverse parameter order, the order in which a backward
-            pass through a sequential model produces the gradients -- an overflow that starts in
-            one layer's backward spreads to every layer before it, so the *first* entry is the
-            likeliest culprit. ``"param"``: the order the gradients were processed in.
-
-    Returns:
-        A :class:`NonfiniteReport` (a list of ``(name, norm, kind)``) with ``kind`` "inf" or "nan"
-        told apart, and a ``summary``: when every gradient is non-finite the overflow happened in
-        the loss or the forward pass, not in one layer's backward, and the summary says so.
-        This reads the flags back to the host -- call it when ``found_inf`` says something went
-        wrong, not every step.
-    """
-    if result.per_tensor_nonfinite is None or result.per_tensor_norm is None:
-        raise ValueError("nonfinite_report: the result has no per-tensor data; call unscale_(..., per_tensor=True)")
-    if order not in ("backward", "param"):
-        raise ValueError(f"nonfinite_report: order must be 'backward' or 'param', got {order!r}")
-    params: Sequence[Tensor] = getattr(result, "params", ())
-    if model_or_named_params is None:
-        given = getattr(result, "names", None)
-        if given is None:
-            raise ValueError("nonfinite_report: pass the model (or named parameters); unscale_ was not given names")
-        names = {id(p): n for n, p in zip(given, params)}
-    else:
-        if isinstance(model_or_named_params, torch.nn.Module):
-            pairs: Iterable[tuple[str, Tensor]] = model_or_named_params.named_parameters()
-        elif isinstance(model_or_named_params, Mapping):
-            pairs = model_or_named_params.items()
-        else:
-            pairs = model_or_named_params
-        names = {id(p): n for n, p in pairs}
-    flags = result.per_tensor_nonfinite.tolist()
-    norms = result.per_tensor_norm.tolist()
-    idx = [i for i, bad in enumerate(flags) if bad]
-    if order == "backward":
-        idx.reverse()
-    out = NonfiniteReport()
-    for i in idx:
-        name = names.get(id(params[i]), f"<param {i}>") if i < len(params) else f"<param {i}>"
-        out.append(NonfiniteEntry(name, norms[i], "nan" if math.isnan(norms[i]) else "inf"))
-    n_inf = sum(e.kind == "inf" for e in out)
-    if not out:
-        out.summary = f"no non-finite gradient among {len(flags)}"
-    elif len(out) == len(flags) and len(flags) > 1:
-        out.summary = (f"all {len(flags)} gradients are non-finite ({n_inf} inf, {len(out) - n_inf} nan): the loss "
-                       "or the forward pass overflowed, not one layer's backward (check the loss and activations)")
-    else:
-        out.summary = (f"{len(out)} of {len(flags)} gradients non-finite ({n_inf} inf, {len(out) - n_inf} nan); "
-                       f"likeliest culprit ({order} order): {out[0].name}")
-    return out

@@ -16,40 +16,15 @@ size with mixed precision, and a safety margin") from measurements instead of a 
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .measure import fmt_size
+
 #: the share of the budget left unused by the estimate (fragmentation, workspaces, optimizer temporaries)
 SAFETY_MARGIN = 0.10
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str | float | int) -> int:
-    """Bytes of a memory size: ``"96MiB"``, ``"20GB"``, ``"1.5GiB"``, ``"4096"`` (bytes); ValueError otherwise."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        v = float(text)
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"memory size: expected a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB), "
-                             f"e.g. 96MiB or 20GB, got {text!r}")
-        v = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if not (math.isfinite(v) and v > 0):
-        raise ValueError(f"memory size must be positive, got {text!r}")
-    return int(v)
-
-
-def fmt_size(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    if n >= 2**30:
-        return f"{n / 2**30:.2f} GiB"
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 def measure_step(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int], tuple[Any, ...]],
@@ -71,7 +46,7 @@ def measure_step(make_model: Callable[[], torch.nn.Module], make_batch: Callable
     for b in batches:
         inputs = make_batch(b)
 
-        def step() -> None:
+        def step(inputs: Any = inputs) -> None:  # bound: live_peak calls it now, but bound stays right
             ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else _null()
             with ctx:
                 loss = loss_fn(model, *inputs)
@@ -102,10 +77,8 @@ def estimate_batch(budget: int, state_bytes: float, step: dict[str, float], *,
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     usable = budget * (1 - margin)
     room = usable - state_bytes - step["fixed"]
-    if step["per_sample"] <= 0:
-        batch = 0 if room < 0 else None
-    else:
-        batch = max(0, int(room // step["per_sample"]))
+    per_sample = step["per_sample"]
+    batch = max(0, int(room // per_sample)) if per_sample > 0 else (0 if room < 0 else None)
     predicted = None if batch is None else state_bytes + step["fixed"] + batch * step["per_sample"]
     return {"max_batch_size": batch, "budget_bytes": budget, "margin": margin, "usable_bytes": usable,
             "state_bytes": state_bytes, "fixed_bytes": step["fixed"], "per_sample_bytes": step["per_sample"],

@@ -188,7 +188,7 @@ def _backend_with_kernel(kind: _storage.MomentKind):
     if _backend.select("cpu") in kind.kernel_backends:
         yield
         return
-    with _backend.forcing("torch"):
+    with _backend.use_backend("torch"):
         yield
 
 

@@ -59,7 +59,7 @@ def _precisions(s: str) -> list[str]:
 
 
 def _size(s: str) -> int:
-    from .batch_plan import parse_size
+    from .measure import parse_size
 
     try:
         return parse_size(s)
@@ -166,7 +166,9 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     from . import bench, measure
 
     device = _resolve_device(args.device, parser)
-    log = (lambda s: print(s, file=sys.stderr, flush=True))
+    def log(s: str) -> None:
+        print(s, file=sys.stderr, flush=True)
+
     try:
         res = bench.run(args.which, device=device, quick=args.quick, params=args.params, tensors=args.tensors,
                         reps=args.reps, log=log, **bench.adamw_run_kwargs(args))
@@ -376,7 +378,8 @@ def _add_doctor_parser(sub: Any) -> None:
     pd.add_argument("--full", action="store_true",
                     help="the Hugging Face models at full size (GPT-2 small, BERT-base) instead of 2 layers x 128")
     pd.add_argument("--loss-scale", type=_positive_float, default=None,
-                    help="loss scale the gradients are judged at (default: GradScaler's first, 2^16, for fp16; 1 for bf16)")
+                    help="loss scale the gradients are judged at "
+                         "(default: GradScaler's first, 2^16, for fp16; 1 for bf16)")
     pd.add_argument("--keep-fp32", type=lambda s: [x for x in s.split(",") if x], default=None, metavar="NAMES",
                     help="comma list of module names to run as fp32 islands first (mpkern.nn.keep_fp32): check a fix")
     pd.add_argument("--device", type=_device, default=None, help="cpu or cuda (default: cuda if available)")

@@ -44,14 +44,15 @@ def is_dtensor(t: Any) -> bool:
 
 def local(t: Tensor) -> Tensor:
     """The tensor a kernel works on: the local shard of a DTensor, else ``t`` itself."""
-    return t._local_tensor if is_dtensor(t) else t
+    # the shard itself, not to_local()'s autograd view of it: the kernels write it in place
+    return t._local_tensor if is_dtensor(t) else t  # noqa: SLF001 -- DTensor's shard, as above
 
 
 def version(t: Tensor) -> Any:
     """A host-side write counter for ``t`` (DTensor: wrapper and local shard both count)."""
     if is_dtensor(t):
-        return (t._version, t._local_tensor._version)
-    return t._version
+        return (t._version, t._local_tensor._version)  # noqa: SLF001 -- torch's write counter: no public accessor
+    return t._version  # noqa: SLF001 -- torch's write counter: no public accessor
 
 
 def check_reduced(g: Tensor, where: str) -> None:
@@ -102,7 +103,7 @@ def mark_replicated(*params: Tensor) -> None:
     for p in params:
         if not isinstance(p, Tensor):
             raise TypeError(f"mark_replicated: expected tensors, got {type(p).__name__}")
-        p._mpkern_replicated = True
+        p._mpkern_replicated = True  # noqa: SLF001 -- mpkern's own mark on the param, read only by plan() below
 
 
 def plan(grads: list[Tensor], process_group: Any = None, params: list[Tensor] | None = None) -> ReducePlan | None:
@@ -163,7 +164,8 @@ def reduce_stats(sumsq: Tensor, amax: Tensor, inf_norm: bool, rp: ReducePlan,
         mask = _mask(rp.owned, sumsq.device)
         vals, nonfinite = torch.where(mask, vals, zero), torch.where(mask, nonfinite, zero)
     if not per_tensor:
-        vals = (vals.amax() if inf_norm else reference.total_sumsq(vals)).reshape(1) if vals.numel() else zero.reshape(1)
+        total = (vals.amax() if inf_norm else reference.total_sumsq(vals)) if vals.numel() else zero
+        vals = total.reshape(1)
         nonfinite = nonfinite.amax().reshape(1) if nonfinite.numel() else zero.reshape(1)
     n = vals.numel()
     packed = torch.cat([vals, nonfinite])

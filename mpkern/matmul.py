@@ -25,8 +25,6 @@ through ATen, i.e. also with fp32 accumulation, then casts.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from . import _backend
@@ -58,7 +56,7 @@ def backend_for(device: torch.device | str) -> str:
     name = _backend.select(device)
     if name == "triton":
         return "triton"
-    if name == "cuda" and _backend.forced() is None and not _backend._runs_on("triton", device):
+    if name == "cuda" and _backend.forced() is None and not _backend.runs_on("triton", device):
         return "triton"
     return "torch"
 
@@ -68,7 +66,7 @@ def _shape(t: Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def _validate(op: str, a: Tensor, b: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype],
+def _validate(op: str, a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype | None,
               weight: bool) -> None:
     """Raise TypeError/ValueError naming the shapes. ``weight``: b is (N, K) (linear) not (K, N)."""
     an, bn = ("x", "weight") if weight else ("a", "b")
@@ -119,7 +117,7 @@ def _note_temps(*groups: int) -> None:
         meter(peak)
 
 
-def _mm2d(a: Tensor, b: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
+def _mm2d(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     """2-D ``a (M, K) @ b (K, N) (+ bias)`` in a new (M, N) tensor of ``out_dtype``."""
     if backend_for(a.device) == "triton":
         from mpkern.triton_kernels import matmul as tk
@@ -133,7 +131,7 @@ def _mm2d(a: Tensor, b: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype) 
 _CPU_BLOCK_BYTES = 4 << 20
 
 
-def _mm2d_fp32(a: Tensor, b: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
+def _mm2d_fp32(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     """``_mm2d`` through ATen: an fp32 GEMM of the upcast operands in row blocks, one rounding each."""
     m, k = a.shape
     n = b.shape[1]
@@ -179,16 +177,16 @@ def _out_shape(a: Tensor, n: int) -> list[int]:
 
 # ---- ops ------------------------------------------------------------------------------------------
 @torch.library.custom_op("mpkern::matmul", mutates_args=())
-def _matmul_op(a: Tensor, b: Tensor, bias: Optional[Tensor] = None,
-               out_dtype: Optional[torch.dtype] = None) -> Tensor:
+def _matmul_op(a: Tensor, b: Tensor, bias: Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> Tensor:
     _validate("matmul", a, b, bias, out_dtype, weight=False)
     out = _mm2d(_fold(a), b, bias, out_dtype or a.dtype)
     return out.view(_out_shape(a, b.shape[1]))
 
 
 @torch.library.custom_op("mpkern::linear", mutates_args=())
-def _linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
-               out_dtype: Optional[torch.dtype] = None) -> Tensor:
+def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> Tensor:
     _validate("linear", x, weight, bias, out_dtype, weight=True)
     out = _mm2d(_fold(x), weight.t(), bias, out_dtype or x.dtype)
     return out.view(_out_shape(x, weight.shape[0]))
@@ -245,7 +243,7 @@ def _grad_operand(gy: Tensor, dtype: torch.dtype) -> Tensor:
     return gy if gy.dtype == dtype else gy.to(dtype)
 
 
-def _dbias(ctx, gy: Tensor) -> Optional[Tensor]:
+def _dbias(ctx, gy: Tensor) -> Tensor | None:
     if ctx.bias_dtype is None or not ctx.needs_input_grad[2]:
         return None
     return gy.reshape(-1, gy.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
@@ -278,8 +276,8 @@ torch.library.register_autograd("mpkern::linear", _linear_backward, setup_contex
 
 
 # ---- public API -----------------------------------------------------------------------------------
-def matmul(a: Tensor, b: Tensor, *, bias: Optional[Tensor] = None,
-           out_dtype: Optional[torch.dtype] = None) -> Tensor:
+def matmul(a: Tensor, b: Tensor, *, bias: Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> Tensor:
     """``a @ b (+ bias)`` with fp32 accumulation.
 
     Args:
@@ -295,8 +293,8 @@ def matmul(a: Tensor, b: Tensor, *, bias: Optional[Tensor] = None,
     return torch.ops.mpkern.matmul(a, b, bias, out_dtype)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
-           out_dtype: Optional[torch.dtype] = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+           out_dtype: torch.dtype | None = None) -> Tensor:
     """``x @ weight.T (+ bias)`` like ``torch.nn.functional.linear``, with fp32 accumulation.
 
     ``x`` (*, K) and ``weight`` (N, K): both float16 or both bfloat16; ``bias`` (N,); output

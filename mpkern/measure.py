@@ -22,6 +22,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -31,7 +32,37 @@ from typing import Any
 import torch
 
 __all__ = ["sync", "time_fn", "measure_bandwidth", "cpu_name", "cpu_flags", "machine_info", "device_info",
-           "write_json", "pyplot", "per_call_ms", "event_time", "graph_time", "copy_bandwidth"]
+           "write_json", "pyplot", "per_call_ms", "event_time", "graph_time", "copy_bandwidth", "parse_size",
+           "fmt_size"]
+
+
+# memory sizes, as the CLI reads and the reports print them
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | float | int) -> int:
+    """Bytes of a memory size: ``"96MiB"``, ``"20GB"``, ``"1.5GiB"``, ``"4096"`` (bytes); ValueError otherwise."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        v = float(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"memory size: expected a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB), "
+                             f"e.g. 96MiB or 20GB, got {text!r}")
+        v = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return int(v)
+
+
+def fmt_size(n: float | None) -> str:
+    """``n`` bytes as KiB / MiB / GiB (``"n/a"`` for None)."""
+    if n is None:
+        return "n/a"
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 def sync(device: torch.device) -> None:
@@ -102,10 +133,10 @@ def _cycles_per_ms(device: torch.device) -> float:
     if idx not in _CYCLES_PER_MS:
         with torch.cuda.device(idx):
             cycles = 20_000_000
-            torch.cuda._sleep(cycles // 10)  # wakes the clock up
+            torch.cuda._sleep(cycles // 10)  # noqa: SLF001 -- wakes the clock up (see _cycles_per_ms)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            torch.cuda._sleep(cycles)
+            torch.cuda._sleep(cycles)  # noqa: SLF001 -- torch's spin kernel: no public form
             b.record()
             b.synchronize()
             _CYCLES_PER_MS[idx] = cycles / max(a.elapsed_time(b), 1e-3)
@@ -150,7 +181,7 @@ def event_time(fn: Callable[[], object], device: torch.device | str = "cuda", *,
         for _ in range(rounds):
             for attempt in range(2):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(int(hold_ms * cycles_per_ms))
+                torch.cuda._sleep(int(hold_ms * cycles_per_ms))  # noqa: SLF001 -- the device-side hold
                 start.record()
                 for _ in range(calls):
                     fn()

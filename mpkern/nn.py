@@ -19,8 +19,9 @@ What works with ``main_grad``: :class:`mpkern.FusedAdamWMP` (reads it, and consu
 ``step()`` so it cannot accumulate across steps whatever zero_grad the loop calls),
 :func:`mpkern.unscale_`, ``FusedAdamWMP(max_grad_norm=...)``, ``FusedAdamWMP.clip_grad_norm_`` and
 :func:`mpkern.clip_grad_norm_` (a drop-in for torch's). What does not: ``torch.optim`` optimizers
-and ``torch.nn.utils.clip_grad_norm_`` only see ``.grad`` -- they would skip the weights. Hugging Face ``Trainer`` clips with the latter, so with
-``main_grad`` use ``TrainingArguments(max_grad_norm=0)`` and ``FusedAdamWMP(max_grad_norm=1.0)``.
+and ``torch.nn.utils.clip_grad_norm_`` only see ``.grad`` -- they would skip the weights. Hugging Face
+``Trainer`` clips with the latter, so with ``main_grad`` use ``TrainingArguments(max_grad_norm=0)`` and
+``FusedAdamWMP(max_grad_norm=1.0)``.
 Once a model was converted with ``fp32_main_grad=True``, a ``torch.optim`` optimizer stepping
 over params that hold a ``main_grad`` but no ``.grad`` warns.
 """
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _grads, _handoff
+from . import _fused_unscale, _grads
 from .matmul import _IN_DTYPES, _fold, linear, matmul, matmul_accumulate_
 
 Tensor = torch.Tensor
@@ -53,7 +54,7 @@ def _main_grad(weight: Tensor) -> Tensor:
     mg = getattr(weight, "main_grad", None)
     if mg is None:
         mg = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        weight.main_grad = mg
+        weight.main_grad = mg  # type: ignore[attr-defined]  # the attribute this module adds to weights
     return mg
 
 
@@ -141,7 +142,7 @@ _hook_handle: Any = None
 
 def _warn_torch_optimizer_over_main_grad(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Global optimizer step pre-hook (installed by ``convert(fp32_main_grad=True)``)."""
-    if _handoff.fuses_unscale(optimizer):
+    if _fused_unscale.fuses_unscale(optimizer):
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -161,14 +162,17 @@ def _install_main_grad_guard() -> None:
 
 
 def _refuse_fsdp(module: nn.Module) -> None:
+    fsdp_types: tuple[type, ...] = ()
     try:
         from torch.distributed.fsdp import FSDPModule
+
+        fsdp_types = (FSDPModule,)
     except ImportError:  # pragma: no cover - torch without FSDP2
-        FSDPModule = ()
+        pass
     from .distributed import is_dtensor
 
     for name, m in module.named_modules():
-        if isinstance(m, FSDPModule) or any(is_dtensor(p) for p in m.parameters(recurse=False)):
+        if isinstance(m, fsdp_types) or any(is_dtensor(p) for p in m.parameters(recurse=False)):
             raise ValueError(f"mpkern.nn.convert(fp32_main_grad=True): module {name or '<root>'!r} is sharded "
                              "(FSDP2 fully_shard / DTensor params); FSDP2 reduces .grad, so a main_grad on its "
                              "unsharded params would never reach the optimizer -- convert without fp32_main_grad "
@@ -229,7 +233,7 @@ def convert(module: nn.Module, *, fp32_main_grad: bool = False, report: bool = F
 # ---- fp32 islands ---------------------------------------------------------------------------------
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
 _HALF = (torch.float16, torch.bfloat16)
-_kept: "weakref.WeakKeyDictionary[nn.Module, Fp32Islands]" = weakref.WeakKeyDictionary()
+_kept: weakref.WeakKeyDictionary[nn.Module, Fp32Islands] = weakref.WeakKeyDictionary()
 _active: dict[int, list[tuple[list[Any], torch.dtype | None, bool]]] = {}  # id(module) -> entry stack
 
 
@@ -299,13 +303,16 @@ def _island_exit(module: nn.Module, args: tuple, output: Any) -> Any:
 
 
 class Fp32Islands:
-    """What :func:`keep_fp32` did: ``names`` (qualified), reversible with :meth:`remove` or ``with``."""
+    """What :func:`keep_fp32` did: the modules ``names`` (qualified) of ``model`` made fp32 islands,
+    reversible with :meth:`remove` or ``with``."""
 
     def __init__(self, model: nn.Module, names: list[str]) -> None:
         self.names = names
         self._model = weakref.ref(model)
         self._handles: list[Any] = []
         self._dtypes: dict[Tensor, torch.dtype] = {}  # param/buffer -> the dtype it had before
+        for n in names:
+            self._add(model.get_submodule(n))
 
     def _to_fp32(self, module: nn.Module) -> None:
         """``module``'s own floating params and buffers (and its children's) made fp32, old dtypes kept."""
@@ -334,7 +341,7 @@ class Fp32Islands:
                 if name in self.names and _kept.get(m) is self:
                     del _kept[m]
 
-    def __enter__(self) -> "Fp32Islands":
+    def __enter__(self) -> Fp32Islands:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -391,10 +398,7 @@ def keep_fp32(model: nn.Module, names: Iterable[str] | str | None = None,
     if types is not None and wanted is None and not chosen:
         raise ValueError(f"keep_fp32: model has no module of types {[t.__name__ for t in types]}")
     chosen = [n for n in chosen if modules[n] not in _kept]  # already an island: leave it as it is
-    islands = Fp32Islands(model, chosen)
-    for n in chosen:
-        islands._add(modules[n])
-    return islands
+    return Fp32Islands(model, chosen)
 
 
 def kept_fp32(model: nn.Module) -> list[str]:

@@ -45,8 +45,6 @@ def hf_config_count(path: str) -> tuple[int, str]:
     if not os.path.exists(path):
         raise ValueError(f"hf_config: {path!r} does not exist")
     try:
-        import torch
-        import transformers
         from transformers import AutoConfig
     except ImportError as e:
         raise ValueError(f"hf_config needs the optional dependency transformers ({e}); "

@@ -240,7 +240,8 @@ def master8_encode(w: Tensor, dtype: torch.dtype, word: Tensor | None = None) ->
         return h.view(torch.bfloat16), c
     p = w.to(dtype)
     pf = p.float()
-    r16 = torch.full(w.shape, 0x8000, dtype=torch.int64) if word is None else rand_field16(word.to(torch.int64), RAND_MASTER8)
+    r16 = (torch.full(w.shape, 0x8000, dtype=torch.int64) if word is None
+           else rand_field16(word.to(torch.int64), RAND_MASTER8))
     x = (w - pf) * _pow2n(33 - _f16_binade(_bits16(p).to(torch.int32)))
     c = torch.floor(x + r16.to(device=w.device, dtype=torch.float32) * (1.0 / 65536.0)).clamp(-128.0, 127.0)
     c = torch.where(torch.isfinite(pf), c, torch.zeros_like(c))
@@ -474,8 +475,9 @@ def adamw_step_(
     Nothing is written when ``found_inf`` is non-zero: every update is computed and then committed
     with ``torch.where(found_inf == 0, new, old)``, so no host sync is needed. The random bits
     (param stochastic rounding, bf16 moments, 8-bit master corrections) are the kernels' own
-    stream (one :func:`rand_word` per element, split into fields by :func:`rand_field16`), computed with integer tensor ops: element i of tensor t draws the
-    bits of element ``elem_offsets[t] + i`` of stream ``stream_ids[t]`` (defaults: t and 0).
+    stream (one :func:`rand_word` per element, split into fields by :func:`rand_field16`), computed with
+    integer tensor ops: element i of tensor t draws the bits of element ``elem_offsets[t] + i`` of stream
+    ``stream_ids[t]`` (defaults: t and 0).
     8-bit moments (int8 exp_avgs, uint8 exp_avg_sqs, bf16 scales per 32 elements) are decoded with
     :func:`moment8_decode` and re-encoded as :func:`moment8_encode` with the kernels' random bits.
     """

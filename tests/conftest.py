@@ -18,8 +18,7 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import mpkern  # noqa: E402
-from mpkern import _backend, _ops  # noqa: E402
+from mpkern import _backend, _ops  # noqa: E402 -- imported after TRITON_INTERPRET is set above
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
@@ -27,7 +26,7 @@ DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 def available_backends(device: torch.device = DEVICE) -> list[str]:
     names = []
     for b in _backend.BACKENDS:
-        if not _backend._runs_on(b, device):
+        if not _backend.runs_on(b, device):
             names.append(b)
             if b == "cpu":
                 names.append("cpu-scalar")

@@ -49,6 +49,44 @@ def test_forced_backend_wrong_device_is_clear(monkeypatch):
     assert torch.equal(p.grad, torch.ones(3))  # untouched
 
 
+def test_use_backend_forces_and_restores(monkeypatch):
+    monkeypatch.delenv("MPKERN_BACKEND", raising=False)
+    auto = _backend.select("cpu")
+    with mpkern.use_backend("torch"):
+        assert _backend.select("cpu") == "torch" and _backend.forced() == "torch"
+        with mpkern.use_backend(None):  # the automatic choice inside a forced block
+            assert _backend.forced() is None and _backend.select("cpu") == auto
+        assert _backend.forced() == "torch"
+    assert _backend.forced() is None and _backend.select("cpu") == auto
+    monkeypatch.setenv("MPKERN_BACKEND", "torch")
+    with pytest.raises(KeyError), mpkern.use_backend("cpu" if auto == "cpu" else "torch"):
+        raise KeyError("the block fails")
+    assert _backend.forced() == "torch"  # the user's setting is back, also after an exception
+
+
+def test_use_backend_runs_the_ops_on_it(monkeypatch):
+    monkeypatch.delenv("MPKERN_BACKEND", raising=False)
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 4.0)
+    # the cuda backend cannot run on CPU tensors (on any machine): the op says why
+    with mpkern.use_backend("cuda"), pytest.raises(RuntimeError, match="cannot run on"):
+        mpkern.unscale_([p], 0.5)
+    assert torch.equal(p.grad, torch.full((3,), 4.0))  # refused before anything changed
+    with mpkern.use_backend("torch"):
+        res = mpkern.unscale_([p], 0.5)
+    assert torch.equal(p.grad, torch.full((3,), 2.0)) and float(res.total_norm) == pytest.approx(12.0 ** 0.5)
+
+
+@pytest.mark.parametrize("bad,err,match", [("opencl", ValueError, "'opencl' is not a backend"),
+                                           ("CPU", ValueError, "expected one of cuda, triton, cpu, torch"),
+                                           (3, TypeError, "name must be a str or None, got int")])
+def test_use_backend_refuses_bad_names_before_changing_anything(monkeypatch, bad, err, match):
+    monkeypatch.setenv("MPKERN_BACKEND", "torch")
+    with pytest.raises(err, match=match), mpkern.use_backend(bad):
+        pass
+    assert _backend.forced() == "torch"
+
+
 def test_default_selection():
     b = _backend.select(DEVICE)
     if DEVICE.type == "cpu":

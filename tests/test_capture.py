@@ -44,7 +44,7 @@ def triton_backend(monkeypatch):
     if "triton" not in available_backends():
         pytest.skip("no triton backend here")
     monkeypatch.setenv("MPKERN_BACKEND", "triton")
-    from mpkern.triton_kernels._tables import TABLES
+    from mpkern.triton_kernels.tables import TABLES
 
     TABLES.clear()
     return TABLES
@@ -175,9 +175,8 @@ def test_optimizer_capture_replays_equal_eager_steps(name, mode, monkeypatch):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            graph_opt.step()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        graph_opt.step()
     torch.cuda.current_stream().wait_stream(stream)
     for k in (1, 2, 3):
         for p, gr in zip(graph_p, grads[k]):
@@ -208,9 +207,8 @@ def test_unscale_capture_replays_equal_eager(name, monkeypatch):
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            res = mpkern.unscale_(params, inv, max_norm=1.0)
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        res = mpkern.unscale_(params, inv, max_norm=1.0)
     torch.cuda.current_stream().wait_stream(stream)
     for batch in batches:
         for p, gr in zip(params, batch):

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from functools import partial
 
 import pytest
-from functools import partial
 import torch
 
 import mpkern
-from conftest import DEVICE, HAS_CUDA, available_backends, requires_cuda, call_adamw_op
+from conftest import DEVICE, HAS_CUDA, available_backends, call_adamw_op, requires_cuda
 from mpkern import _backend, _ops
 
 CHUNK = 65536
@@ -117,9 +117,12 @@ def test_adamw_across_chunks_and_offset_view(backend):
     for i, (p, mp, m, v, st, (rp, rm, rv)) in enumerate(zip(params, masters, ms, vs, steps, ref)):
         assert float(st) == 2.0
         # fp32 arithmetic vs float64: a few ulps of the operands' magnitude (m can cancel to ~0)
-        torch.testing.assert_close(mp.double().cpu(), rp, rtol=2e-6, atol=1e-7, msg=lambda m_: f"master {i}: {m_}")
-        torch.testing.assert_close(m.double().cpu(), rm, rtol=1e-5, atol=1e-7, msg=lambda m_: f"exp_avg {i}: {m_}")
-        torch.testing.assert_close(v.double().cpu(), rv, rtol=1e-5, atol=1e-10, msg=lambda m_: f"exp_avg_sq {i}: {m_}")
+        torch.testing.assert_close(mp.double().cpu(), rp, rtol=2e-6, atol=1e-7,
+                                   msg=lambda m_, i=i: f"master {i}: {m_}")
+        torch.testing.assert_close(m.double().cpu(), rm, rtol=1e-5, atol=1e-7,
+                                   msg=lambda m_, i=i: f"exp_avg {i}: {m_}")
+        torch.testing.assert_close(v.double().cpu(), rv, rtol=1e-5, atol=1e-10,
+                                   msg=lambda m_, i=i: f"exp_avg_sq {i}: {m_}")
         assert torch.equal(p, mp.to(p.dtype)), f"param {i} is not its master rounded to nearest even"
     assert torch.equal(pbase[0], pbase_before[0])
     assert torch.equal(pbase[1 + CHUNK + 200:], pbase_before[1 + CHUNK + 200:])
@@ -141,13 +144,15 @@ def test_every_backend_rejects_a_strided_view_identically():
     for b in _all_backends():
         base = _rand(10, F32, torch.Generator().manual_seed(1))
         before = base.clone()
-        scale_errors[b] = _error(lambda: _ops.scale_([base[::2]], torch.tensor(0.5, device=DEVICE), b))
+        scale_errors[b] = _error(lambda b=b, base=base: _ops.scale_([base[::2]], torch.tensor(0.5, device=DEVICE), b))
         assert torch.equal(base, before), f"{b} wrote into the tensor before rejecting it"
-        stats_errors[b] = _error(lambda: _ops.grad_stats([base[::2]], torch.tensor(0.5, device=DEVICE), b))
+        stats_errors[b] = _error(
+            lambda b=b, base=base: _ops.grad_stats([base[::2]], torch.tensor(0.5, device=DEVICE), b))
     assert set(scale_errors.values()) == {
         (ValueError, "mpkern::scale_: tensors[0] must be dense and non-overlapping (call .contiguous())")}, scale_errors
     assert set(stats_errors.values()) == {
-        (ValueError, "mpkern::grad_stats: grads[0] must be dense and non-overlapping (call .contiguous())")}, stats_errors
+        (ValueError, "mpkern::grad_stats: grads[0] must be dense and non-overlapping (call .contiguous())")
+    }, stats_errors
 
 
 def test_triton_scale_op_rejects_a_strided_view():
@@ -173,13 +178,13 @@ def test_every_backend_rejects_a_grad_of_another_size_identically():
     for b in _all_backends():
         args = _adamw_args(5)
         before = args[0][0].clone()
-        errors[b] = _error(lambda: call_adamw_op(partial(_ops.adamw_step_, b), *args))
+        errors[b] = _error(lambda b=b, args=args: call_adamw_op(partial(_ops.adamw_step_, b), *args))
         assert torch.equal(args[0][0], before)
     assert len(set(errors.values())) == 1, errors
     typ, msg = next(iter(errors.values()))
     assert typ is ValueError and "grads[0] has 5 elements, param has 6" in msg
     if "triton" in errors:  # and the op itself, not only the routing function
-        with pytest.raises(ValueError, match="grads.0. has 5 elements"):
+        with pytest.raises(ValueError, match=r"grads\[0\] has 5 elements"):
             call_adamw_op(torch.ops.mpkern_triton.adamw_step_, *_adamw_args(5))
 
 
@@ -250,7 +255,7 @@ def test_cuda_backend_not_selected_for_a_gpu_without_code(fake_gpu):
     fake_gpu((10, 0), "8.0;9.0")
     st = _backend.status("cuda")
     assert not st.available and "sm_100" in st.reason and "TORCH_CUDA_ARCH_LIST" in st.reason
-    why = _backend._runs_on("cuda", torch.device("cuda", 0))
+    why = _backend.runs_on("cuda", torch.device("cuda", 0))
     assert "sm_100" in why
     assert _backend.select(torch.device("cuda", 0)) != "cuda"
 
@@ -264,7 +269,7 @@ def test_cuda_backend_selected_through_ptx(fake_gpu):
 
 def test_driver_probe_failure_disables_the_cuda_backend(fake_gpu):
     fake_gpu((9, 0), "9.0", image_error="no kernel image is available for execution on the device")
-    assert "no kernel image" in _backend._runs_on("cuda", torch.device("cuda", 0))
+    assert "no kernel image" in _backend.runs_on("cuda", torch.device("cuda", 0))
     assert _backend.select(torch.device("cuda", 0)) != "cuda"
 
 

@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import mpkern.nn
 from conftest import DEVICE
 from mpkern import _backend
 from mpkern.matmul import backend_for, linear, matmul, matmul_accumulate_
 
-MM_BACKENDS = [b for b in ("torch", "triton") if not _backend._runs_on(b, DEVICE)]
+MM_BACKENDS = [b for b in ("torch", "triton") if not _backend.runs_on(b, DEVICE)]
 DTYPES = [torch.bfloat16, torch.float16]
 HSET = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-forced = _backend.forcing  # MPKERN_BACKEND within a block
+forced = mpkern.use_backend  # MPKERN_BACKEND within a block
 
 
 def rand(shape, dtype, gen, layout="contig", scale=1.0):
@@ -95,10 +94,7 @@ def _case(backend, op, batch, m, n, k, dtype, out_dtype, with_bias, la, lb, seed
 
     with forced(backend):
         assert backend_for(DEVICE) == backend
-        if op == "matmul":
-            y = matmul(a, b, bias=bias, out_dtype=out_dtype)
-        else:
-            y = linear(a, b, bias, out_dtype=out_dtype)
+        y = matmul(a, b, bias=bias, out_dtype=out_dtype) if op == "matmul" else linear(a, b, bias, out_dtype=out_dtype)
         y.backward(gy)
     assert y.dtype == (out_dtype or dtype) and list(y.shape) == a_shape[:-1] + [n]
     assert a.grad.dtype == dtype and b.grad.dtype == dtype and list(a.grad.shape) == a_shape

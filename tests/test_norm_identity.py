@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import numpy as np
 import pytest
@@ -40,7 +39,7 @@ def _stat_paths() -> list[str]:
     and 2 threads (on CPU copies of the grads when the test device is a GPU), triton, cuda."""
     bs = available_backends()
     out = ["torch"]
-    if _backend.native() is not None and not _backend._runs_on("cpu", torch.device("cpu")):
+    if _backend.native() is not None and not _backend.runs_on("cpu", torch.device("cpu")):
         out += ["cpu-t1", "cpu-t2", "cpu-scalar-t1", "cpu-scalar-t2"]
     out += [b for b in ("triton", "cuda") if b in bs]
     return out
@@ -251,9 +250,7 @@ def _e2e_run(backend: str, pdt: torch.dtype, mw: object, sd: str, sizes: tuple[i
     """Three clipped steps; the params, every state tensor, the grad norms and found_inf flags."""
     import mpkern
 
-    old = os.environ.get("MPKERN_BACKEND")
-    os.environ["MPKERN_BACKEND"] = backend
-    try:
+    with mpkern.use_backend(backend):
         params = _e2e_params(pdt, sizes)
         opt = mpkern.FusedAdamWMP(params, lr=1e-2, weight_decay=0.01, max_grad_norm=5.0, master_weights=mw,
                                   state_dtype=sd, seed=7)
@@ -264,11 +261,6 @@ def _e2e_run(backend: str, pdt: torch.dtype, mw: object, sd: str, sizes: tuple[i
             opt.step()
             norms.append(opt.last_grad_norm.detach().reshape(1).cpu().float())
             found.append(float(opt.last_found_inf))
-    finally:
-        if old is None:
-            del os.environ["MPKERN_BACKEND"]
-        else:
-            os.environ["MPKERN_BACKEND"] = old
     state = [(f"state[{i}].{k}", v.detach().cpu()) for i, p in enumerate(params)
              for k, v in sorted(opt.state[p].items()) if isinstance(v, torch.Tensor)]
     return [p.detach().cpu() for p in params], state, torch.cat(norms), found

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import mpkern
-from mpkern import bytemodel, plan
-from mpkern import cli as mpkern_cli
+from mpkern import bytemodel, cli as mpkern_cli, plan
 from mpkern.optim.release import DEFAULT_BUCKET_BYTES
 
 
@@ -26,7 +25,10 @@ def _model(dtype):
 def _counted(params, opt, masters=()):
     """weights, grads, masters, moments per param, summed here from the tensors themselves."""
     n = sum(p.numel() for p in params)
-    size = lambda t: t.numel() * t.element_size()
+
+    def size(t):
+        return t.numel() * t.element_size()
+
     out = {"weights": sum(size(p) for p in params),
            "grads": sum(size(p.grad) for p in params if p.grad is not None) + sum(size(m.grad) for m in masters),
            "masters": sum(size(m) for m in masters), "moments": 0}
@@ -281,7 +283,7 @@ def test_storage_descriptions_match_the_allocated_state():
 
 # ---- the largest batch for a memory budget ------------------------------------------------------
 def test_sizes_parse_with_units():
-    from mpkern.batch_plan import parse_size
+    from mpkern.measure import parse_size
 
     assert parse_size("96MiB") == 96 * 2**20 and parse_size("20GB") == 20 * 10**9 and parse_size("1.5KiB") == 1536
     for bad in ("lots", "-1GB", "0", "5 parsecs"):

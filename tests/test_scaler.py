@@ -109,11 +109,11 @@ def test_disabled_scaler_means_inv_scale_one():
 
 # ---- the GradScaler layout mpkern relies on (issue 29, item 6) -----------------------------------
 def test_grad_scaler_layout_mpkern_relies_on():
-    """Pins what ``mpkern._handoff.scaler_internals`` reads of GradScaler's private layout, checked against
+    """Pins what ``mpkern._scaler_internals.scaler_internals`` reads of GradScaler's private layout, checked against
     GradScaler's public behaviour: a torch upgrade that changes it fails here, not in a training run."""
     from torch.amp.grad_scaler import OptState
 
-    from mpkern._handoff import record_found_inf, scaler_internals
+    from mpkern._scaler_internals import record_found_inf, scaler_internals
 
     assert {"READY", "UNSCALED", "STEPPED"} <= {s.name for s in OptState}
     model = _model(4)
@@ -152,7 +152,7 @@ def test_grad_scaler_layout_mpkern_relies_on():
 def test_grad_scaler_layout_change_is_a_clear_error():
     """A GradScaler without the attributes mpkern reads: a RuntimeError naming the torch version, no AttributeError
     from deep inside a step."""
-    from mpkern._handoff import scaler_internals
+    from mpkern._scaler_internals import scaler_internals
 
     class Changed(torch.amp.GradScaler):
         def __init__(self):
@@ -165,7 +165,7 @@ def test_grad_scaler_layout_change_is_a_clear_error():
 
 def test_grad_scaler_privates_are_touched_in_one_function():
     """Every attribute access to a private name of GradScaler anywhere in mpkern/ is inside
-    ``mpkern._handoff.scaler_internals`` (parsed with ``ast``, nothing imported)."""
+    ``mpkern._scaler_internals.scaler_internals`` (parsed with ``ast``, nothing imported)."""
     import ast
     import pathlib
 
@@ -176,17 +176,17 @@ def test_grad_scaler_privates_are_touched_in_one_function():
 
     root = pathlib.Path(mpkern.__file__).parent
     found = []
+
+    def visit(node, where, file):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            where = f"{where}.{node.name}" if where else node.name
+        if isinstance(node, ast.Attribute) and node.attr in privates:
+            found.append((file, where, node.attr))
+        for child in ast.iter_child_nodes(node):
+            visit(child, where, file)
+
     for path in sorted(root.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-
-        def visit(node, where):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                where = f"{where}.{node.name}" if where else node.name
-            if isinstance(node, ast.Attribute) and node.attr in privates:
-                found.append((str(path.relative_to(root.parent)), where, node.attr))
-            for child in ast.iter_child_nodes(node):
-                visit(child, where)
-
-        visit(tree, "")
+        visit(tree, "", str(path.relative_to(root.parent)))
     places = {(f, w) for f, w, _ in found}
-    assert places == {("mpkern/_handoff.py", "scaler_internals")}, sorted(found)
+    assert places == {("mpkern/_scaler_internals.py", "scaler_internals")}, sorted(found)

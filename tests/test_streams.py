@@ -14,6 +14,8 @@ the filling stream held back by a sleep kernel.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 
@@ -25,7 +27,7 @@ from mpkern import _backend, _ops
 class _CopySpy(torch.Tensor):
     """A meta tensor (so: on another device than the target) that records its ``.to`` calls."""
 
-    calls: list[dict] = []
+    calls: ClassVar[list[dict]] = []
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -144,7 +146,7 @@ def test_constant_used_on_another_stream_waits_for_its_fill(fake_cuda):
 
 # ---- item 11: Triton work tables ----------------------------------------------------------------
 def test_triton_table_used_on_another_stream_waits_for_its_copy(fake_cuda):
-    from mpkern.triton_kernels._tables import TableCache
+    from mpkern.triton_kernels.tables import TableCache
 
     cache = TableCache()
     table = torch.arange(6).as_subclass(_Recorded)
@@ -174,7 +176,7 @@ def test_table_built_on_a_busy_stream_used_on_another(backend, monkeypatch):
         pytest.skip(f"no {backend} backend here")
     monkeypatch.setenv("MPKERN_BACKEND", backend)
     if backend == "triton":
-        from mpkern.triton_kernels._tables import TABLES
+        from mpkern.triton_kernels.tables import TABLES
 
         TABLES.clear()
     else:

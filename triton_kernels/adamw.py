@@ -9,7 +9,7 @@ Per-tensor constants (step_size, inv_bc2, decay) come from the step counters, co
 device in fp64 (beta^t by math.h's pow_int, ``_beta_pow_kernel``) with torch ops from the float lr
 (a kernel argument, in double) or the lr tensor: no sync, no host-to-device copy. Work items are
 (tensor, chunk) rows of a device table that is built once per layout of the tensor lists and cached
-(``_tables.py``); per (param, grad, state) dtype combination one launch over the rows whose buffers
+(``tables.py``); per (param, grad, state) dtype combination one launch over the rows whose buffers
 are all 16-byte aligned (the compiler is told, and uses 16-byte accesses) and one over the few
 unaligned head/tail elements. Nothing is written when found_inf != 0. bf16 moments are stored with
 stochastic rounding; 8-bit moments (int8 / uint8 codes, a bf16 scale per 32 elements: math.h
@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tables import TABLES, common_head, layout, to_device, work_ranges
-from .unscale import VEC, _block_index, _f32_to_bf16_bits, _load_f32, _store_f32, _typed_ptr, device_guard
+from ._common import VEC, block_index, device_guard, f32_to_bf16_bits, load_f32, store_f32, typed_ptr
+from .tables import TABLES, common_head, layout, to_device, work_ranges
 
 CHUNK = 16384
 BLOCK = 1024
@@ -95,7 +95,7 @@ def _bf16_sr(x, r16):
     """f32_to_bf16_sr of math.h: r16 (uint32 < 2^16) added below the kept half, truncated."""
     u = x.to(tl.uint32, bitcast=True)
     nonfinite = (u & 0x7F800000) == 0x7F800000
-    return tl.where(nonfinite, _f32_to_bf16_bits(x), ((u + r16) >> 16).to(tl.uint16))
+    return tl.where(nonfinite, f32_to_bf16_bits(x), ((u + r16) >> 16).to(tl.uint16))
 
 
 @triton.jit
@@ -219,9 +219,9 @@ def _int8_ptr(addr, ALIGNED: tl.constexpr):
 
 @triton.jit
 def _ptr_at(base, k, DT: tl.constexpr, ALIGNED: tl.constexpr):
-    """Typed pointer in column k of a table row (DT as in _typed_ptr), marked 16-byte aligned in
+    """Typed pointer in column k of a table row (DT as in typed_ptr), marked 16-byte aligned in
     ALIGNED rows."""
-    return _typed_ptr(tl.load(base + k), DT, ALIGNED)
+    return typed_ptr(tl.load(base + k), DT, ALIGNED)
 
 
 @triton.jit(do_not_specialize=["seed"])  # seed == 1 would otherwise become a constexpr int
@@ -282,9 +282,9 @@ def _adamw_kernel(
                 gmask = gi * 32 < end
                 idx = gi[:, None] * 32 + tl.arange(0, 32)[None, :]
             else:
-                idx = _block_index(begin, off, ALIGNED, BLOCK)
+                idx = block_index(begin, off, ALIGNED, BLOCK)
             mask = idx < end
-            g = _load_f32(g_ptr, idx, mask, GDT) * factor
+            g = load_f32(g_ptr, idx, mask, GDT) * factor
             if MODE == 1:
                 w_ptr = _ptr_at(base, 5, 0, ALIGNED)
                 w = tl.load(w_ptr + idx, mask=mask, other=0.0)
@@ -300,7 +300,7 @@ def _adamw_kernel(
                 c = tl.load(c_ptr + idx, mask=mask, other=0)
                 w = _master8_decode(h, c, PDT)
             else:
-                w = _load_f32(p_ptr, idx, mask, PDT)
+                w = load_f32(p_ptr, idx, mask, PDT)
             if SDT == 8 or SDT == 9:
                 s_m = (tl.load(sm_ptr + gi, mask=gmask, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
                 s_v = (tl.load(sv_ptr + gi, mask=gmask, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
@@ -314,8 +314,8 @@ def _adamw_kernel(
                 fv2 = fv * fv
                 v = (s_v[:, None] * fv2) * fv2
             else:
-                m = _load_f32(m_ptr, idx, mask, SDT)
-                v = _load_f32(v_ptr, idx, mask, SDT)
+                m = load_f32(m_ptr, idx, mask, SDT)
+                v = load_f32(v_ptr, idx, mask, SDT)
             w = w * decay
             m = m + one_m_b1 * (g - m)
             v = v * beta2 + one_m_b2 * g * g
@@ -353,11 +353,11 @@ def _adamw_kernel(
                 tl.store(m_ptr + idx, _bf16_sr(m, _rand_b16(rw)), mask=mask)
                 tl.store(v_ptr + idx, _bf16_sr(v, _rand_c16(rw)), mask=mask)
             else:
-                _store_f32(m_ptr, idx, m, mask, SDT)
-                _store_f32(v_ptr, idx, v, mask, SDT)
+                store_f32(m_ptr, idx, m, mask, SDT)
+                store_f32(v_ptr, idx, v, mask, SDT)
             if MODE == 1:
                 tl.store(w_ptr + idx, w, mask=mask)
-                _store_f32(p_ptr, idx, w, mask, PDT)
+                store_f32(p_ptr, idx, w, mask, PDT)
             elif MODE == 2:
                 u = w.to(tl.uint32, bitcast=True)
                 tl.store(p_ptr + idx, ((u + 0x8000) >> 16).to(tl.uint16), mask=mask)
@@ -369,7 +369,7 @@ def _adamw_kernel(
             elif SR:
                 tl.store(p_ptr + idx, _bf16_sr(w, _rand_a16(rw)), mask=mask)
             else:
-                _store_f32(p_ptr, idx, w, mask, PDT)
+                store_f32(p_ptr, idx, w, mask, PDT)
 
 
 @triton.jit(do_not_specialize=["b1_bits", "b2_bits"])

@@ -18,7 +18,7 @@ Under ``TRITON_INTERPRET=1`` (CPU tensors):
   #11584), so the launcher sets ``UPCAST=True`` there and the operands are converted to fp32
   before ``tl.dot`` (exact: every fp16/bf16 value is an fp32 value; products are exact in fp32);
 * its fp32->bf16 cast truncates; bf16 output is therefore always rounded with integer bit math
-  (``_f32_to_bf16_bits``, the same as ``math.h``) and stored as raw 16-bit words -- identical on
+  (``f32_to_bf16_bits``, the same as ``math.h``) and stored as raw 16-bit words -- identical on
   the GPU, whose cast rounds to nearest even too;
 * autotuning is off: one small fixed config keeps the tests fast.
 
@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .unscale import _f32_to_bf16_bits
+from ._common import f32_to_bf16_bits
 
 _IN_DTYPES = (torch.float16, torch.bfloat16)
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -158,7 +158,7 @@ def _matmul_kernel(
     b_step = tl.cast(stride_bk, tl.int64) * BLOCK_K
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
         b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
@@ -177,7 +177,7 @@ def _matmul_kernel(
     if ACCUMULATE:
         acc += tl.load(c_ptrs, mask=c_mask, other=0.0)
     if OUT_BF16:
-        tl.store(c_ptrs, _f32_to_bf16_bits(acc).to(tl.int16, bitcast=True), mask=c_mask)
+        tl.store(c_ptrs, f32_to_bf16_bits(acc).to(tl.int16, bitcast=True), mask=c_mask)
     else:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
@@ -231,7 +231,7 @@ def matmul_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch
     _check(a, b, out, bias)
     if accumulate and out.dtype != torch.float32:
         raise TypeError(f"matmul kernel: accumulating needs an fp32 output, got {out.dtype}")
-    M, K = a.shape
+    M = a.shape[0]
     N = b.shape[1]
     if M == 0 or N == 0:
         return out

@@ -2,7 +2,7 @@
 
 Multi-tensor: a device table with one row per (tensor, range) work item --
 ``(address, begin, end, slot)`` -- and one program per row, built once per layout of the tensor
-list and cached on the device (``_tables.py``): no per-call host work beyond the cache key. One
+list and cached on the device (``tables.py``): no per-call host work beyond the cache key. One
 table holds the rows of both kernels (one cached entry per tensor list):
 
 * ``scale_``: at most two launches per element dtype: an *aligned* launch whose rows start at a
@@ -33,7 +33,6 @@ Math (mirrors ``csrc/include/mpkern/math.h`` / ``norm.h``):
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,14 +40,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._interp_compat import apply as _fix_interpreter_index
-from ._tables import TABLES, common_head, layout, to_device, work_ranges
-
-_fix_interpreter_index()  # Triton 3.6's interpreter with NumPy >= 2.4 (see _interp_compat.py)
+from ._common import VEC, block_index, device_guard, load_f32, store_f32, typed_ptr
+from .tables import TABLES, common_head, layout, to_device, work_ranges
 
 CHUNK = 16384
 BLOCK = 1024
-VEC = 8  # aligned rows end at a multiple of this many elements (16 bytes of a 16-bit dtype)
 ROW = 4  # address, begin, end, slot
 # The norm reduction's shape (csrc/include/mpkern/norm.h; mpkern.reference.NORM_*).
 NORM_LANES, NORM_ROWS, NORM_BLOCKS, NORM_TENSOR_LANES = 16, 16, 64, 128
@@ -56,53 +52,6 @@ NORM_BLOCK = NORM_LANES * NORM_ROWS
 NORM_CHUNK = NORM_BLOCK * NORM_BLOCKS
 
 _CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
-@triton.jit
-def _typed_ptr(addr, DT: tl.constexpr, ALIGNED: tl.constexpr = False):
-    """Pointer of the element type (DT: 0 f32, 1 f16, 2 bf16 as raw uint16 bits -- see _load/_store
-    -- 3 int16), marked 16-byte aligned when ALIGNED. The hint must be put on the pointer in the
-    function that converts the address (on the integer, or in a caller, it is lost and every
-    access stays scalar)."""
-    if DT == 0:
-        ptr = addr.to(tl.pointer_type(tl.float32))
-    elif DT == 1:
-        ptr = addr.to(tl.pointer_type(tl.float16))
-    elif DT == 2:
-        ptr = addr.to(tl.pointer_type(tl.uint16))
-    else:
-        ptr = addr.to(tl.pointer_type(tl.int16))
-    if ALIGNED:
-        ptr = tl.multiple_of(ptr, 16)
-    return ptr
-
-
-@triton.jit
-def _load_f32(ptr, idx, mask, DT: tl.constexpr):
-    if DT == 2:
-        bits = tl.load(ptr + idx, mask=mask, other=0).to(tl.uint32) << 16
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return tl.load(ptr + idx, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _f32_to_bf16_bits(x):
-    """Round to nearest even, NaN kept quiet -- f32_to_bf16_rne of math.h, bit for bit (the
-    interpreter's own fp32->bf16 cast truncates, the GPU's rounds; this is the same on both)."""
-    u = x.to(tl.uint32, bitcast=True)
-    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    nan = (u & 0x7FFFFFFF) > 0x7F800000
-    r = tl.where(nan, (u >> 16) | 0x40, r)
-    return r.to(tl.uint16)
-
-
-@triton.jit
-def _store_f32(ptr, idx, x, mask, DT: tl.constexpr):
-    if DT == 2:
-        tl.store(ptr + idx, _f32_to_bf16_bits(x), mask=mask)
-    else:
-        tl.store(ptr + idx, x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -117,16 +66,7 @@ def _work_item(table_ptr, DT: tl.constexpr, ALIGNED: tl.constexpr):
     if ALIGNED:
         begin = tl.multiple_of(begin, 16)
         end = tl.multiple_of(end, 8)
-    return _typed_ptr(addr, DT, ALIGNED), begin, end, slot
-
-
-@triton.jit
-def _block_index(begin, off, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """Element indices begin + off + [0, BLOCK), with the alignment known to the compiler."""
-    idx = begin + off + tl.arange(0, BLOCK).to(tl.int64)
-    if ALIGNED:
-        idx = tl.max_contiguous(tl.multiple_of(idx, 16), BLOCK)
-    return idx
+    return typed_ptr(addr, DT, ALIGNED), begin, end, slot
 
 
 @triton.jit
@@ -185,7 +125,7 @@ def _grad_stats_kernel(
     mx = tl.zeros([BLOCKS, LANES], dtype=tl.int32)
     for r in range(ROWS):
         idx = begin + r * LANES + offs
-        x = _load_f32(ptr, idx, idx < end, DT)  # 0 past the end: +0 adds nothing
+        x = load_f32(ptr, idx, idx < end, DT)  # 0 past the end: +0 adds nothing
         # |x| bits: non-negative as int32, ordered like |x| with inf and NaN on top.
         mx = tl.maximum(mx, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
         xd = x.to(tl.float64)
@@ -244,15 +184,10 @@ def _scale_kernel(
     s = tl.load(scale_ptr)
     if s != 1.0:
         for off in range(0, CHUNK, BLOCK):
-            idx = _block_index(begin, off, ALIGNED, BLOCK)
+            idx = block_index(begin, off, ALIGNED, BLOCK)
             mask = idx < end
-            x = _load_f32(ptr, idx, mask, DT)
-            _store_f32(ptr, idx, x * s, mask, DT)
-
-
-def device_guard(device: torch.device):
-    """Triton launches on the current CUDA device: make it the tensors' device."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+            x = load_f32(ptr, idx, mask, DT)
+            store_f32(ptr, idx, x * s, mask, DT)
 
 
 _ELEM_BYTES = {0: 4, 1: 2, 2: 2}

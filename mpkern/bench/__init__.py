@@ -41,34 +41,34 @@ from __future__ import annotations
 from ..measure import cpu_name, machine_info, measure_bandwidth, pyplot, sync, time_fn, write_json
 from .adamw import bench_adamw, write_check_host_cost
 from .common import (
-                     ADAMW_INV_SCALE,
-                     ADAMW_LR,
-                     ADAMW_MAX_NORM,
-                     BASELINE,
-                     FULL,
-                     KERNELS,
-                     QUICK,
-                     amp_fp32_recipe,
-                     state_nbytes,
-                     tensor_sizes,
+    ADAMW_INV_SCALE,
+    ADAMW_LR,
+    ADAMW_MAX_NORM,
+    BASELINE,
+    FULL,
+    KERNELS,
+    QUICK,
+    amp_fp32_recipe,
+    state_nbytes,
+    tensor_sizes,
 )
 from .host import bench_host_time, host_time
 from .matmul import (
-                     CPU_SHAPES,
-                     DTYPES,
-                     GPU_LLM,
-                     GPU_SQUARE,
-                     bench_matmul,
-                     check_matmul_interpreter,
-                     wgrad_accumulate_peer,
+    CPU_SHAPES,
+    DTYPES,
+    GPU_LLM,
+    GPU_SQUARE,
+    bench_matmul,
+    check_matmul_interpreter,
+    wgrad_accumulate_peer,
 )
 from .modes import (
-                     DEFAULT_ADAMW_MODES,
-                     adamw_modes,
-                     bench_adamw_modes,
-                     mode_label,
-                     optimizer_kwargs,
-                     step_bytes_per_param,
+    DEFAULT_ADAMW_MODES,
+    adamw_modes,
+    bench_adamw_modes,
+    mode_label,
+    optimizer_kwargs,
+    step_bytes_per_param,
 )
 from .release import RELEASE_GOAL, RELEASE_SIZES, bench_release
 from .report import format_table, plot

@@ -111,7 +111,7 @@ def precheck() -> dict[str, Any]:
     for mod in ("triton", "numpy"):
         try:
             res[mod] = __import__(mod).__version__
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 -- a module that fails to import in any way is reported, not raised
             res[mod] = f"not importable ({type(e).__name__})"
     res["ninja"] = _ninja_version()
     if not res["ninja"]:

@@ -37,6 +37,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from .gpu_rows import StageFile, matmul_row, mem_row, short_error
@@ -67,7 +68,7 @@ def _backend_ok(name: str, dev: Any) -> str:
     from mpkern import _backend
 
     try:
-        with _backend.forcing(name):
+        with _backend.use_backend(name):
             _backend.select(dev)
     except RuntimeError as e:
         return str(e)
@@ -180,7 +181,7 @@ def stage_unscale(out: str, params: int | None = None, tensors: int | None = Non
                                "['mpkern']", params=total, error=f"backend unavailable: {why}"))
             continue
         try:
-            with _backend.forcing(name):
+            with _backend.use_backend(name):
                 t, g, gerr = _times(lambda: mpkern.unscale_(ps, inv, max_norm=1.0), dev)
             sf.add_row(mem_row("unscale", impl, name, bytes_per_param=ours,
                                bytes_source="bytemodel.UNSCALE_TRAFFIC['mpkern']", params=total, timing=t, graph=g,
@@ -205,10 +206,11 @@ def stage_unscale(out: str, params: int | None = None, tensors: int | None = Non
                            graph_error=gerr, peer=True,
                            method="bench.common.torch_unscale_clip: _amp_foreach_non_finite_check_and_unscale_ "
                                   "(bf16 on CUDA: _foreach_mul_) + clip_grad_norm_(foreach=True)"))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 -- the row says why; the next row still runs
         traceback.print_exc()
         sf.add_row(mem_row("unscale", impl, "torch", bytes_per_param=theirs,
-                           bytes_source="bytemodel.UNSCALE_TRAFFIC['torch']", params=total, error=short_error(e), peer=True))
+                           bytes_source="bytemodel.UNSCALE_TRAFFIC['torch']", params=total, error=short_error(e),
+                           peer=True))
     sf.finish()
     return 0
 
@@ -267,7 +269,7 @@ def stage_adamw(out: str, backend: str, *, peer: bool = False, params: int | Non
             continue
         opt = None
         try:
-            with _backend.forcing(backend):
+            with _backend.use_backend(backend):
                 ps = [torch.nn.Parameter(w.to(torch.bfloat16)) for w in init]
                 for p, x in zip(ps, grads16):
                     p.grad = x
@@ -312,7 +314,7 @@ def stage_adamw(out: str, backend: str, *, peer: bool = False, params: int | Non
                                "['amp_fp32']", params=total, timing=t, graph=g, graph_error=gerr, peer=True,
                                method="_amp_foreach_non_finite_check_and_unscale_ + clip_grad_norm_(foreach) + "
                                       "AdamW(fused=True, capturable=True)"))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 -- the row says why; the next row still runs
             traceback.print_exc()
             sf.add_row(mem_row("adamw", impl, "torch", bytes_per_param=bpp, bytes_source="bytemodel.STEP_TRAFFIC"
                                "['amp_fp32']", params=total, error=short_error(e), peer=True))
@@ -388,7 +390,7 @@ def stage_matmul(out: str, tuned: bool = False, *, device: Any = None,
                     peer, peer_fn = "torch.matmul (cuBLAS)", (lambda a=a, b=b: torch.matmul(a, b))
                 elif mm_out:
                     peer = "torch.mm(out_dtype=fp32)"
-                    peer_fn = (lambda a=a, b=b: torch.mm(a, b, out_dtype=torch.float32))  # noqa: E731
+                    peer_fn = partial(torch.mm, a, b, out_dtype=torch.float32)
                 else:
                     peer, peer_fn = "torch.matmul + .float()", (lambda a=a, b=b: torch.matmul(a, b).float())
                 cfg = "tuned" if tuned else fixed
@@ -403,14 +405,15 @@ def stage_matmul(out: str, tuned: bool = False, *, device: Any = None,
                         mpkern.matmul(a, b, out_dtype=od)  # the one tuning run of this shape
                         sync(dev)
                         extra["tuning_s"] = time.perf_counter() - t0
-                        best = getattr(tk._matmul_kernel_tuned, "best_config", None)
+                        # allow-listed (pyproject [tool.mpkern.private-names]): issue 41 makes the tuned config public
+                        best = getattr(tk._matmul_kernel_tuned, "best_config", None)  # noqa: SLF001 -- issue 41
                         cfg = f"tuned {best}" if best is not None else "tuned"
                     t = event_time(lambda a=a, b=b, od=od: mpkern.matmul(a, b, out_dtype=od), dev, calls=CALLS,
                                    rounds=ROUNDS, warmup=WARMUP)
                     row = matmul_row(shape, m, n, k, dname, oname, cfg, timing=t, peer=peer, peer_timing=pt, **extra)
                     _log(f"matmul {shape} {dname}->{oname} ({cfg}): {t['kernel_ms']:.3f} ms, {peer} "
                          f"{pt['kernel_ms']:.3f} ms")
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:  # noqa: BLE001 -- the row says why; the next row still runs
                     traceback.print_exc()
                     row = matmul_row(shape, m, n, k, dname, oname, cfg, timing=None, peer=peer, peer_timing=pt,
                                      error=short_error(e), **extra)
@@ -428,7 +431,7 @@ def stage_matmul(out: str, tuned: bool = False, *, device: Any = None,
                                     warmup=WARMUP)
                     sf.add_row(matmul_row(shape, m, n, k, dname, "+=main_grad", fixed, timing=t, peer=peer,
                                           peer_timing=pt))
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:  # noqa: BLE001 -- the row says why; the next row still runs
                     traceback.print_exc()
                     sf.add_row(matmul_row(shape, m, n, k, dname, "+=main_grad", fixed, timing=None, peer=peer,
                                           peer_timing=None, error=short_error(e)))
@@ -488,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensors", type=int, default=None, help="unscale/adamw: number of tensors")
     args = ap.parse_args(argv)
     params = None if args.params is None else int(args.params)
-    if params is not None and params < 1 or args.tensors is not None and args.tensors < 1:
+    if (params is not None and params < 1) or (args.tensors is not None and args.tensors < 1):
         ap.error("--params and --tensors must be positive")
     os.makedirs(args.out, exist_ok=True)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -506,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         _mark_ended(args.out, files, f"interrupted ({e or 'SIGINT'}: the stage's time limit)")
         return 130
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 -- a stage process: any failure is written down and becomes its exit code
         traceback.print_exc()
         _mark_ended(args.out, files, short_error(e), "failed")
         return 3 if "no CUDA GPU" in str(e) else 1

@@ -20,6 +20,7 @@ A missing, failed or interrupted stage is reported as such ("not run", "failed r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -167,10 +168,8 @@ def parse_junit(path: str) -> tuple[dict[str, dict[str, Any]], list[tuple[str, s
     for tc in root.iter("testcase"):
         f = _file_of(tc.get("classname", ""), tc.get("file"))
         c = files.setdefault(f, dict.fromkeys(OUTCOMES, 0) | {"seconds": 0.0})
-        try:
+        with contextlib.suppress(ValueError):  # a malformed time counts as 0 s
             c["seconds"] += float(tc.get("time", 0) or 0)
-        except ValueError:
-            pass
         kids = {child.tag: child for child in tc}
         if "failure" in kids or "error" in kids:
             kind = "failed" if "failure" in kids else "error"
@@ -528,8 +527,8 @@ def _release_section(out: str, stages: dict[str, dict[str, Any]]) -> list[str]:
     lines.append(f"  {_stage_state(data, why, stages, 'release')}")
     if data is not None:
         meta = data.get("meta") or {}
-        lines.append(f"  model: {meta.get('layers')} x Linear({meta.get('width')}) bf16, {meta.get('tokens')} rows/step, "
-                     f"release_bucket_bytes {meta.get('bucket_bytes')}")
+        lines.append(f"  model: {meta.get('layers')} x Linear({meta.get('width')}) bf16, "
+                     f"{meta.get('tokens')} rows/step, release_bucket_bytes {meta.get('bucket_bytes')}")
         cells = release_rows(_rows(data))
         if cells:
             lines += _table(["variant", "step ms", "ratio", "peak GB", "bitwise"], cells)

@@ -108,8 +108,8 @@ def bench_adamw_modes(device: torch.device | str, *, params: int = FULL["params"
     given, the baseline is timed in alternation with each mode (:func:`time_alternating`, its median
     in the row as ``baseline_ms``), so the ratio holds on a shared machine whose speed drifts
     between separate runs. A master kind that keeps no master runs with stochastic rounding
-    (:func:`optimizer_kwargs`: the only way a bf16 param without a master keeps small updates). As in :func:`bench_adamw`
-    the grads are only read (the unscale is deferred into the step), so nothing is restored.
+    (:func:`optimizer_kwargs`: the only way a bf16 param without a master keeps small updates). As in
+    :func:`bench_adamw` the grads are only read (the unscale is deferred into the step), so nothing is restored.
     """
     import mpkern
 

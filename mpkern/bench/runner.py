@@ -16,8 +16,8 @@ from .common import FULL, KERNELS, QUICK
 from .host import bench_host_time
 from .matmul import bench_matmul, check_matmul_interpreter
 from .modes import adamw_modes, bench_adamw_modes
-from .report import format_table, plot
 from .release import bench_release
+from .report import format_table, plot
 from .torchao_peers import bench_torchao, torchao_optim
 from .unscale import bench_unscale
 

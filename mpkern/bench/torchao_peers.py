@@ -48,7 +48,7 @@ def torchao_optim() -> tuple[Any, str, str]:
     for name in ("torchao.optim", "torchao.prototype.low_bit_optim"):
         try:
             mod = __import__(name, fromlist=["AdamW8bit"])
-        except Exception:  # noqa: BLE001, S112
+        except Exception:  # noqa: BLE001 -- a module path this torchao lacks or cannot import: try the next
             continue
         if hasattr(mod, "AdamW8bit"):
             return mod, version, ""
@@ -125,7 +125,7 @@ def bench_torchao(device: torch.device | str, *, params: int = FULL["params"], t
             ratio = (baseline_s / (baseline_params or n)) / (t / n)
         r = row("adamw", f"torchao {label} (torchao {version})", t, params=n, peer_ratio=ratio, state_bpp=state,
                 vs=None if ratio is None else BASELINE, note="per-param time ratio" if n != baseline_params else None)
-        r.update(api=api, kwargs={k: v for k, v in kw.items()}, params=n, first_step_s=first,
+        r.update(api=api, kwargs=dict(kw), params=n, first_step_s=first,
                  torchao_version=version)
         rows.append(r)
         log(f"torchao {label}: {t * 1e3:.2f} ms ({n / 1e6:g}M params; first step incl. compile {first:.1f} s), "

@@ -44,8 +44,16 @@ from __future__ import annotations
 
 from ..measure import cpu_flags
 from .budget import fit_budget, probe_step_seconds, steps_that_fit
-from .config import (DTYPE_NAME, LINEARS, OPTIMIZER_STATES, PRECISIONS, SCHEMA, Config, default_config,
-                     default_precisions)
+from .config import (
+    DTYPE_NAME,
+    LINEARS,
+    OPTIMIZER_STATES,
+    PRECISIONS,
+    SCHEMA,
+    Config,
+    default_config,
+    default_precisions,
+)
 from .memory import OthersCpu
 from .plot import plot_results
 from .probe import CPU_FLAGS, GPU_MIN_CAPABILITY, NATIVE_MIN_SPEED, choose_linear, compute_support, linear_shapes
@@ -54,8 +62,8 @@ from .runner import run
 from .task import Block, Classifier, HFClassifier, Task, make_task
 from .train import train_one
 
-__all__ = ["run", "Config", "PRECISIONS", "OPTIMIZER_STATES", "LINEARS", "SCHEMA", "default_config",
-           "default_precisions", "make_task", "Task", "Classifier", "Block", "HFClassifier", "compute_support",
-           "choose_linear", "linear_shapes", "probe_step_seconds", "steps_that_fit", "fit_budget", "train_one",
-           "lessons", "format_header", "format_table", "format_details", "write_outputs", "plot_results", "cpu_flags",
-           "CPU_FLAGS", "GPU_MIN_CAPABILITY", "NATIVE_MIN_SPEED"]
+__all__ = ["run", "Config", "DTYPE_NAME", "OthersCpu", "PRECISIONS", "OPTIMIZER_STATES", "LINEARS", "SCHEMA",
+           "default_config", "default_precisions", "make_task", "Task", "Classifier", "Block", "HFClassifier",
+           "compute_support", "choose_linear", "linear_shapes", "probe_step_seconds", "steps_that_fit", "fit_budget",
+           "train_one", "lessons", "format_header", "format_table", "format_details", "write_outputs", "plot_results",
+           "cpu_flags", "CPU_FLAGS", "GPU_MIN_CAPABILITY", "NATIVE_MIN_SPEED"]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..batch_plan import fmt_size
+from ..measure import fmt_size
 from .config import Config
 from .task import make_task
 from .train import train_one

@@ -17,8 +17,6 @@ from .config import DTYPE_NAME, Config
 from .recipes import build_recipe
 from .task import make_task
 
-
-
 # ---- fitting the time budget --------------------------------------------------------------------
 _PROBE_WARM, _PROBE_TIMED = 3, 5
 #: seconds of timed probe steps after which a (slow) run is timed no more
@@ -160,6 +158,6 @@ def fit_budget(cfg: Config, base: nn.Module, linear_choice: dict[str, dict[str, 
     else:
         why = (f"{cfg.steps} steps would not fit ({measured}): {steps} steps, the fewest that show the lesson "
                f"(predicted {per_step * steps + eval_s + reserved:.0f} s, over the budget)")
-    plan = {"time_budget_s": cfg.time_budget, "step_s": step_s, "fastest_step_s": fastest, "steps_that_fit": fit, "steps": steps,
-            "predicted_s": per_step * steps + eval_s + reserved, "time_boxed": boxes, "why": why}
+    plan = {"time_budget_s": cfg.time_budget, "step_s": step_s, "fastest_step_s": fastest, "steps_that_fit": fit,
+            "steps": steps, "predicted_s": per_step * steps + eval_s + reserved, "time_boxed": boxes, "why": why}
     return replace(cfg, steps=steps, time_box={k: b["window_s"] for k, b in boxes.items()}), plan

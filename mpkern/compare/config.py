@@ -8,8 +8,6 @@ from typing import Any
 
 import torch
 
-
-
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-naive", "mpkern-bf16", "mpkern-8bit", "mpkern-fp16")
 #: the runs that need bfloat16 (params or autocast)
 BF16_RUNS = ("bf16", "bf16-naive", "mpkern-bf16", "mpkern-8bit")

@@ -8,7 +8,6 @@ from typing import Any
 from ..measure import pyplot
 
 
-
 def plot_results(results: dict[str, Any], path: str) -> bool:
     """Loss curves, validation accuracy, tokens/s and peak memory in one PNG. False without matplotlib."""
     plt = pyplot("compare", "compare.png")

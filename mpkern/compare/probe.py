@@ -95,8 +95,8 @@ def compute_support(device: str | torch.device, m: int = 1024, k: int = 128, n: 
     CPU: the CPU flags (:data:`CPU_FLAGS`) *and* a measured probe -- an (m, k) @ (k, n) GEMM in
     fp32, bf16 and fp16 through ATen on one thread, fastest of ``reps`` interleaved calls (a ratio of
     instruction sets: one thread keeps it when another process loads the machine, where several
-    threads wait for each other -- measured 0.45 vs 7.8 ms for the same fp32 GEMM); a dtype counts as native when its GEMM
-    runs at >= :data:`NATIVE_MIN_SPEED` of the fp32 speed (the measurement decides: oneDNN may be
+    threads wait for each other -- measured 0.45 vs 7.8 ms for the same fp32 GEMM); a dtype counts as
+    native when its GEMM runs at >= :data:`NATIVE_MIN_SPEED` of the fp32 speed (the measurement decides: oneDNN may be
     kept off the instructions, e.g. by ``ONEDNN_MAX_CPU_ISA``). CUDA: the compute capability
     (:data:`GPU_MIN_CAPABILITY`); the probe is reported beside it. ``flags``/``timer`` replace
     ``/proc/cpuinfo`` and the clock (tests).
@@ -254,7 +254,7 @@ def _others_load() -> float | None:
 
 
 def choose_threads(device: torch.device, requested: int, m: int, k: int, n: int, *, reps: int = 15,
-                   load: float | None | str = "read",
+                   load: float | str | None = "read",
                    timer: Callable[[dict, torch.device, int], dict[str, float]] | None = None) -> dict[str, Any]:
     """The torch threads the runs train with (set here). ``requested`` (``--threads``) > 0 is taken
     as given. Unset on CPU: the cores other processes leave free (cores less the 1-minute load

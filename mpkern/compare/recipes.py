@@ -96,7 +96,9 @@ def _torch_optimizer(name: str, cfg: Config, model: nn.Module, device: torch.dev
     linear, gemm, scaler = f"{layers} (ATen)", "ATen fp32", None
     if name != "fp32":
         adt = torch.bfloat16 if name == "bf16" else torch.float16
-        autocast = (lambda: torch.autocast(device.type, dtype=adt))
+        def autocast() -> Any:
+            return torch.autocast(device.type, dtype=adt)
+
         linear, gemm = f"{layers} under autocast ({DTYPE_NAME[adt]} GEMM)", f"ATen {DTYPE_SHORT[adt]} (autocast)"
     if name == "fp16":
         scaler = torch.amp.GradScaler(device.type)

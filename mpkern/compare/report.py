@@ -14,7 +14,6 @@ from .memory import OTHERS_WARN
 from .plot import plot_results
 
 
-
 def lessons(results: dict[str, Any]) -> list[str]:
     """What this report shows, in words, from its own numbers: the master-weight lesson and the
     speed/memory lesson worded for whether this device computes 16-bit natively."""
@@ -45,10 +44,7 @@ def lessons(results: dict[str, Any]) -> list[str]:
     fp32 = runs.get("fp32")
     sixteen = [r for r in results["runs"] if r["name"] != "fp32" and r.get("speedup_vs_fp32")]
     speeds = ", ".join(f"{r['name']} {r['speedup_vs_fp32']:.2f}x" for r in sixteen)
-    if fp32 is not None and sixteen:
-        speeds = f" Measured here, tokens/s vs fp32: {speeds}."
-    else:
-        speeds = ""
+    speeds = f" Measured here, tokens/s vs fp32: {speeds}." if fp32 is not None and sixteen else ""
     bf, fh = nat.get("bfloat16", {}), nat.get("float16", {})
     has_fp16 = any("fp16" in n for n in runs)
     if dev["type"] == "cpu":
@@ -94,7 +90,8 @@ def _mode_lessons(runs: dict[str, dict[str, Any]]) -> list[str]:
             d = 100 * (r["val_acc"] - fp32["val_acc"])
             cost = ("no measurable accuracy cost" if abs(d) < 1.0
                     else f"{-d:.1f} points below fp32" if d < 0 else f"{d:.1f} points above fp32")
-            text += f" ({saves}) and reached {100 * r['val_acc']:.1f} % val acc vs fp32's {100 * fp32['val_acc']:.1f} %: {cost}"
+            text += (f" ({saves}) and reached {100 * r['val_acc']:.1f} % val acc vs fp32's "
+                     f"{100 * fp32['val_acc']:.1f} %: {cost}")
         else:
             text += f" and reached {100 * r['val_acc']:.1f} % val acc"
         parts.append(text)
@@ -118,7 +115,7 @@ def release_vs_regular(runs: list[dict[str, Any]]) -> None:
 
 def _release_lessons(runs: dict[str, dict[str, Any]]) -> list[str]:
     """Each release run against its regular run: speed, peak memory, grad bytes held, same losses."""
-    from ..batch_plan import fmt_size
+    from ..measure import fmt_size
 
     out = []
     for name, r in runs.items():
@@ -167,7 +164,8 @@ MEMORY_NOTE = {
             "one steady training step creates (activations, grads and the temporaries of each op, counted from "
             "creation to free through the dispatcher; allocator-independent), including the fp32 temporaries inside "
             "mpkern.linear's CPU GEMM path (the fp32 weight copy and one row block of the upcast input and product: "
-            "'GEMM temps' below, the largest at once). RSS peak = growth of the process's peak resident set size during the run "
+            "'GEMM temps' below, the largest at once). RSS peak = growth of the process's peak resident set size "
+            "during the run "
             "(Linux VmHWM, reset per run; includes what the allocator keeps after frees and oneDNN scratch). "
             "act. saved counts the distinct tensors autograd saved for backward in one step."),
     True: "CUDA peak memory = torch.cuda.max_memory_allocated during the run minus what was allocated before it.",
@@ -262,7 +260,7 @@ def format_header(results: dict[str, Any]) -> str:
     b = results.get("budget") or {}
     budget = f"; time budget {b['time_budget_s']:g} s: {b['why']}" if b.get("time_budget_s") else ""
     if "memory_budget_bytes" in results:
-        from ..batch_plan import fmt_size
+        from ..measure import fmt_size
 
         budget = (f"; --find-batch: batch grown from {c['batch_size']} (doubling, then bisecting) within "
                   f"{fmt_size(results['memory_budget_bytes'])}, {c['steps']} steps per size")
@@ -294,7 +292,8 @@ def write_outputs(results: dict[str, Any], out: str, *, plot: bool = True) -> di
     scaling = "batch_scaling" in results
     body = format_batch_table(results) if scaling else format_table(results) + "\n\n" + format_details(results)
     for entry in results.get("doctor", []):
-        body += f"\n\n## mpkern doctor: {entry['run']} ({entry['dtype']}, {entry['recipe']})\n\n```\n{entry['text']}\n```"
+        body += (f"\n\n## mpkern doctor: {entry['run']} ({entry['dtype']}, {entry['recipe']})\n\n"
+                 f"```\n{entry['text']}\n```")
     with open(paths["md"], "w") as f:
         f.write(format_header(results).replace("\n", "  \n") + "\n\n" + body + "\n")
     if plot:

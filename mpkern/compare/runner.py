@@ -12,18 +12,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..measure import device_info
-from . import budget as _budget
-from . import probe as _probe
-from .config import (BF16_RUNS, SCHEMA, Config, check_config, no_bf16_message, default_config, default_precisions,
-                     split_run, with_release)
+from ..measure import device_info, parse_size
+from . import batch as _batch, budget as _budget, probe as _probe
+from .config import (
+    BF16_RUNS,
+    SCHEMA,
+    Config,
+    check_config,
+    default_config,
+    default_precisions,
+    no_bf16_message,
+    split_run,
+    with_release,
+)
 from .memory import OthersCpu
 from .report import MEMORY_NOTE, jsonable, lessons, release_vs_regular, write_outputs
 from .task import Classifier, HFClassifier, make_task
 from .train import train_one
-from . import batch as _batch
-from ..batch_plan import parse_size
-
 
 
 def _resolve(precisions: Sequence[str] | str | None, device: str | torch.device | None, find_batch: bool,
@@ -107,7 +112,8 @@ def _find_batch(cfg: Config, base: nn.Module, support: dict[str, Any], linear_ch
                        "autocast bf16 at large batches would take most of the time; ask with --precision")
         cfg = replace(cfg, precisions=tuple(p for p in cfg.precisions if p != "bf16"), skipped_precisions=skipped)
     if cfg.steps < 2:
-        raise ValueError(f"steps: --find-batch needs >= 2 steps per batch size (the second is measured), got {cfg.steps}")
+        raise ValueError(f"steps: --find-batch needs >= 2 steps per batch size (the second is measured), "
+                         f"got {cfg.steps}")
     scaling = _batch.find_batch(cfg, base, budget, linear_choice)
     return cfg, {"memory_budget_bytes": budget, "batch_scaling": scaling, "batch_ratio_vs_fp32": _batch.ratios(scaling)}
 

@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _progress, bytemodel
-from .._handoff import scaler_internals
+from .._scaler_internals import scaler_internals
 from ..measure import sync
-from .config import Config, split_run
 from .budget import TIME_BOX_WARMUP
-from .memory import LiveBytes, CpuPeak, saved_bytes
-from .recipes import build_recipe, Recipe
+from .config import Config, split_run
+from .memory import CpuPeak, LiveBytes, saved_bytes
+from .recipes import Recipe, build_recipe
 from .task import Task
 
 Tensor = torch.Tensor

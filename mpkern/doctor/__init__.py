@@ -6,9 +6,13 @@
 * :class:`Diagnosis` -- the result: ``layers``, ``grads``, ``findings``, ``first_overflow``,
   ``to_dict()``, a text table (``str()``), ``plot()``.
 * ``mpkern doctor`` (CLI) -- the built-in compare model and a Hugging Face model from a config.
+* :func:`nonfinite_report` -- after the fact: which gradients of an :func:`mpkern.unscale_` result
+  held inf/NaN, likeliest culprit first (``mpkern.nonfinite_report``).
 """
 
+from .nonfinite import NonfiniteEntry, NonfiniteReport, nonfinite_report
 from .result import Diagnosis, Finding, GradStats, LayerStats
 from .run import RECIPES, diagnose
 
-__all__ = ["Diagnosis", "Finding", "GradStats", "LayerStats", "RECIPES", "diagnose"]
+__all__ = ["Diagnosis", "Finding", "GradStats", "LayerStats", "RECIPES", "diagnose", "NonfiniteEntry",
+           "NonfiniteReport", "nonfinite_report"]

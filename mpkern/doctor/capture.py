@@ -81,10 +81,10 @@ class _Clones:
 
     def __call__(self, t: Tensor) -> Tensor:
         hit = self._seen.get(id(t))
-        if hit is not None and hit[0] is t and hit[1] == t._version:
+        if hit is not None and hit[0] is t and hit[1] == t._version:  # noqa: SLF001 -- torch's write counter: no public accessor
             return hit[2]
         c = t.detach().clone()
-        self._seen[id(t)] = (t, t._version, c)
+        self._seen[id(t)] = (t, t._version, c)  # noqa: SLF001 -- torch's write counter: no public accessor
         return c
 
     def clear(self) -> None:
@@ -100,7 +100,7 @@ class Recorder(AbstractContextManager):
     the order their calls finished (first call of each).
     """
 
-    def __init__(self, model: nn.Module, ref: "Recorder | None" = None) -> None:
+    def __init__(self, model: nn.Module, ref: Recorder | None = None) -> None:
         self.model = model
         self.ref = ref
         self.calls: dict[str, list[RefCall]] = {}
@@ -116,7 +116,7 @@ class Recorder(AbstractContextManager):
         self.enabled = True
         self.busy = False  # inside one of its own hooks: its measuring ops are not the model's
 
-    def __enter__(self) -> "Recorder":
+    def __enter__(self) -> Recorder:
         for name, m in self.model.named_modules():
             self._handles.append(m.register_forward_pre_hook(self._pre(name), with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._post(name), with_kwargs=True, always_call=True))
@@ -216,8 +216,8 @@ class OpWatch(TorchFunctionMode):
         st = self.ops.setdefault(self.recorder.stack[-1], OpStats())
         st.any16 = True
         for t in made:
-            key = (t.data_ptr(), t._version, t.numel())
-            if key in self._seen or t._is_view():
+            key = (t.data_ptr(), t._version, t.numel())  # noqa: SLF001 -- torch's write counter: no public accessor
+            if key in self._seen or t._is_view():  # noqa: SLF001 -- Tensor._is_view: torch has no public test
                 continue  # the same values measured already (a view, or a tensor returned twice)
             self._seen.add(key)
             st.max_abs = max(st.max_abs, stats.abs_max([t], self.dtype))
@@ -236,7 +236,9 @@ class OpWatch(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__")):
             return 0.0  # an in-place op: recomputing it would write into its fp32 operands
-        up = (lambda t: t.detach().float() if t.dtype in stats.LOW_DTYPES else t.detach())
+        def up(t: Tensor) -> Tensor:
+            return t.detach().float() if t.dtype in stats.LOW_DTYPES else t.detach()
+
         try:
             with torch.no_grad(), _autocast_off():
                 res = func(*map_floats(args, up), **map_floats(kwargs, up))
@@ -246,7 +248,7 @@ class OpWatch(TorchFunctionMode):
 
 
 class _autocast_off(AbstractContextManager):
-    def __enter__(self) -> "_autocast_off":
+    def __enter__(self) -> _autocast_off:
         self._ctxs = []
         for dev in ("cpu", "cuda"):
             if torch.is_autocast_enabled(dev):
@@ -275,7 +277,10 @@ def rerun(module: nn.Module, call: RefCall, low: LowCall, recipe_ctx: Callable[[
     if len(low.in_dtypes) != len(call.ins):
         return Rerun(None, "its inputs differ between the two runs")
     dtypes: Iterator[torch.dtype] = iter(low.in_dtypes)
-    cast = lambda t: t.to(next(dtypes))  # noqa: E731
+
+    def cast(t: Tensor) -> Tensor:
+        return t.to(next(dtypes))
+
     args, kwargs = map_floats((call.args, call.kwargs), cast)
     reset_rng()
     try:
@@ -294,7 +299,7 @@ class Preserved:
     grads: dict[int, tuple[Tensor, Tensor | None]] = field(default_factory=dict)
     main_grads: list[tuple[Tensor, bool, Any, Tensor | None]] = field(default_factory=list)  # p, had, value, copy
     buffers: list[tuple[Tensor, Tensor]] = field(default_factory=list)
-    dropout: list[tuple[nn.Module, float]] = field(default_factory=list)
+    dropout: list[tuple[Any, float]] = field(default_factory=list)  # (a dropout module of _DROPOUTS, its p)
 
 
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
@@ -332,9 +337,9 @@ def restore(keep: Preserved) -> None:
         if saved is not None:
             with torch.no_grad():
                 mg.copy_(saved)
-        p.main_grad = mg
+        p.main_grad = mg  # type: ignore[attr-defined]  # mpkern.nn's fp32 grad attribute on a weight
     with torch.no_grad():
-        for b, saved in keep.buffers:
-            b.copy_(saved)
-    for m, p in keep.dropout:
-        m.p = p
+        for b, saved_b in keep.buffers:
+            b.copy_(saved_b)
+    for m, rate in keep.dropout:
+        m.p = rate

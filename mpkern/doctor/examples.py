@@ -49,18 +49,20 @@ def example_case(kind: str, device: str = "cpu", seed: int = 0) -> Case:
     x = torch.randn(32, 64, generator=g)
     y = torch.randint(0, 8, (32,), generator=g)
     scale = None
+    m: nn.Module
     if kind == "lse":
-        m = Scorer(mid=NaiveLogSumExp())
+        scorer = m = Scorer(mid=NaiveLogSumExp())
         with torch.no_grad():
-            m.proj.weight.mul_(12.0)  # pre-activations up to ~20: exp(20) = 4.9e8
+            scorer.proj.weight.mul_(12.0)  # pre-activations up to ~20: exp(20) = 4.9e8
         what = "a naive log-sum-exp after a wide projection"
     elif kind == "cancel":
         m = Scorer(mid=CenteredByOffset())
         what = "an offset added and taken away again ((x + 256) - 256)"
     elif kind == "tiny":
-        m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64, bias=False), nn.ReLU(), nn.Linear(64, 8))
+        badly_scaled = nn.Linear(64, 64, bias=False)
+        m = nn.Sequential(nn.Linear(64, 64), badly_scaled, nn.ReLU(), nn.Linear(64, 8))
         with torch.no_grad():
-            m[1].weight.mul_(1e-5)  # a badly scaled layer: outputs ~1e-5, below fp16's smallest normal 6.1e-5
+            badly_scaled.weight.mul_(1e-5)  # a badly scaled layer: outputs ~1e-5, below fp16's smallest normal 6.1e-5
         what = "a badly scaled layer (weights ~1e-6) making activations ~1e-5"
     elif kind == "gradscale":
         m = Scorer()

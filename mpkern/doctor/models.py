@@ -65,6 +65,8 @@ def hf_case(kind: str, device: str = "cpu", *, full: bool = False, seed: int = 0
     except ImportError as e:
         raise ValueError(f"the {kind} model needs the optional dependency transformers ({e})") from e
     torch.manual_seed(seed)
+    cfg: Any
+    model: Any
     if kind == "gpt2":
         cfg = transformers.GPT2Config() if full else transformers.GPT2Config(
             n_layer=2, n_embd=128, n_head=4, vocab_size=1024, n_positions=256, bos_token_id=0, eos_token_id=0)
@@ -88,7 +90,8 @@ def hf_case(kind: str, device: str = "cpu", *, full: bool = False, seed: int = 0
     try:
         model.set_attn_implementation("eager")
     except (AttributeError, ValueError):
-        model.config._attn_implementation = "eager"  # transformers < 4.50 reads it from the config
+        # transformers < 4.50 reads it from the config (and has no public setter)
+        model.config._attn_implementation = "eager"  # noqa: SLF001 -- as above
     model.to(device)
     return Case(kind, model, inputs, lambda out: out.loss, f"{what}, batch {b} x {t} tokens, random weights")
 

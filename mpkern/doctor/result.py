@@ -8,6 +8,7 @@ Records read by attribute or by key (``f.kind`` or ``f["kind"]``).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -212,7 +213,10 @@ def format_table(d: Diagnosis) -> str:
                      _num(x.rel_err), _num(x.acc_rel_err)))
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
     widths[0] = min(widths[0], 48)
-    fmt = lambda r: "  ".join(s[:w].ljust(w) if i < 3 else s.rjust(w) for i, (s, w) in enumerate(zip(r, widths)))  # noqa: E731
+
+    def fmt(r: Sequence[str]) -> str:
+        return "  ".join(s[:w].ljust(w) if i < 3 else s.rjust(w) for i, (s, w) in enumerate(zip(r, widths)))
+
     lines = [head, fmt(cols), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows]
     if d.grads:
         lo_hi = ("no single scale fits" if d.scale_range and d.scale_range[0] > d.scale_range[1] else

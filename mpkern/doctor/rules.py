@@ -97,9 +97,11 @@ def precision(layers: list[LayerStats], ctx: Context, explained: set[str]) -> li
         prefix = x.name + "." if x.name else ""
         if any(n != x.name and n.startswith(prefix) for n in blocked):
             continue  # a submodule introduces it
+        assert x.rel_err is not None  # it is in `bad`: measured, and above the threshold
         u = unit_roundoff(ctx.dtype)
         fix = f"keep this module in fp32: {_island(x.name)}"
-        if ctx.dtype == torch.bfloat16 and x.max_abs is not None and x.max_abs < 2 ** -2 * torch.finfo(torch.float16).max \
+        fits_fp16 = x.max_abs is not None and x.max_abs < 2 ** -2 * torch.finfo(torch.float16).max
+        if ctx.dtype == torch.bfloat16 and fits_fp16 \
                 and ctx.fp16_underflow.get(x.name, 0.0) < UNDERFLOW_FRACTION:
             fix += (" -- or fp16 with GradScaler (3 more mantissa bits; this module's values, up to "
                     f"{x.max_abs:.3g}, fit its range)")
@@ -121,12 +123,15 @@ def gradients(grads: list[GradStats], ctx: Context) -> list[Finding]:
         by_mod.setdefault(g.module, []).append(g)
     lo_hi = ctx.scale_range
     fits = lo_hi is not None and lo_hi[0] <= lo_hi[1]
-    k = None if not fits else min(lo_hi[1], max(lo_hi[0], GRADSCALER_DEFAULT_EXP))
-    scale_fix = (f"start GradScaler at 2^{k}: torch.amp.GradScaler(init_scale=2.0**{k}) -- scales 2^{lo_hi[0]} .. "
-                 f"2^{lo_hi[1]} keep these gradients in {_d(ctx.dtype)}" if fits else
-                 "no single loss scale holds these gradients in " + _d(ctx.dtype) + ": " +
-                 ("use bf16" if ctx.dtype == torch.float16 else
-                  "keep the gradients in fp32 (mpkern.nn.convert(model, fp32_main_grad=True))"))
+    if lo_hi is not None and fits:
+        k: int | None = min(lo_hi[1], max(lo_hi[0], GRADSCALER_DEFAULT_EXP))
+        scale_fix = (f"start GradScaler at 2^{k}: torch.amp.GradScaler(init_scale=2.0**{k}) -- scales "
+                     f"2^{lo_hi[0]} .. 2^{lo_hi[1]} keep these gradients in {_d(ctx.dtype)}")
+    else:
+        k = None
+        scale_fix = ("no single loss scale holds these gradients in " + _d(ctx.dtype) + ": " +
+                     ("use bf16" if ctx.dtype == torch.float16 else
+                      "keep the gradients in fp32 (mpkern.nn.convert(model, fp32_main_grad=True))"))
     over, under = [], []
     for mod, gs in by_mod.items():
         nz = sum(g.nonzero for g in gs)

@@ -42,7 +42,8 @@ def _loss_scale(loss_scale: Any, dtype: torch.dtype) -> tuple[float, bool]:
             raise ValueError(f"diagnose: loss_scale must be a number, got a tensor of shape {tuple(loss_scale.shape)}")
         loss_scale = float(loss_scale)
     if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)):
-        raise TypeError(f"diagnose: loss_scale must be a positive number or a GradScaler, got {type(loss_scale).__name__}")
+        raise TypeError(f"diagnose: loss_scale must be a positive number or a GradScaler, "
+                        f"got {type(loss_scale).__name__}")
     if not (math.isfinite(loss_scale) and loss_scale > 0):
         raise ValueError(f"diagnose: loss_scale must be a positive finite number, got {loss_scale!r}")
     return float(loss_scale), True
@@ -140,7 +141,7 @@ def diagnose(model: nn.Module, inputs: Any, *, dtype: torch.dtype | str = torch.
                 ctx: Callable[[], Any] = nullcontext
             else:
                 low_model, low_inputs = ref_model, inputs
-                ctx = lambda: torch.autocast(dev.type, dtype=dt)  # noqa: E731
+                ctx = lambda: torch.autocast(dev.type, dtype=dt)  # noqa: E731 -- a def would redefine the annotated ctx
             result = _diagnose(ref_model, low_model, ref_inputs, low_inputs, ctx, rng, dt, loss_fn, scale, dev)
     finally:
         capture.restore(keep)
@@ -166,7 +167,7 @@ def _diagnose(ref_model: nn.Module, low_model: nn.Module, inputs: Any, low_input
     with ref, torch.set_grad_enabled(want_grad):
         out = _call(ref_model, inputs)
         ref.enabled = False
-        loss = _loss(loss_fn, out) if want_grad else None
+        loss = _loss(loss_fn, out) if loss_fn is not None else None
     ref_grads: dict[str, Tensor] = {}
     if loss is not None:
         with torch.enable_grad():  # diagnose called under torch.no_grad(): the forwards built graphs anyway
@@ -180,11 +181,10 @@ def _diagnose(ref_model: nn.Module, low_model: nn.Module, inputs: Any, low_input
     low = capture.Recorder(low_model, ref=ref)
     ops = capture.OpWatch(low, dt)
     rng.reset()
-    with low, torch.set_grad_enabled(want_grad):
-        with ctx(), ops:
-            out = _call(low_model, low_inputs)
-            low.enabled = False
-            loss = _loss(loss_fn, out) if want_grad else None
+    with low, torch.set_grad_enabled(want_grad), ctx(), ops:
+        out = _call(low_model, low_inputs)
+        low.enabled = False
+        loss = _loss(loss_fn, out) if loss_fn is not None else None
     low_grads: dict[str, Tensor] = {}
     if loss is not None:
         with torch.enable_grad():  # the scaling op too is recorded, whatever the caller's grad mode

@@ -4,7 +4,7 @@ It has the shape of ``torch/optim/adamw.py``; its parts live in the modules besi
 :mod:`.runtime` (the state an optimizer keeps between steps, one :class:`~.runtime.Runtime`, and the
 cached eager step), :mod:`.buckets` (collect and prepare the kernel lists), :mod:`.functional` (the
 fused step), :mod:`.writes` (external writes), :mod:`.checkpoint` (load / export / pickling) and
-:mod:`.storage` (the storage kinds); the step's factor is planned by :func:`mpkern.amp.plan_step`.
+:mod:`.storage` (the storage kinds); the step's factor is planned by :func:`mpkern.step_plan.plan_step`.
 The helpers get the runtime, ``param_groups`` and ``state``, never the optimizer. See
 docs/design.md for how a step flows through them.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .. import _handoff, amp
+from .. import _fused_unscale, amp
 from . import buckets, checkpoint, release, runtime, storage, writes
 from .functional import fused_adamw_mp
 from .runtime import Runtime
@@ -169,7 +169,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
     def mpkern_runtime(self) -> Runtime:
         """The optimizer's runtime state (:class:`mpkern.optim.runtime.Runtime`): stamps, the step cache,
         what ``mpkern.unscale_`` left for the next step. mpkern's own helpers use it (see
-        :mod:`mpkern._handoff`); training code has no need to."""
+        :mod:`mpkern._fused_unscale`); training code has no need to."""
         return self._rt
 
     # ---- what a step leaves ---------------------------------------------------------------------
@@ -260,8 +260,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
     def attach_grad_scaler(self, scaler: torch.amp.GradScaler) -> None:
         """Attach the ``GradScaler`` that steps this optimizer (kept weakly), so that an overflow only
         a ``main_grad`` holds backs off its scale (``mpkern.unscale_(opt, scaler=scaler)`` attaches it
-        too). Needed only with ``main_grad`` and plain ``scaler.step(opt)``; see :mod:`mpkern._handoff`."""
-        _handoff.attach_scaler(self, scaler)
+        too). Needed only with ``main_grad`` and plain ``scaler.step(opt)``; see :mod:`mpkern._fused_unscale`."""
+        _fused_unscale.attach_scaler(self, scaler)
 
     # ---- copies and pickling -----------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -419,7 +419,7 @@ def step_parts(opt: FusedAdamWMP) -> dict[str, Callable[[], object]]:
     benchmarks (which then never call the optimizer's private methods): ``"collect"`` (every
     grad), ``"prepare"`` (the first bucket's lists) and ``"kernel call"`` (the first bucket's fused
     kernel with factor 1 and lr 1e-3: it really steps those params). Call after one step."""
-    rt, groups, state = opt._rt, opt.param_groups, opt.state
+    rt, groups, state = opt.mpkern_runtime, opt.param_groups, opt.state
     work, _ = buckets.collect(groups)
     if not work:
         raise ValueError("step_parts: no param has a grad")
@@ -427,7 +427,8 @@ def step_parts(opt: FusedAdamWMP) -> dict[str, Callable[[], object]]:
     lists, _copies = buckets.prepare(rt, groups, state, first, True)
     dev = first.device
     one, zero = torch.ones((), device=dev), torch.zeros((), device=dev)
-    return {"collect": lambda: buckets.collect(groups), "prepare": lambda: buckets.prepare(rt, groups, state, first, True),
+    return {"collect": lambda: buckets.collect(groups),
+            "prepare": lambda: buckets.prepare(rt, groups, state, first, True),
             "kernel call": lambda: fused_adamw_mp(first.backend, lists, one, zero, None, 1e-3, first.group,
                                                   first.kind.name)}
 
@@ -451,15 +452,15 @@ def _check_adamw_args(lr: Any, betas: Any, eps: float, weight_decay: float, diff
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
-    elif not 0.0 <= lr:
+    elif not lr >= 0.0:
         raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
+    if not eps >= 0.0:
         raise ValueError(f"Invalid epsilon value: {eps}")
     if not 0.0 <= betas[0] < 1.0:
         raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
     if not 0.0 <= betas[1] < 1.0:
         raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-    if not 0.0 <= weight_decay:
+    if not weight_decay >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
     if differentiable:
         raise ValueError("FusedAdamWMP: differentiable=True is not supported (the fused step is not "

@@ -14,12 +14,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import _backend, _grads, _ops, amp, distributed
+from .. import _backend, _grads, _ops, distributed
 from ..distributed import local as _local
-from . import storage
+from . import step_plan, storage
 from .functional import KernelLists, fused_adamw_mp
-from .runtime import Runtime, stamp
-from .runtime import build as build_cache
+from .runtime import Runtime, build as build_cache, stamp
 
 Tensor = torch.Tensor
 Parameter = torch.nn.Parameter
@@ -151,7 +150,7 @@ def prepare(rt: Runtime, groups: list[dict[str, Any]], state: Any, bucket: Bucke
             if check_writes:
                 versions[id(p)] = stamp(p)
         elif check_writes and versions.get(id(p), -1) != (
-                (p._version, p.data_ptr()) if type(p) is Parameter else stamp(p)):
+                (p._version, p.data_ptr()) if type(p) is Parameter else stamp(p)):  # noqa: SLF001 -- torch's write counter: no public accessor
             rt.conform(kind, p, st, groups)  # written or replaced: records the stamp
         elif mkey not in st if mkey is not None else storage.stored_kinds(st):
             rt.conform(kind, p, st, groups)  # a converted checkpoint or a new param dtype
@@ -210,7 +209,7 @@ def full_step(rt: Runtime, groups: list[dict[str, Any]], state: Any, optimizer: 
     over; ``optimizer`` is only named to the attached GradScaler (its per-optimizer record)."""
     work, uses_main = collect(groups)
     check_capture(groups, state, work)
-    own_check = amp.check_step_scaler(rt.pending, grad_scale, found_inf, uses_main)
+    own_check = step_plan.check_step_scaler(rt.pending, grad_scale, found_inf, uses_main)
     if not work:
         rt.leave(None)
         return
@@ -220,7 +219,7 @@ def full_step(rt: Runtime, groups: list[dict[str, Any]], state: Any, optimizer: 
     prepared = prepare_all(rt, groups, state, work, check_writes)
     stats = stats_pass(work, rt.process_group) if max_grad_norm is not None or own_check else None
     # after everything that can fail: the pending unscale is kept on an error
-    plan = amp.plan_step(rt.take_pending(), max_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf,
+    plan = step_plan.plan_step(rt.take_pending(), max_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf,
                          device=work[0].device, stats=stats)
     rt.record(plan)
     if own_check:
@@ -333,12 +332,12 @@ def zero_main_grads(groups: list[dict[str, Any]], set_to_none: bool) -> None:
 
 def stats_pass(work: list[Bucket], process_group: Any) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
     """The step's statistics pass over the grads of ``work`` (a repeated param counted once, as in
-    torch's clip), for :func:`mpkern.amp.plan_step`: the stages of ``mpkern.unscale_``
-    (:func:`mpkern.amp.stats_pass`) on each bucket's backend."""
+    torch's clip), for :func:`mpkern.step_plan.plan_step`: the stages of ``mpkern.unscale_``
+    (:func:`mpkern.step_plan.stats_pass`) on each bucket's backend."""
     seen: set[int] = set()
     firsts = [x for b in work for x in b.pairs if not (id(x[0]) in seen or seen.add(id(x[0])))]
     backends = {b.device: b.backend for b in work}
-    return amp.stats_pass([x[1] for x in firsts], [x[0] for x in firsts], process_group, backends)
+    return step_plan.stats_pass([x[1] for x in firsts], [x[0] for x in firsts], process_group, backends)
 
 
 __all__ = ["Bucket", "Prepared", "check_capture", "check_param_dtype", "collect", "consume_main_grads", "full_step",

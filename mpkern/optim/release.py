@@ -16,7 +16,7 @@ Two ways through, chosen by :func:`backward` (``opt.backward(loss, scaler=None)`
   check, known only once every grad exists. Pass 1 (graph retained) only runs the statistics
   kernel of ``step()`` over each bucket and drops the grads; the per-tensor statistics are put in
   the order ``step()`` would have them (:func:`.buckets.step_order`) and finished by the same
-  :func:`mpkern.amp.plan_step`, so norm, clip coefficient and ``found_inf`` are bit-identical to
+  :func:`mpkern.step_plan.plan_step`, so norm, clip coefficient and ``found_inf`` are bit-identical to
   ``loss.backward(); opt.step()``. On an overflow pass 2 never runs (one host read of the flag,
   between the passes: the only one) and nothing changes; the GradScaler is told, so its
   ``update()`` backs off. Else pass 2 steps the buckets with the known factor.
@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from .. import _backend, _grads, _handoff, _ops, amp, distributed
-from . import buckets, storage
+from .. import _backend, _grads, _ops, _scaler_internals, distributed
+from . import buckets, step_plan, storage
 from .runtime import Runtime
 
 Tensor = torch.Tensor
@@ -87,7 +87,7 @@ class Release:
         self.found: Tensor | None = None
         self.passes = 0  # backward passes the last opt.backward ran (1 or 2; 1 on an overflow)
         self.done = False
-        self._perm: tuple[tuple[int, ...], Tensor] | None = None
+        self.perm: tuple[tuple[int, ...], Tensor] | None = None
 
     def reset(self) -> None:
         """Back to "between backwards": nothing pending, no grad held."""
@@ -202,7 +202,7 @@ def on_grad(rel: Release, rt: Runtime, groups: list[dict[str, Any]], state: Any,
 
 def _graph_task() -> int:
     """The id of the backward pass running now (autograd's graph task; -1 outside one)."""
-    fn = getattr(torch._C, "_current_graph_task_id", None)
+    fn = getattr(torch._C, "_current_graph_task_id", None)  # noqa: SLF001 -- autograd's only way to tell
     return -1 if fn is None else int(fn())
 
 
@@ -225,11 +225,12 @@ def _start_plain(rel: Release, rt: Runtime, groups: list[dict[str, Any]], state:
     except Exception:
         p.grad = None
         raise
-    plan = amp.plan_step(None, max_norm=None, grad_scale=None, found_inf=None, device=device, stats=None)
+    plan = step_plan.plan_step(None, max_norm=None, grad_scale=None, found_inf=None, device=device, stats=None)
     rel.mode, rel.factor, rel.found, rel.task = "plain", plan.factor, plan.found_inf, _graph_task()
     rt.record(plan)
     # autograd's end-of-backward callback (what DDP and FSDP use) steps the last bucket
-    torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish_plain(rel, rt, groups, state))
+    engine = torch.autograd.Variable._execution_engine  # noqa: SLF001 -- what DDP/FSDP use: no public form
+    engine.queue_callback(lambda: _finish_plain(rel, rt, groups, state))
 
 
 def _finish_plain(rel: Release, rt: Runtime, groups: list[dict[str, Any]], state: Any) -> None:
@@ -254,10 +255,12 @@ def flush(rel: Release, rt: Runtime, groups: list[dict[str, Any]], state: Any) -
         del prepared
         params, grads = [p for p, _ in pairs], [g for _, g in pairs]
         del pairs
-        sumsq, amax = amp.stats_pass(grads, params, None, {grads[0].device: rel.backend})(rel.inv)
+        assert rel.inv is not None  # set with the mode, before the first bucket
+        sumsq, amax = step_plan.stats_pass(grads, params, None, {grads[0].device: rel.backend})(rel.inv)
         rel.stats.append((params, sumsq, amax))
         return
     del pairs
+    assert rel.factor is not None and rel.found is not None  # planned with the mode, before the first bucket
     buckets.run(rt, prepared, rel.factor, rel.found, True)
 
 
@@ -292,27 +295,27 @@ def backward(rel: Release, rt: Runtime, groups: list[dict[str, Any]], state: Any
     device = begin(rel, rt, groups)
     enabled = scaler if scaler is not None and scaler.is_enabled() else None
     if enabled is not None:
-        _handoff.check_unscale_stage(enabled, optimizer)
+        _scaler_internals.check_unscale_stage(enabled, optimizer)
     scaled = enabled.scale(loss) if enabled is not None else loss
     rel.passes = 0
     try:
         if not must_split(mgn, enabled):
-            plan = amp.plan_step(None, max_norm=None, grad_scale=None, found_inf=None, device=device, stats=None)
+            plan = step_plan.plan_step(None, max_norm=None, grad_scale=None, found_inf=None, device=device, stats=None)
             _run_pass(rel, rt, groups, state, scaled, "step", plan, retain=False)
             rt.record(plan)
             rel.done = True
             return
-        grad_scale = _handoff.scaler_internals(enabled).scale if enabled is not None else None
-        rel.inv = amp.step_inverse(grad_scale, device)
+        grad_scale = _scaler_internals.scaler_internals(enabled).scale if enabled is not None else None
+        rel.inv = step_plan.step_inverse(grad_scale, device)
         _run_pass(rel, rt, groups, state, scaled, "stats", None, retain=True)
         sumsq, amax = _ordered_stats(rel, groups, device)
-        plan = amp.plan_step(None, max_norm=mgn, grad_scale=grad_scale, found_inf=None, device=device,
+        plan = step_plan.plan_step(None, max_norm=mgn, grad_scale=grad_scale, found_inf=None, device=device,
                              stats=lambda inv: (sumsq, amax))
         if mgn is None:  # step() reports a norm only when it clips
             plan = plan._replace(norm=None)
         rt.record(plan)
         if enabled is not None:
-            _handoff.record_found_inf(enabled, optimizer, plan.found_inf, unscaled=True)
+            _scaler_internals.record_found_inf(enabled, optimizer, plan.found_inf, unscaled=True)
         rel.done = True
         if _ops.host_flag(plan.found_inf):  # the one host read: an overflow skips pass 2 entirely
             return
@@ -322,7 +325,7 @@ def backward(rel: Release, rt: Runtime, groups: list[dict[str, Any]], state: Any
 
 
 def _run_pass(rel: Release, rt: Runtime, groups: list[dict[str, Any]], state: Any, loss: Tensor, mode: str,
-              plan: amp.StepPlan | None, *, retain: bool) -> None:
+              plan: step_plan.StepPlan | None, *, retain: bool) -> None:
     rel.mode = mode
     if plan is not None:
         rel.factor, rel.found = plan.factor, plan.found_inf
@@ -352,10 +355,10 @@ def _ordered_stats(rel: Release, groups: list[dict[str, Any]], device: torch.dev
     amax = torch.cat(parts_a) if len(parts_a) > 1 else parts_a[0]
     if order == tuple(range(len(order))):
         return sumsq, amax
-    if rel._perm is None or rel._perm[0] != order or rel._perm[1].device != sumsq.device:
+    if rel.perm is None or rel.perm[0] != order or rel.perm[1].device != sumsq.device:
         # built once per order (the hooks fire in the same order every step), not per step
-        rel._perm = (order, torch.tensor(order, dtype=torch.int64).to(sumsq.device))
-    perm = rel._perm[1]
+        rel.perm = (order, torch.tensor(order, dtype=torch.int64).to(sumsq.device))
+    perm = rel.perm[1]
     return sumsq[perm], amax[perm]
 
 

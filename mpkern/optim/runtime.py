@@ -3,7 +3,7 @@
 :class:`Runtime` is the one owner of what an optimizer keeps between steps besides
 ``param_groups`` / ``state``: the stamps of the params after its own writes, the flat offsets of
 DTensor shards, the storage-sharing count, the step cache, the unscale/clip left by
-``mpkern.unscale_`` / ``clip_grad_norm_`` (:class:`mpkern._handoff.Pending`), what the last step
+``mpkern.unscale_`` / ``clip_grad_norm_`` (:class:`mpkern._fused_unscale.Pending`), what the last step
 reported (``last_grad_norm`` / ``last_found_inf``) and the attached GradScaler. The optimizer
 holds one (``opt.mpkern_runtime``) and hands it, with its param groups and state, to the helpers
 of :mod:`mpkern.optim`; nothing else reaches into the optimizer.
@@ -16,7 +16,7 @@ The cached step: after a full step whose buckets are plain, dense, contiguous te
 device with a native (C++/CUDA) backend, :func:`build` hands the kernel lists to
 ``mpkern._C.StepCache`` (csrc/fastpath.cpp). Each later eager step :func:`refresh` re-checks, in
 O(groups) Python and one C++ loop over the params, that nothing the full step looks at has
-changed, and :func:`fast_step` plans the step's factor (:func:`mpkern.amp.plan_step`, as the full
+changed, and :func:`fast_step` plans the step's factor (:func:`mpkern.step_plan.plan_step`, as the full
 path does) and runs the registered ``mpkern::adamw_step_`` op through the dispatcher with the
 cached lists -- bitwise the same step. Anything else takes the full path, which rebuilds it.
 """
@@ -30,8 +30,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import _backend, _handoff, _ops, amp, distributed
-from . import writes
+from .. import _backend, _fused_unscale, _ops, _scaler_internals, distributed
+from . import step_plan, writes
 from .functional import group_scalars
 
 Tensor = torch.Tensor
@@ -51,8 +51,8 @@ def stamp(t: Tensor) -> Any:
     version counter -- and cannot be seen here. DTensors: the wrapper's and the local shard's."""
     if type(t) not in _PLAIN and distributed.is_dtensor(t):
         lt = distributed.local(t)
-        return (t._version, lt._version, lt.data_ptr())
-    return (t._version, t.data_ptr())
+        return (t._version, lt._version, lt.data_ptr())  # noqa: SLF001 -- torch's write counter: no public accessor
+    return (t._version, t.data_ptr())  # noqa: SLF001 -- torch's write counter: no public accessor
 
 
 class Runtime:
@@ -89,21 +89,21 @@ class Runtime:
 
     # ---- what mpkern.unscale_ / clip_grad_norm_ leave, what a step reports ---------------------
     @property
-    def pending(self) -> _handoff.Pending | None:
+    def pending(self) -> _fused_unscale.Pending | None:
         """The unscale/clip left for the next step (None: none)."""
         return self.live["_pending"]
 
-    def leave(self, pending: _handoff.Pending | None) -> None:
+    def leave(self, pending: _fused_unscale.Pending | None) -> None:
         """Leave ``pending`` for the next step (replacing what was there; None drops it)."""
         self.live["_pending"] = pending
 
-    def take_pending(self) -> _handoff.Pending | None:
+    def take_pending(self) -> _fused_unscale.Pending | None:
         """The pending unscale/clip, consumed (a step applies it once)."""
         pending = self.live["_pending"]
         self.live["_pending"] = None
         return pending
 
-    def record(self, plan: amp.StepPlan) -> None:
+    def record(self, plan: step_plan.StepPlan) -> None:
         """What a step reports: ``last_found_inf``, and ``last_grad_norm`` when it computed a norm."""
         if plan.norm is not None:
             self.live["last_grad_norm"] = plan.norm
@@ -128,7 +128,7 @@ class Runtime:
                           "opt.attach_grad_scaler(scaler) once, or mpkern.unscale_(opt, scaler=scaler) before "
                           "scaler.step(opt)", UserWarning, stacklevel=4)
             return
-        _handoff.record_found_inf(scaler, optimizer, found, unscaled=False)
+        _scaler_internals.record_found_inf(scaler, optimizer, found, unscaled=False)
 
     # ---- stamps: writes by others -----------------------------------------------------------
     def stamp_all(self, params: Any) -> None:
@@ -300,7 +300,8 @@ def build(rt: Runtime, groups: list[dict[str, Any]], state: Any, prepared: list,
         cache.add_bucket(ls.params, ls.exp_avgs, ls.exp_avg_sqs, ls.max_exp_avg_sqs, ls.masters, ls.steps,
                          ls.exp_avg_scales, ls.exp_avg_sq_scales, ls.stream_ids, ls.elem_offsets,
                          b.kind.name, ls.moment_codec)
-        cached.append(CachedBucket(b.group, [p for p, *_ in b.pairs], [_scalar_inputs(b.group), group_scalars(b.group)]))
+        scalars = [_scalar_inputs(b.group), group_scalars(b.group)]
+        cached.append(CachedBucket(b.group, [p for p, *_ in b.pairs], scalars))
     rt.work["cache"] = StepCache(cache, groups, [(g, g["params"], cache_flags(g)) for g in groups], state, dev,
                                  os.environ.get(_backend.ENV), cached)
 
@@ -336,7 +337,7 @@ def fast_step(rt: Runtime, fc: StepCache, max_norm: float | None, grad_scale: Te
     dev = fc.device
     rt.reset_storage_count()
     lrs = [_ops.lr_args(b.group["lr"], dev) for b in fc.buckets]
-    plan = amp.plan_step(rt.take_pending(), max_norm=max_norm, grad_scale=grad_scale, found_inf=found_inf,
+    plan = step_plan.plan_step(rt.take_pending(), max_norm=max_norm, grad_scale=grad_scale, found_inf=found_inf,
                          device=dev, stats=fc.cache.grad_stats if max_norm is not None else None)
     rt.record(plan)
     factor = plan.factor if plan.factor.device == dev else _ops.copy_f32(plan.factor, dev)

@@ -40,7 +40,7 @@ def modules_run(fn: Callable[[], Any]) -> Run:
         if event != "call":
             return
         name = frame.f_globals.get("__name__", "")
-        if name == "mpkern" or name.startswith("mpkern.") and name != this:
+        if name == "mpkern" or (name.startswith("mpkern.") and name != this):
             modules[module_key(name)] += 1
             calls[f"{name}.{frame.f_code.co_name}"] += 1
 

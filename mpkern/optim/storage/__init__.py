@@ -39,8 +39,8 @@ from .base import (
 )
 from .masters import Fp32Master, Int8Master, NoMaster, RemainderMaster
 from .moments import (
-    MOMENT8_GROUP,
     INT8 as _INT8_KIND,
+    MOMENT8_GROUP,
     DenseMoments,
     Int4Moments,
     Int8Moments,
@@ -214,7 +214,8 @@ def check_backend(master: MasterKind, state_dtype: Any, backend: str) -> None:
         if backend not in kind.kernel_backends:
             raise NotImplementedError(
                 f"FusedAdamWMP: the {backend!r} backend has no kernel for {arg}={kind.name!r} ({kind.label}); "
-                f"it runs on {', '.join(sorted(kind.kernel_backends))} (mpkern.set_backend)")
+                f"it runs on {', '.join(sorted(kind.kernel_backends))}: choose one for the step with "
+                f"`with mpkern.use_backend(name):` (or MPKERN_BACKEND=name)")
 
 
 # ---- saved state --------------------------------------------------------------------------------
@@ -269,12 +270,12 @@ def export_state(p: Tensor, st: State) -> State:
 
 
 __all__ = [
-    "ALL_BACKENDS", "DEFAULT_MODES", "FP32", "INT8", "INT4_MOMENTS", "INT8_MOMENTS", "MASTER_KINDS", "MOMENT8_GROUP", "MOMENT_DTYPE_NAMES",
-    "MOMENT_KINDS", "NONE", "REMAINDER", "STORED_MASTERS", "DenseMoments", "Int4Moments", "Int8Moments", "KernelMoments",
-    "MasterKind", "MomentKind", "bytes_per_param", "check_amsgrad", "check_backend", "check_master_weights",
-    "check_moment8", "check_state_dtype", "export_state", "flat_view", "label", "laid", "like", "master_kind",
-    "master_to_remainder", "modes", "moment8_decode", "moment8_encode", "moment8_groups", "moment_kind",
-    "moment_name", "moment_reference", "moment_state_keys", "moments_fp32", "moments_from_saved", "parse_master",
-    "parse_moments", "register_moment_kind", "relay_moments", "remainder_to_master", "saved_kind",
+    "ALL_BACKENDS", "DEFAULT_MODES", "FP32", "INT8", "INT4_MOMENTS", "INT8_MOMENTS", "MASTER_KINDS", "MOMENT8_GROUP",
+    "MOMENT_DTYPE_NAMES", "MOMENT_KINDS", "NONE", "REMAINDER", "STORED_MASTERS", "DenseMoments", "Int4Moments",
+    "Int8Moments", "KernelMoments", "MasterKind", "MomentKind", "bytes_per_param", "check_amsgrad", "check_backend",
+    "check_master_weights", "check_moment8", "check_state_dtype", "export_state", "flat_view", "label", "laid",
+    "like", "master_kind", "master_to_remainder", "modes", "moment8_decode", "moment8_encode", "moment8_groups",
+    "moment_kind", "moment_name", "moment_reference", "moment_state_keys", "moments_fp32", "moments_from_saved",
+    "parse_master", "parse_moments", "register_moment_kind", "relay_moments", "remainder_to_master", "saved_kind",
     "state_bytes_per_param", "stored_kinds", "unregister_moment_kind",
 ]

@@ -58,7 +58,7 @@ class StreamUse:
     synchronises the device before capturing, so a buffer made in a warm-up step has landed.
     """
 
-    __slots__ = ("tensors", "stream", "event", "done", "streams")
+    __slots__ = ("done", "event", "stream", "streams", "tensors")
 
     def __init__(self, tensors: list[torch.Tensor], device: torch.device) -> None:
         self.tensors = tensors
