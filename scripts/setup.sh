@@ -17,7 +17,14 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 echo "[setup] installing torch and tools (torch 2.14.1 is ~80 s from a local wheel, minutes from PyPI)"
-python -m pip install -q "torch==2.14.1" numpy "hypothesis>=6" "pytest>=7" ninja "setuptools>=64" wheel
+# the test tools and linters: pyproject.toml's `test` extra (one list, read here, never copied)
+mapfile -t TEST_DEPS < <(python - <<'PY'
+import ast, re
+text = open("pyproject.toml", encoding="utf-8").read()
+print("\n".join(ast.literal_eval(re.search(r"^test = (\[.*\])$", text, re.M).group(1))))
+PY
+)
+python -m pip install -q "torch==2.14.1" numpy "${TEST_DEPS[@]}" ninja "setuptools>=64" wheel
 
 if [ "${MPKERN_EXTRAS:-1}" != "0" ]; then
   echo "[setup] installing the optional extras: matplotlib tqdm transformers accelerate lightning peft torchao" \

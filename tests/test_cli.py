@@ -173,27 +173,3 @@ def test_a_command_reports_its_errors_through_its_own_parser(argv, usage, capsys
         main(argv)
     assert e.value.code == 2
     assert capsys.readouterr().err.startswith(usage)
-
-
-def _cli_tree():
-    import ast
-
-    with open(os.path.join(ROOT, "mpkern", "cli.py"), encoding="utf-8") as f:
-        return ast.parse(f.read())
-
-
-def test_cli_has_no_statement_that_is_a_bare_tuple():
-    """A stray ``),`` after an ``add_argument(...)`` makes the statement a tuple expression (it still runs)."""
-    import ast
-
-    bad = [n.lineno for n in ast.walk(_cli_tree()) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Tuple)]
-    assert bad == [], f"mpkern/cli.py: tuple-expression statements at lines {bad}"
-
-
-def test_cli_reaches_no_private_attribute():
-    """No ``x._name`` in cli.py: argparse's ``_subparsers`` / ``_group_actions`` or another module's privates."""
-    import ast
-
-    bad = [(n.lineno, n.attr) for n in ast.walk(_cli_tree())
-           if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")]
-    assert bad == [], f"mpkern/cli.py reaches private attributes: {bad}"

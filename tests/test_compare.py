@@ -186,7 +186,7 @@ def test_bad_precision_and_unknown_setting():
 
 def test_bf16_without_support_names_capability(monkeypatch):
     monkeypatch.setattr(mpkern, "bf16_supported", lambda device=None: False)
-    with pytest.raises(ValueError, match="capability.*fp16"):
+    with pytest.raises(ValueError, match=r"capability.*fp16"):
         _run("fp32,bf16")
     chosen, skipped = compare.default_precisions("cpu")
     assert not any("bf16" in p for p in chosen) and "mpkern-bf16" in skipped
@@ -385,7 +385,9 @@ def test_auto_linear_follows_the_measurement(monkeypatch):
 def test_fit_budget_cuts_steps_down_to_the_lesson_minimum():
     cfg = compare.Config(**(TINY | {"steps": 1000, "log_every": 20, "val_size": 300, "batch_size": 30}),
                          precisions=("fp32", "bf16"), time_budget=50.0, min_steps=400)
-    probe = (lambda ms: lambda c, base, choice: {"fp32": ms / 2e3, "bf16": ms / 2e3})
+    def probe(ms):
+        return lambda c, base, choice: {"fp32": ms / 2e3, "bf16": ms / 2e3}
+
     # 100 ms per step of both runs; validation 0.1 * 300 / 30 / 3 = 0.333 s; (50 - 0.333) / 0.1 = 496 -> 480
     new, plan = compare.fit_budget(cfg, None, probe=probe(100.0))
     assert new.steps == 480 and plan["steps"] == 480 and "would not fit" in plan["why"]
@@ -605,7 +607,9 @@ def test_emulated_runs_come_from_the_native_probe(native, linear, boxed):
 
 
 def test_a_slow_run_is_time_boxed_and_the_report_says_so(monkeypatch):
-    probe = (lambda c, base, choice: {"fp32": 1e-3, "mpkern-bf16": 1e-2})
+    def probe(c, base, choice):
+        return {"fp32": 1e-3, "mpkern-bf16": 1e-2}
+
     monkeypatch.setattr(compare.budget, "TIME_BOX_S", 0.0)
     monkeypatch.setattr(compare.budget, "fit_budget", partial(compare.budget.fit_budget, probe=probe))
     res = _run("fp32,mpkern-bf16", time_budget=30.0, min_steps=3)
@@ -677,48 +681,3 @@ def test_find_batch_counts_an_out_of_memory_error_as_not_fitting(monkeypatch):
     assert res["max_batch_size"] == 24 and pts[24]["status"] == "ok"
     assert res["first_not_fitting"] == 26 and pts[26]["status"] == "oom" and pts[26]["peak_mem_bytes"] is None
     assert all(p["status"] == "oom" for b, p in pts.items() if b > 24)
-
-
-def _private_names_shared_across(package_dir: str) -> list[str]:
-    """``module: name`` for every private name (``_x``, not dunder) one module of ``package_dir`` takes from a
-    sibling: ``from .sibling import _x`` (also inside functions) or ``sibling._x`` on a sibling module imported
-    with ``from . import sibling [as alias]``. Parsed with ``ast``, nothing imported."""
-    import ast
-
-    def private(name: str) -> bool:
-        return name.startswith("_") and not name.startswith("__")
-
-    found = []
-    for fname in sorted(os.listdir(package_dir)):
-        if not fname.endswith(".py"):
-            continue
-        with open(os.path.join(package_dir, fname), encoding="utf-8") as f:
-            tree = ast.parse(f.read(), filename=fname)
-        sibling_aliases = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:  # from . / from .sibling
-                for a in node.names:
-                    if node.module is None:  # from . import sibling [as alias]: the module itself
-                        sibling_aliases.add(a.asname or a.name)
-                    if private(a.name):
-                        found.append(f"{fname}: from .{node.module or ''} import {a.name}")
-        for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                    and node.value.id in sibling_aliases and private(node.attr)):
-                found.append(f"{fname}: {node.value.id}.{node.attr}")
-    return found
-
-
-def test_compare_modules_share_only_public_names():
-    """mpkern/compare/ modules share what they share through public names (issue 29, item 6)."""
-    pkg = os.path.dirname(compare.__file__)
-    assert _private_names_shared_across(pkg) == []
-
-
-def test_private_name_check_finds_both_forms(tmp_path):
-    """The check above is not vacuous: it reports a private import and a private attribute of a sibling."""
-    (tmp_path / "a.py").write_text("from .b import _hidden, shown\nfrom . import b as _b\n\n"
-                                   "def f():\n    from .b import _late\n    return _b._x + _b.ok + _b.__name__\n")
-    (tmp_path / "b.py").write_text("_hidden = shown = _late = _x = ok = 1\n")
-    assert sorted(_private_names_shared_across(str(tmp_path))) == [
-        "a.py: _b._x", "a.py: from .b import _hidden", "a.py: from .b import _late"]
