@@ -50,7 +50,7 @@ def _toolkit_root_from_nvcc() -> str | None:
 
 def _pip_cuda_include() -> str | None:
     try:
-        import nvidia  # type: ignore  # noqa: F401 -- the pip CUDA packages' namespace
+        import nvidia  # type: ignore
 
         roots = list(nvidia.__path__)
     except ImportError:
@@ -147,7 +147,8 @@ def _extensions(with_cuda: bool, why_not: str):
         if extra is not None:
             system_includes = ["-isystem", extra]
             _log(f"CUDA math headers the toolkit lacks from {extra} (after the toolkit's own)")
-    sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")) + glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
+    sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu"))
+                      + glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
     defs = ["-DMPKERN_WITH_CUDA=1", f'-DMPKERN_CUDA_ARCHS="{archs}"']
     nvcc = ["-O3", "--fmad=false", "-lineinfo", "--expt-relaxed-constexpr"] + defs + system_includes
     if os.environ.get("MPKERN_PTXAS_VERBOSE") == "1":

@@ -17,10 +17,11 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
-import mpkern  # noqa: F401  (registers the ops)
+import mpkern  # noqa: F401 -- registers the ops
 from mpkern import _backend, _ops
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -132,7 +133,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--scalar", action="store_true", help="also time the scalar (non-SIMD) path")
     ap.add_argument("--avx2", action="store_true", help="also time the AVX2 path where AVX-512 is the default")
-    ap.add_argument("--only", default="", help="only the cases whose name contains one of these comma-separated strings")
+    ap.add_argument("--only", default="",
+                    help="only the cases whose name contains one of these comma-separated strings")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--interleave", action="store_true",
@@ -147,7 +149,7 @@ def main() -> None:
     ext = _backend.native()
     print(f"threads {torch.get_num_threads()}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
           f"mpkern simd level {ext.cpu_simd_level()}")
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    flags = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
     has512 = all(f" {x} " in flags for x in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
     print("AVX-512 path:" if has512 and os.environ.get("MPKERN_CPU_AVX512", "1") != "0" else "AVX2 path:")
     run(a.numel, a.tensors, a.reps, only=a.only, interleave=a.interleave)

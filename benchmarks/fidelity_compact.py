@@ -54,8 +54,8 @@ MODES = {
 }
 
 
-def _train(name: str, base: torch.nn.Module, task: compare.Task, cfg: compare.Config, lr: float, steps: int,
-           offset: int, release: bool = False) -> dict:
+def train(name: str, base: torch.nn.Module, task: compare.Task, cfg: compare.Config, lr: float, steps: int,
+          offset: int, release: bool = False) -> dict:
     dtype, make, nbytes = MODES[name]
     model = copy.deepcopy(base).to(dtype)
     params = list(model.parameters())
@@ -112,7 +112,7 @@ def main() -> None:
           f"torch {torch.__version__}, mpkern {mpkern.__version__}")
     out = {}
     # a fine-tuning start: fp32 AdamW trained part of the way (same for every mode)
-    start = _train("fp32 AdamW", base, task, cfg, 1e-4, 400, 0)["model"]
+    start = train("fp32 AdamW", base, task, cfg, 1e-4, 400, 0)["model"]
     for phase, (b, lr, steps, offset) in {"pretrain": (base, 1e-4, args.steps, 0),
                                           "finetune": (start, 3e-5, args.finetune_steps, 400)}.items():
         print(f"\n## {phase}: lr {lr}, {steps} steps, batch {cfg.batch_size}\n")
@@ -123,7 +123,7 @@ def main() -> None:
             runs = [(name, False)] + ([(f"{name} + release", True)] if args.release and isinstance(MODES[name][1], dict)
                                       else [])
             for label, release in runs:
-                r = _train(name, b, task, cfg, lr, steps, offset, release)
+                r = train(name, b, task, cfg, lr, steps, offset, release)
                 model = r.pop("model")
                 if not release:
                     regular = model

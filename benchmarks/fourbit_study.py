@@ -37,6 +37,7 @@ for bit with the reference for the shipped kinds, and these kinds have no kernel
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -46,10 +47,10 @@ import time
 
 os.environ["MPKERN_BACKEND"] = "torch"
 
-import torch  # noqa: E402
+import torch
 
-from mpkern import FusedAdamWMP, reference  # noqa: E402
-from mpkern.optim import storage  # noqa: E402
+from mpkern import FusedAdamWMP, reference
+from mpkern.optim import storage
 
 Tensor = torch.Tensor
 B1, B2, EPS = 0.9, 0.999, 1e-8
@@ -63,7 +64,7 @@ def _bnb_dynamic_signed4() -> list[float]:
     for i in range(3):
         k = 2**i + 1
         bounds = [0.1 + 0.9 * j / (k - 1) for j in range(k)]
-        means = [(a + b) / 2 for a, b in zip(bounds[:-1], bounds[1:])]
+        means = [(a + b) / 2 for a, b in itertools.pairwise(bounds)]
         for mval in means:
             out += [10.0 ** (i - 2) * mval, -(10.0 ** (i - 2)) * mval]
     return sorted(out)
@@ -538,9 +539,8 @@ def run_tests(kinds: dict[str, FourBit], which: list[str]) -> dict:
 def run_fidelity(kinds: dict[str, FourBit], which: list[str], steps: int, ft_steps: int, master: str,
                  phases=("pretrain", "finetune"), ref8: bool = False) -> dict:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import fidelity_compact as fc  # noqa: E402
-
-    from mpkern import compare  # noqa: E402
+    import fidelity_compact as fc
+    from mpkern import compare
 
     modes = {"fp32 AdamW": fc.MODES["fp32 AdamW"]}
     if ref8:
@@ -557,14 +557,14 @@ def run_fidelity(kinds: dict[str, FourBit], which: list[str], steps: int, ft_ste
     print(f"# compare task, {nparams} params; pretrain lr 1e-4 {steps} steps, finetune lr 3e-5 {ft_steps} steps",
           flush=True)
     out = {}
-    start = fc._train("fp32 AdamW", base, task, cfg, 1e-4, 400, 0)["model"] if "finetune" in phases else None
+    start = fc.train("fp32 AdamW", base, task, cfg, 1e-4, 400, 0)["model"] if "finetune" in phases else None
     for phase, (b, lr, n, offset) in {"pretrain": (base, 1e-4, steps, 0),
                                       "finetune": (start, 3e-5, ft_steps, 400)}.items():
         if phase not in phases:
             continue
         rows = {}
         for name in modes:
-            r = fc._train(name, b, task, cfg, lr, n, offset)
+            r = fc.train(name, b, task, cfg, lr, n, offset)
             r.pop("model")
             rows[name] = r
             ref = rows["fp32 AdamW"]
@@ -581,15 +581,14 @@ def run_lrsweep(steps: int, ft_steps: int, phases) -> dict:
     """fp32 AdamW alone at lr x 1.00 / 1.03 / 1.10 on the fidelity task: how much of a formulation's
     lower loss an effective step-size overshoot of a few percent explains."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import fidelity_compact as fc  # noqa: E402
-
-    from mpkern import compare  # noqa: E402
+    import fidelity_compact as fc
+    from mpkern import compare
 
     cfg = compare.Config(steps=max(steps, ft_steps) + 400)
     task = compare.make_task(cfg)
     torch.manual_seed(cfg.seed)
     base = compare.Classifier(task.vocab, cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads, task.classes)
-    start = fc._train("fp32 AdamW", base, task, cfg, 1e-4, 400, 0)["model"] if "finetune" in phases else None
+    start = fc.train("fp32 AdamW", base, task, cfg, 1e-4, 400, 0)["model"] if "finetune" in phases else None
     out = {}
     for phase, (b, lr, n, offset) in {"pretrain": (base, 1e-4, steps, 0),
                                       "finetune": (start, 3e-5, ft_steps, 400)}.items():
@@ -597,7 +596,7 @@ def run_lrsweep(steps: int, ft_steps: int, phases) -> dict:
             continue
         rows = {}
         for f in (1.0, 1.03, 1.1):
-            r = fc._train("fp32 AdamW", b, task, cfg, lr * f, n, offset)
+            r = fc.train("fp32 AdamW", b, task, cfg, lr * f, n, offset)
             r.pop("model")
             r["ratio"] = r["loss"] / rows[1.0]["loss"] if rows else 1.0
             rows[f] = r
@@ -647,7 +646,7 @@ def main() -> None:
         res.update({f"m {b} beta1": bias_sim(b, beta=B1) for b in ("sq", "de")})
         print(json.dumps(res, indent=1))
     else:
-        from mpkern import compare  # noqa: E402
+        from mpkern import compare
 
         cfg = compare.Config()
         task = compare.make_task(compare.Config(steps=1))

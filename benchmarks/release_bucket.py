@@ -44,7 +44,7 @@ def main() -> None:
                                   release_bucket_bytes=bucket)
         runs[name] = (model, opt, [])
     for rep in range(args.reps + 1):  # alternate: each round runs every variant once
-        for name, (model, opt, times) in runs.items():
+        for model, opt, times in runs.values():
             x = xs[rep % len(xs)]
             t0 = time.perf_counter()
             backward_step(opt, model(x).float().square().mean())

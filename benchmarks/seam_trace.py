@@ -34,7 +34,8 @@ def main() -> None:
         p.grad = torch.randn_like(p)
     for label in ("first step", "cached step", "cached step"):
         run = modules_run(opt.step)
-        print(f"{label}: {len(run.modules)} mpkern modules, _backend.select x{run.calls.get('mpkern._backend.select', 0)}")
+        selects = run.calls.get("mpkern._backend.select", 0)
+        print(f"{label}: {len(run.modules)} mpkern modules, _backend.select x{selects}")
         for mod, n in sorted(run.modules.items(), key=lambda kv: -kv[1]):
             print(f"    {mod:40s} {n:6d} calls")
 

@@ -7,8 +7,8 @@ import os
 
 import pytest
 import torch
-from conftest import requires_cuda
 
+from conftest import requires_cuda
 from mpkern import bench, bytemodel
 from mpkern.bench.common import backward_step
 

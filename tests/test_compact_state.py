@@ -13,9 +13,9 @@ import warnings
 
 import pytest
 import torch
-from conftest import DEVICE
 
 import mpkern
+from conftest import DEVICE
 from mpkern import FusedAdamWMP
 from mpkern.optim import storage
 

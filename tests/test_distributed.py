@@ -138,7 +138,7 @@ def test_hand_sharded_process_group(tmp_path):
 
 
 def test_dtensor_without_process_group_is_a_clear_error():
-    from torch.distributed.device_mesh import DeviceMesh  # noqa: F401  (DTensor needs a group)
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: F401 -- DTensor needs a group
 
     import mpkern
 
@@ -172,6 +172,7 @@ def test_dcp_dummy_init_step_changes_nothing_and_keeps_tensor_lr():
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
     for p in m.parameters():
         assert torch.equal(opt.state[p]["master_param"], p.detach().float())
-    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor) and torch.equal(opt.param_groups[0]["lr"], torch.tensor(1e-2))
+    group_lr = opt.param_groups[0]["lr"]
+    assert isinstance(group_lr, torch.Tensor) and torch.equal(group_lr, torch.tensor(1e-2))
     assert opt.state[next(m.parameters())]["master_param"].dtype == torch.float32
     assert len(osd["state"]) == len(before)

@@ -173,7 +173,7 @@ def test_readme_examples_run_as_written():
     for i, body in enumerate(blocks):
         try:
             exec(compile(body, f"README.md python block {i + 1}", "exec"), ns)
-        except Exception as e:  # noqa: BLE001 -- re-raised with the block that failed
+        except Exception as e:
             raise AssertionError(f"README python block {i + 1} fails:\n{body}") from e
     assert ns["layer"].weight.main_grad.dtype == torch.float32 and ns["layer"].weight.grad is None
     assert float(ns["res"].found_inf) in (0.0, 1.0) and ns["res"].total_norm.dim() == 0

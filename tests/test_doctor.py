@@ -144,7 +144,10 @@ def _grads64(m, x, loss_fn):
 
 def test_gradients_underflowing_at_a_small_loss_scale():
     m, x = _fine_model()
-    loss_fn = lambda out: out.float().pow(2).mean() * 1e-7  # noqa: E731
+
+    def loss_fn(out):
+        return out.float().pow(2).mean() * 1e-7
+
     d = mpkern.diagnose(m, x, dtype=torch.float16, loss_fn=loss_fn, loss_scale=1.0)
     g64 = _grads64(m, x, lambda o: o.pow(2).mean() * 1e-7)
     kinds = {(f.module, f.kind) for f in d.findings}
@@ -303,7 +306,7 @@ def test_keep_fp32_restores_autocast_when_forward_raises():
 
 def test_keep_fp32_errors():
     m, _ = _fine_model()
-    with pytest.raises(ValueError, match="names=.*types="):
+    with pytest.raises(ValueError, match=r"names=.*types="):
         mpkern.nn.keep_fp32(m)
     with pytest.raises(ValueError, match="no module named '9'"):
         mpkern.nn.keep_fp32(m, names=["9"])
@@ -311,7 +314,7 @@ def test_keep_fp32_errors():
         mpkern.nn.keep_fp32(m, types=int)
     with pytest.raises(ValueError, match="no module of types"):
         mpkern.nn.keep_fp32(m, types=nn.BatchNorm1d)
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(TypeError, match=r"nn\.Module"):
         mpkern.nn.keep_fp32("model", names=["0"])
 
 
@@ -455,9 +458,9 @@ def test_unscale_without_scaler_update_warns_with_the_fix():
     scaler.step(opt)  # ... and no scaler.update()
     opt.zero_grad()
     scaler.scale(m(torch.randn(2, 4)).sum()).backward()
-    with pytest.warns(UserWarning, match=r"call scaler.update\(\) once per iteration"):
-        with pytest.raises(RuntimeError, match="after step"):
-            mpkern.unscale_(opt, scaler=scaler, max_norm=1.0)
+    with (pytest.warns(UserWarning, match=r"call scaler.update\(\) once per iteration"),
+          pytest.raises(RuntimeError, match="after step")):
+        mpkern.unscale_(opt, scaler=scaler, max_norm=1.0)
 
 
 def test_compare_doctor_flag(tmp_path):

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEVICE
 
 import mpkern
+from conftest import DEVICE
 from mpkern import FusedAdamWMP
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import mpkern
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-
-import mpkern
 
 VOCAB, SEQ = 64, 16
 

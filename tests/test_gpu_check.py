@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,9 +31,14 @@ needs_bash = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("ti
 STAGE_LINE = re.compile(r"^  (?P<name>[a-z_]+)\s+(?P<limit>\d+) s  (?P<what>.+)$")
 
 
+def _read_json(path: str) -> dict:
+    return json.loads(Path(path).read_text())
+
+
 # ---- the script -------------------------------------------------------------------------------------
 def _dry_run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", SCRIPT, "--dry-run", *args], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    return subprocess.run(["bash", SCRIPT, "--dry-run", *args], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          check=False)
 
 
 @needs_bash
@@ -73,14 +79,15 @@ def test_the_gpu_first_selection_leaves_tests_in_every_file_it_lists():
     files = re.findall(r"^\s+(tests/test_\w+\.py)$", p.stdout.split("  unscale ")[0], re.M)
     assert len(files) >= 10
     c = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-qq",
-                        "-k", kexpr, *files], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                        "-k", kexpr, *files], capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
     counts = dict(re.findall(r"^(tests/test_\w+\.py): (\d+)$", c.stdout, re.M))
     assert [f for f in files if int(counts.get(f, 0)) == 0] == [], c.stdout[-2000:]
 
 
 @needs_bash
 def test_script_refuses_unknown_options():
-    p = subprocess.run(["bash", SCRIPT, "--frobnicate"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    p = subprocess.run(["bash", SCRIPT, "--frobnicate"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                       check=False)
     assert p.returncode == 2 and "unknown option" in p.stderr
 
 
@@ -89,7 +96,8 @@ def test_script_refuses_unknown_options():
 def test_script_without_a_gpu_still_prints_the_summary(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, PYTHON=sys.executable)
-    p = subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    p = subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env,
+                       check=False)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "mpkern gpu_check summary" in p.stdout
     text = (out / "summary.txt").read_text()
@@ -99,7 +107,8 @@ def test_script_without_a_gpu_still_prints_the_summary(tmp_path):
     assert json.loads((out / "precheck.json").read_text())["gpu"] is None
     # a second run into the same folder moves the first one's files aside instead of summarising them
     (out / "unscale.json").write_text(json.dumps({"stage": "unscale", "status": "done", "rows": []}))
-    p = subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    p = subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env,
+                       check=False)
     assert p.returncode == 1 and "unscale: not run" in (out / "summary.txt").read_text()
     assert (out / "previous_run" / "unscale.json").exists() and (out / "previous_run" / "summary.txt").exists()
     assert (out / "previous_run" / "precheck.log").exists() and not (out / "previous_run" / "previous_run").exists()
@@ -132,7 +141,7 @@ def _fake_env(tmp_path, **extra: str) -> dict[str, str]:
 
 def _alive(pid_file) -> bool:
     try:
-        os.kill(int(open(pid_file).read()), 0)
+        os.kill(int(Path(pid_file).read_text()), 0)
     except ProcessLookupError:
         return False
     return True
@@ -142,7 +151,8 @@ def _alive(pid_file) -> bool:
 def test_every_stage_is_stopped_at_its_limit_and_the_summary_still_comes(tmp_path):
     out = tmp_path / "out"
     env = _fake_env(tmp_path, GPU_CHECK_LIMITS="build=6,tests_gpu=5")
-    p = subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    p = subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env,
+                       check=False)
     assert p.returncode == 1, p.stdout + p.stderr  # two stages did not end ok
     stages = gpu_summary.read_stages(str(out))
     assert stages["build"]["rc"] in (124, 137) and stages["build"]["seconds"] <= 8, stages["build"]
@@ -163,7 +173,7 @@ def test_every_stage_is_stopped_at_its_limit_and_the_summary_still_comes(tmp_pat
 def test_a_run_whose_stages_all_end_ok_exits_0(tmp_path):
     env = _fake_env(tmp_path, FAKE_PIP="quick", FAKE_PYTEST="quick")
     p = subprocess.run(["bash", SCRIPT, str(tmp_path / "out")], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                       env=env)
+                       env=env, check=False)
     assert p.returncode == 0, p.stdout + p.stderr
     assert {v["status"] for v in gpu_summary.read_stages(str(tmp_path / "out")).values()} == {"ok"}
 
@@ -244,19 +254,19 @@ def test_precheck_reads_nvcc_and_applies_torchs_version_rule():
 def test_stage_file_is_valid_json_after_every_row_and_says_how_it_ended(tmp_path):
     path = str(tmp_path / "adamw_cuda.json")
     sf = gpu_stages.StageFile(path, "adamw_cuda", kernel="adamw")
-    assert json.load(open(path))["status"] == "running"
+    assert _read_json(path)["status"] == "running"
     t = {"kernel_ms": 0.3, "wall_ms": 0.5, "calls": 20, "rounds": 5, "queued_ahead": 5}
     row = gpu_stages.mem_row("adamw", "FusedAdamWMP", "cuda", mode="m", bytes_per_param=30,
                              bytes_source="bytemodel.STEP_TRAFFIC['mpkern']", params=1000, timing=t)
     sf.add_row(row)
-    on_disk = json.load(open(path))
+    on_disk = _read_json(path)
     assert on_disk["rows"] == [row] and on_disk["rows"][0]["timing"]["kernel_ms"] == 0.3
     gpu_stages._mark_ended(str(tmp_path), ["adamw_cuda.json"], "cut off")
-    assert json.load(open(path))["status"] == "interrupted"
+    assert _read_json(path)["status"] == "interrupted"
     sf.finish("done")
-    assert json.load(open(path))["status"] == "done"
+    assert _read_json(path)["status"] == "done"
     gpu_stages._mark_ended(str(tmp_path), ["adamw_cuda.json"], "late")  # a finished stage stays finished
-    assert json.load(open(path))["status"] == "done"
+    assert _read_json(path)["status"] == "done"
     with pytest.raises(ValueError):
         sf.finish("maybe")
     with pytest.raises(ValueError):
@@ -283,7 +293,7 @@ def test_the_byte_counts_the_stages_use_are_the_byte_models():
     modes, from the one per-mode count -- which equals bytemodel's for the fp32 mode."""
     from mpkern import bench, bytemodel
 
-    src = open(gpu_stages.__file__).read()
+    src = Path(gpu_stages.__file__).read_text()
     for name in ("UNSCALE_TRAFFIC[\"mpkern\"]", "UNSCALE_TRAFFIC[\"torch\"]", "STEP_TRAFFIC[\"mpkern\"]",
                  "STEP_TRAFFIC[\"amp_fp32\"]", "step_bytes_per_param(mw, sd)"):
         assert name in src, name
@@ -337,7 +347,7 @@ def _run_sample(tmp_path, *extra: str, timeout: float = 120) -> tuple[str, str]:
     with open(log, "w") as f:
         subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-o", "junit_family=xunit1",
                         f"--junitxml={xml}", "test_sample.py", *extra], cwd=tmp_path, stdout=f,
-                       stderr=subprocess.STDOUT, timeout=timeout, env=dict(os.environ, PYTHONPATH=""))
+                       stderr=subprocess.STDOUT, timeout=timeout, env=dict(os.environ, PYTHONPATH=""), check=False)
     return xml, log
 
 
@@ -367,7 +377,7 @@ def test_pytest_stopped_by_timeout_with_sigint_still_writes_its_xml(tmp_path):
     xml = tmp_path / "t.xml"
     subprocess.run(["timeout", "-s", "INT", "-k", "20", "8", sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
                     "-o", "junit_family=xunit1", f"--junitxml={xml}", "test_slow.py"], cwd=tmp_path,
-                   capture_output=True, timeout=60, env=dict(os.environ, PYTHONPATH=""))
+                   capture_output=True, timeout=60, env=dict(os.environ, PYTHONPATH=""), check=False)
     files, _ = gpu_summary.parse_junit(str(xml))
     assert files["test_slow.py"]["passed"] >= 1
 
@@ -441,7 +451,8 @@ tests/test_d.py::test_three[cuda-fp32] SKIPPED (needs a CUDA GPU)        [ 75%]
 tests/test_d.py::test_four
 """
 PLAN = [("precheck", 15), ("build", 130), ("device", 15), ("tests_gpu", 90), ("unscale", 20), ("adamw_cuda", 30),
-        ("release", 30), ("adamw_triton", 45), ("matmul", 25), ("matmul_tuned", 30), ("tests_rest", 10), ("summary", 10)]
+        ("release", 30), ("adamw_triton", 45), ("matmul", 25), ("matmul_tuned", 30), ("tests_rest", 10),
+        ("summary", 10)]
 
 
 def _canned(tmp_path) -> str:
@@ -475,7 +486,7 @@ def _table(text: str, first_header: str) -> tuple[list[str], list[list[str]]]:
     i = next(k for k, ln in enumerate(lines) if ln.startswith(first_header + "  "))
     rows = []
     for ln in lines[i + 2:]:
-        if not ln.strip() or ln.startswith("  ") or ln.startswith("---") or ln.startswith("="):
+        if not ln.strip() or ln.startswith(("  ", "---", "=")):
             break
         rows.append(re.split(r"\s{2,}", ln.strip()))
     return re.split(r"\s{2,}", lines[i].strip()), rows
@@ -493,8 +504,8 @@ def test_summary_of_canned_stages_has_every_number_right(tmp_path):
     assert header == gpu_summary.MEMORY_HEADER
     by = {(r[0], r[1], r[2]): r for r in rows}
     col = {h: i for i, h in enumerate(header)}
-    measured = [r for r in CANNED["unscale.json"]["rows"] + CANNED["adamw_cuda.json"]["rows"]
-                + CANNED["adamw_triton.json"]["rows"]]
+    measured = (CANNED["unscale.json"]["rows"] + CANNED["adamw_cuda.json"]["rows"]
+                + CANNED["adamw_triton.json"]["rows"])
     peer_ms = {"unscale": 0.40, "adamw": 0.44}
     peer_bpp = {"unscale": 10, "adamw": 48}
     for r in measured:
@@ -606,10 +617,12 @@ def test_summary_command_line(tmp_path):
     out = _canned(tmp_path)
     script = os.path.join(ROOT, "mpkern", "bench", "gpu_summary.py")
     p = subprocess.run([sys.executable, script, out, "--write"], capture_output=True, text=True, timeout=60,
-                       env=dict(os.environ, PYTHONPATH=""), cwd=str(tmp_path))  # runs without mpkern importable
+                       env=dict(os.environ, PYTHONPATH=""), cwd=str(tmp_path),  # runs without mpkern importable
+                       check=False)
     assert p.returncode == 0, p.stderr
-    assert open(os.path.join(out, "summary.txt")).read() == p.stdout
-    p = subprocess.run([sys.executable, script, str(tmp_path / "missing")], capture_output=True, text=True, timeout=60)
+    assert Path(out, "summary.txt").read_text() == p.stdout
+    p = subprocess.run([sys.executable, script, str(tmp_path / "missing")], capture_output=True, text=True, timeout=60,
+                       check=False)
     assert p.returncode == 2 and "not a folder" in p.stderr
 
 
@@ -645,7 +658,7 @@ def test_unscale_stage_rows_on_the_cpu_backend(tmp_path, fake_timer):
 
     out = str(tmp_path)
     assert gpu_stages.stage_unscale(out, params=30_000, tensors=4, device="cpu", backends=("cpu", "cuda")) == 0
-    data = json.load(open(os.path.join(out, "unscale.json")))
+    data = _read_json(os.path.join(out, "unscale.json"))
     assert data["status"] == "done" and data["planned"] == ["mpkern.unscale_ (cpu)", "mpkern.unscale_ (cuda)",
                                                             "torch recipe"]
     cpu, cuda, peer = data["rows"]
@@ -682,7 +695,7 @@ def test_adamw_stage_rows_on_the_cpu_backend(tmp_path, fake_timer):
     out = str(tmp_path)
     modes = [(True, "float32"), ("8bit", "8bit")]
     assert gpu_stages.stage_adamw(out, "cpu", peer=True, params=30_000, tensors=4, modes=modes, device="cpu") == 0
-    data = json.load(open(os.path.join(out, "adamw_cpu.json")))
+    data = _read_json(os.path.join(out, "adamw_cpu.json"))
     assert data["status"] == "done" and len(data["planned"]) == 3
     fp32, int8, peer = data["rows"]
     assert [r["error"] for r in data["rows"]] == [None] * 3, data["rows"]
@@ -708,7 +721,7 @@ def test_matmul_stage_rows_on_the_cpu(tmp_path, fake_timer, monkeypatch):
     out = str(tmp_path)
     cases = [("square 64^3", 64, 64, 64, "square", "bf16"), ("wgrad 48x32 (red. 40)", 48, 32, 40, "wgrad", "bf16")]
     assert gpu_stages.stage_matmul(out, device="cpu", cases=cases) == 0
-    data = json.load(open(os.path.join(out, "matmul.json")))
+    data = _read_json(os.path.join(out, "matmul.json"))
     got = [(r["shape"], r["out"], r["error"]) for r in data["rows"]]
     assert got == [("square 64^3", "bf16", None), ("square 64^3", "fp32", None),
                    ("wgrad 48x32 (red. 40)", "bf16", None), ("wgrad 48x32 (red. 40)", "fp32", None),
@@ -721,7 +734,7 @@ def test_matmul_stage_rows_on_the_cpu(tmp_path, fake_timer, monkeypatch):
     assert "not run (the stage ended first)" not in text
     # the tuned stage: its provisional row (peer timed, tuning pending) is replaced by the finished one
     assert gpu_stages.stage_matmul(out, tuned=True, device="cpu", cases=cases[:1]) == 0
-    (row,) = json.load(open(os.path.join(out, "matmul_tuned.json")))["rows"]
+    (row,) = _read_json(os.path.join(out, "matmul_tuned.json"))["rows"]
     assert row["error"] is None and row["tuning_s"] >= 0 and row["config"].startswith("tuned")
     assert row["timing"]["kernel_ms"] == 0.5 and row["peer_timing"]["kernel_ms"] == 0.5
 
@@ -752,7 +765,7 @@ def test_cuda_small_stages_end_to_end(tmp_path):
     assert gpu_stages.stage_unscale(out, params=2_000_000, tensors=7) == 0
     assert gpu_stages.stage_adamw(out, "cuda", peer=True, params=2_000_000, tensors=7,
                                   modes=[(True, "float32"), ("8bit", "8bit")]) == 0
-    data = json.load(open(os.path.join(out, "adamw_cuda.json")))
+    data = _read_json(os.path.join(out, "adamw_cuda.json"))
     assert data["status"] == "done" and len(data["rows"]) == 3
     assert [r["error"] for r in data["rows"]] == [None] * 3, data["rows"]
     text = gpu_summary.summarize(out)
@@ -795,16 +808,17 @@ def test_a_shorter_total_with_stages_left_out():
     """GPU_CHECK_TOTAL (a lease with less time left) with GPU_CHECK_LIMITS zeroing the stages not needed."""
     env = dict(os.environ, GPU_CHECK_TOTAL="380",
                GPU_CHECK_LIMITS="adamw_cuda=0,matmul=0,matmul_tuned=0,tests_gpu=110,adamw_triton=50")
-    p = subprocess.run(["bash", SCRIPT, "--dry-run"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    p = subprocess.run(["bash", SCRIPT, "--dry-run"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env,
+                       check=False)
     assert p.returncode == 0, p.stderr
     assert re.search(r"^total: 380 s .*at most 380 s", p.stdout, re.M), p.stdout
     assert re.search(r"^  adamw_cuda\s+0 s", p.stdout, re.M)
     for bad in ("451", "3m"):
         p = subprocess.run(["bash", SCRIPT, "--dry-run"], capture_output=True, text=True, timeout=60, cwd=ROOT,
-                           env=dict(os.environ, GPU_CHECK_TOTAL=bad))
+                           env=dict(os.environ, GPU_CHECK_TOTAL=bad), check=False)
         assert p.returncode == 2 and "GPU_CHECK_TOTAL" in p.stderr
     p = subprocess.run(["bash", SCRIPT, "--dry-run"], capture_output=True, text=True, timeout=60, cwd=ROOT,
-                       env=dict(os.environ, GPU_CHECK_TOTAL="300"))
+                       env=dict(os.environ, GPU_CHECK_TOTAL="300"), check=False)
     assert p.returncode == 1 and "over the total of 300 s" in p.stderr  # the default limits do not fit
 
 

@@ -17,9 +17,9 @@ rounded bf16 moments, the 8-bit master correction (master_mode 3).
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
-from functools import partial
 import torch
 
 from conftest import DEVICE, HAS_CUDA, available_backends, call_adamw_op, kernel_path
@@ -187,8 +187,8 @@ def test_master8_small_updates_unbiased():
     g = torch.full((n,), gval)
     one, zero = torch.tensor(1.0), torch.tensor(0.0)
     for _ in range(steps_n):
-        call_adamw_op(torch.ops.mpkern.adamw_step_, [p], [g], [m], [v], [], [c], [step], one, zero, None, lr, B1, B2, EPS, 0.0,
-                                     False, 3, False, 99)
+        call_adamw_op(torch.ops.mpkern.adamw_step_, [p], [g], [m], [v], [], [c], [step], one, zero, None, lr, B1, B2,
+                      EPS, 0.0, False, 3, False, 99)
     moved = 1.0 - reference.master8_decode(p, c).double().mean().item()
     exact = 1.0 - _adamw64_constant_grad(1.0, gval, lr, steps_n)
     assert exact == pytest.approx(1e-2, rel=1e-3)
@@ -214,8 +214,8 @@ def test_bf16_moments_spike_then_decay():
     for t in range(steps_n + 1):
         g = torch.full((n,), 10.0) if t == 0 else noise[t - 1]
         v64 = B2 * v64 + (1 - B2) * g.double() ** 2
-        call_adamw_op(torch.ops.mpkern.adamw_step_, [p], [g], [m], [v], [], [w], [step], one, zero, None, 1e-4, B1, B2, EPS, 0.0,
-                                     False, 1, False, 3)
+        call_adamw_op(torch.ops.mpkern.adamw_step_, [p], [g], [m], [v], [], [w], [step], one, zero, None, 1e-4, B1, B2,
+                      EPS, 0.0, False, 1, False, 3)
     expected = v64.mean().item()
     assert expected == pytest.approx(0.0145, rel=0.05)
     assert v.double().mean().item() == pytest.approx(expected, rel=0.10)
@@ -228,6 +228,11 @@ def _sr_state(n, gen):
             [], [torch.zeros(n, dtype=torch.int8, device=DEVICE)], [torch.zeros((), device=DEVICE)]]
 
 
+def _masters(state, mode):
+    """The masters list a call in mode ``mode`` passes for an _sr_state: its state[5] in mode 3, none otherwise."""
+    return state[5] if mode == 3 else []
+
+
 def _concat_state(a, b):
     return [[torch.cat([x, y]) if x.dim() else x.clone() for x, y in zip(la, lb)] for la, lb in zip(a, b)]
 
@@ -238,7 +243,7 @@ def test_streams_differ_and_shards_agree(backend):
     n1, n2 = 333, 700
     half1, half2 = _sr_state(n1, gen), _sr_state(n2, gen)
     for mode, sr in ((3, False), (0, True)):
-        masters = lambda st: st[5] if mode == 3 else []  # noqa: E731
+        masters = partial(_masters, mode=mode)
         # the whole tensor in stream 9 ...
         whole = _concat_state(half1, half2)
         w = [whole[0], whole[1], whole[2], whole[3], [], masters(whole), whole[6]]
@@ -283,7 +288,8 @@ def test_master8_found_inf_is_a_bitwise_noop(backend):
         state, streams, offsets = _case(3, pdt, seed=21)
         state = [lst[:3] for lst in state]  # sizes 1, 31, 33: every path, fast
         before = _clone(state)
-        call_adamw_op(partial(_ops.adamw_step_, name), *_args(state, 3, False, streams[:3], offsets[:3], found_inf=float("inf")))
+        call_adamw_op(partial(_ops.adamw_step_, name),
+                      *_args(state, 3, False, streams[:3], offsets[:3], found_inf=float("inf")))
         for la, lb in zip(state, before):
             for a, b in zip(la, lb):
                 assert torch.equal(_bits(a), _bits(b))
@@ -413,7 +419,8 @@ def test_master8_bf16_rounding_is_exactly_unbiased():
     base = torch.randn(3000, generator=gen, dtype=torch.float64) * torch.logspace(-38, 37, 3000, dtype=torch.float64)
     pow2 = torch.tensor([2.0**k for k in (-120, -3, 0, 1, 7, 100)], dtype=torch.float64)
     below = pow2 * (1 - 2.0**-20)  # rounds up to the power of two
-    w = torch.cat([base, below, pow2, pow2 * (1 + 2.0**-12), -below, torch.tensor([1e-40, -2e-39, 0.0, 3.3e38])]).float()
+    extremes = torch.tensor([1e-40, -2e-39, 0.0, 3.3e38])
+    w = torch.cat([base, below, pow2, pow2 * (1 + 2.0**-12), -below, extremes]).float()
     wd = w.double()
     ulp32 = (torch.nextafter(w.abs(), torch.full(w.shape, float("inf"))) - w.abs()).double()
     acc = torch.zeros(w.shape, dtype=torch.float64)
@@ -458,7 +465,7 @@ def test_stream_args_checked():
     state = [lst[:2] for lst in state]
     with pytest.raises(ValueError, match="stream_ids must be empty or one per param"):
         call_adamw_op(torch.ops.mpkern.adamw_step_, *_args(state, 1, False, [1], []))
-    with pytest.raises(ValueError, match="elem_offsets.1. = -5 is negative"):
+    with pytest.raises(ValueError, match=r"elem_offsets\[1\] = -5 is negative"):
         call_adamw_op(torch.ops.mpkern.adamw_step_, *_args(state, 1, False, [], [0, -5]))
 
 
@@ -631,8 +638,8 @@ def _encode_with_kernel(x, draws, backend="cpu"):
     for _ in range(draws):
         cm, cv, sm, sv = _mom8_state(n, None, zero=True)
         p = torch.zeros(n, device=DEVICE)
-        call_adamw_op(partial(_ops.adamw_step_, backend), [p], [x], [cm], [cv], [], [], [step], one, zero, None, 0.0, 0.0, 0.0, EPS, 0.0,
-                         False, 0, False, 77, [], [], [sm], [sv])
+        call_adamw_op(partial(_ops.adamw_step_, backend), [p], [x], [cm], [cv], [], [], [step], one, zero, None, 0.0,
+                      0.0, 0.0, EPS, 0.0, False, 0, False, 77, [], [], [sm], [sv])
         cms.append(cm), cvs.append(cv), sms.append(sm), svs.append(sv)
     return cms, cvs, sms, svs
 
@@ -706,8 +713,8 @@ def test_mom8_zero_groups_and_nan_group(backend):
     cm, cv, sm, sv = _mom8_state(n, None, zero=True)
     p = torch.zeros(n, device=DEVICE)
     one, zero = torch.tensor(1.0, device=DEVICE), torch.tensor(0.0, device=DEVICE)
-    call_adamw_op(partial(_ops.adamw_step_, name), [p], [g], [cm], [cv], [], [], [torch.zeros((), device=DEVICE)], one, zero, None, 1e-3, B1,
-                     B2, EPS, 0.0, False, 0, False, 5, [], [], [sm], [sv])
+    call_adamw_op(partial(_ops.adamw_step_, name), [p], [g], [cm], [cv], [], [], [torch.zeros((), device=DEVICE)], one,
+                  zero, None, 1e-3, B1, B2, EPS, 0.0, False, 0, False, 5, [], [], [sm], [sv])
     for s in (sm, sv):
         bits = s.view(torch.int16).cpu()
         assert bits[1] == 0 and bits[4] == 0 and bits[5] == 0
@@ -738,8 +745,8 @@ def test_mom8_spike_then_decay():
     for t in range(steps_n + 1):
         g = spike if t == 0 else noise[t - 1]
         v64 = B2 * v64 + (1 - B2) * g.double() ** 2
-        call_adamw_op(torch.ops.mpkern.adamw_step_, [p], [g], [cm], [cv], [], [w], [step], one, zero, None, 1e-4, B1, B2, EPS, 0.0,
-                                     False, 1, False, 3, [], [], [sm], [sv])
+        call_adamw_op(torch.ops.mpkern.adamw_step_, [p], [g], [cm], [cv], [], [w], [step], one, zero, None, 1e-4, B1,
+                      B2, EPS, 0.0, False, 1, False, 3, [], [], [sm], [sv])
     v8 = _decode64(cv, sv)
     assert v64.mean().item() == pytest.approx(0.0145, rel=0.05)
     assert v8.mean().item() == pytest.approx(v64.mean().item(), rel=0.10)
@@ -758,8 +765,8 @@ def test_mom8_master8_small_updates():
     g = torch.full((n,), gval)
     one, zero = torch.tensor(1.0), torch.tensor(0.0)
     for _ in range(steps_n):
-        call_adamw_op(torch.ops.mpkern.adamw_step_, [p], [g], [cm], [cv], [], [c], [step], one, zero, None, lr, B1, B2, EPS, 0.0,
-                                     False, 3, False, 99, [], [], [sm], [sv])
+        call_adamw_op(torch.ops.mpkern.adamw_step_, [p], [g], [cm], [cv], [], [c], [step], one, zero, None, lr, B1, B2,
+                      EPS, 0.0, False, 3, False, 99, [], [], [sm], [sv])
     moved = 1.0 - reference.master8_decode(p, c).double().mean().item()
     exact = 1.0 - _adamw64_constant_grad(1.0, gval, lr, steps_n)
     assert moved == pytest.approx(exact, rel=0.05), (moved, exact)
@@ -772,7 +779,8 @@ def test_mom8_found_inf_is_a_bitwise_noop(backend, kind):
     for mode, pdt, sr in ((3, BF16, False), (0, BF16, True), (1, F16, False)):
         state, streams, offsets = _case8(mode, pdt, seed=50, sizes=(1, 31, 33), moments=moments)
         before = _clone(state)
-        call_adamw_op(partial(_ops.adamw_step_, name), *_args8(state, mode, sr, streams, offsets, found_inf=float("nan")))
+        call_adamw_op(partial(_ops.adamw_step_, name),
+                      *_args8(state, mode, sr, streams, offsets, found_inf=float("nan")))
         for la, lb in zip(state, before):
             for a, b in zip(la, lb):
                 assert torch.equal(_bits(a), _bits(b))

@@ -14,10 +14,13 @@ signed 4-bit codes per byte (element 2j in the low nibble of byte j), ``sign(c) 
 
 from __future__ import annotations
 
-import pytest
 from functools import partial
+
+import pytest
 import torch
+
 from conftest import DEVICE, available_backends, call_adamw_op
+from mpkern import _ops, reference
 from test_kernels_compact import (
     BF16,
     CPU_PATHS,
@@ -25,8 +28,8 @@ from test_kernels_compact import (
     F16,
     F32,
     SIZES,
-    _bits,
     _args8,
+    _bits,
     _case8,
     _clone,
     _cpu_only,
@@ -37,8 +40,6 @@ from test_kernels_compact import (
     reference_close,
     refused_alike,
 )
-
-from mpkern import _ops, reference
 
 G32 = 32
 KM4_64 = 1.0 / 49
@@ -138,8 +139,8 @@ def _encode_m_with_kernel(x, draws, backend="cpu"):
     for _ in range(draws):
         cm, cv, sm, sv = _mom4_state(n, None, zero=True)
         p = torch.zeros(n, device=DEVICE)
-        call_adamw_op(partial(_ops.adamw_step_, backend), [p], [x], [cm], [cv], [], [], [step], one, zero, None, 0.0, 0.0, 0.0, EPS, 0.0,
-                         False, 0, False, 77, [], [], [sm], [sv])
+        call_adamw_op(partial(_ops.adamw_step_, backend), [p], [x], [cm], [cv], [], [], [step], one, zero, None, 0.0,
+                      0.0, 0.0, EPS, 0.0, False, 0, False, 77, [], [], [sm], [sv])
         out.append((cm, sm))
     return out
 

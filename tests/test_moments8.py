@@ -18,12 +18,13 @@ import warnings
 
 import pytest
 import torch
-from conftest import DEVICE
-# float64 AdamW path; a small bf16 Linear trained; the float64 decoding of 8-bit moments
-from test_compact_state import _adamw64_path, _decode64, _run
 
+from conftest import DEVICE
 from mpkern import FusedAdamWMP
 from mpkern.optim import storage
+
+# float64 AdamW path; a small bf16 Linear trained; the float64 decoding of 8-bit moments
+from test_compact_state import _adamw64_path, _decode64, _run
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
 #: every compact moment kind with group scales: the 8-bit one and the 4-bit exp_avg + 8-bit exp_avg_sq

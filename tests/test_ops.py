@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mpkern
-from conftest import DEVICE, available_backends, adamw_op_args
+from conftest import DEVICE, adamw_op_args, available_backends
 from mpkern import _backend
 
 

@@ -7,8 +7,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import mpkern
 from conftest import DEVICE
@@ -88,7 +87,7 @@ def test_16bit_master_tracks_float64(backend, dtype, master):
         grads = [p.grad.clone() for p in params]
         opt.step()
         ref.step(grads)
-        for i, p in enumerate(params):
+        for p in params:
             master_w = _master_of(opt, p)
             # the 16-bit param is always the master rounded to nearest (remainder: ties away)
             if master is True:
@@ -227,7 +226,7 @@ def test_gradscaler_with_and_without_unscale(backend):
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     g = torch.Generator().manual_seed(1)
-    for step in range(4):
+    for _ in range(4):
         x = torch.randn(4, 8, generator=g).to(DEVICE)
         for k, (m, o, s) in enumerate(zip(models, opts, scalers)):
             o.zero_grad()

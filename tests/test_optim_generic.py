@@ -210,6 +210,18 @@ def quad_loss(w, b, x):
     return (w.float().mv(x) + b.float()).pow(2).sum()
 
 
+def quad_closure(opt, w, b, x):
+    """The closure ``opt.step`` takes: zero the grads, then quad_loss(w, b, x) and its backward; returns the loss."""
+
+    def closure():
+        opt.zero_grad()
+        loss = quad_loss(w, b, x)
+        loss.backward()
+        return loss
+
+    return closure
+
+
 def clone_params(params, contiguous=True):
     out = []
     for p in params:
@@ -336,13 +348,7 @@ def test_forloop_goes_right_direction(backend, contiguous):
         rw, rb = clone_params([w, b])
         opt = make_opt([w, b], **ours_kwargs(kw))
         ref = torch.optim.AdamW([rw, rb], **ref_kwargs(kw))
-
-        def closure():
-            opt.zero_grad()
-            loss = quad_loss(w, b, x)
-            loss.backward()
-            return loss
-
+        closure = quad_closure(opt, w, b, x)
         initial = closure().item()
         for _ in range(_steps(backend, 20)):
             loss = opt.step(closure)
@@ -1267,7 +1273,7 @@ def _state_dict_post_hook(optimizer, state_dict):
 @pytest.mark.parametrize("stepped", [False, True])
 def test_state_dict_pre_hook(stepped):
     # upstream: test_state_dict_pre_hook
-    params, opt, _ = _primed(n=int(stepped))
+    _, opt, _ = _primed(n=int(stepped))
     opt.register_state_dict_pre_hook(_state_dict_pre_hook)
     sd = opt.state_dict()
     assert sd["state"]["test"] == 1
@@ -1497,7 +1503,7 @@ def test_load_state_dict_refuses_like_adamw_and_changes_nothing(how):
 def test_a_checkpoint_that_cannot_be_converted_loads_nothing():
     # ours: an 8-bit moment code of the wrong size is a ValueError naming the entry, raised before
     # the base class replaced anything; the next good load works and runs the user's hooks once
-    params, opt, _ = _primed(master_weights="8bit", state_dtype="8bit")
+    _, opt, _ = _primed(master_weights="8bit", state_dtype="8bit")
     sd = copy.deepcopy(opt.state_dict())
     before = copy.deepcopy(sd)
     bad = copy.deepcopy(sd)
@@ -1555,11 +1561,11 @@ def test_load_state_dict_is_not_traced_by_dynamo():
         target = cls([Parameter(p.detach().clone())], lr=1e-3)
         torch._dynamo.reset()
         with pytest.raises(torch._dynamo.exc.Unsupported) as e:
-            torch.compile(lambda: target.load_state_dict(sd), fullgraph=True, backend="eager")()
+            torch.compile(lambda target=target, sd=sd: target.load_state_dict(sd), fullgraph=True, backend="eager")()
         if cls is FusedAdamWMP:
             assert "disable" in str(e.value)  # refused at the call, not somewhere inside the load
         torch._dynamo.reset()
-        torch.compile(lambda: target.load_state_dict(sd), backend="eager")()
+        torch.compile(lambda target=target, sd=sd: target.load_state_dict(sd), backend="eager")()
         eager = cls([Parameter(p.detach().clone())], lr=1e-3)
         eager.load_state_dict(copy.deepcopy(sd))
         assert_sd_equal(target.state_dict(), eager.state_dict())
@@ -1574,7 +1580,7 @@ def test_step_pre_hook():
         params = [torch.tensor([1.0, 1.0], device=DEVICE)]
         opt = make_opt(params, **ours_kwargs(kw))
         data = [5]
-        handle = opt.register_step_pre_hook(lambda o, args, kwargs: data.__setitem__(0, data[0] + 2))
+        handle = opt.register_step_pre_hook(lambda o, args, kwargs, data=data: data.__setitem__(0, data[0] + 2))
         opt.step()
         opt.step()
         assert data[0] == 9, name

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-accelerate = pytest.importorskip("accelerate")
-
 import mpkern
+
+accelerate = pytest.importorskip("accelerate")
 
 D_IN, CLASSES = 12, 3
 

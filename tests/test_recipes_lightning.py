@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-L = pytest.importorskip("lightning")
-
 import mpkern
+
+L = pytest.importorskip("lightning")
 
 D_IN, CLASSES, BATCH = 12, 3, 16
 

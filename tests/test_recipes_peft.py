@@ -16,10 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import mpkern
+
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-
-import mpkern
 
 VOCAB, LEN = 32, 12
 

@@ -19,12 +19,13 @@ import re
 import pytest
 import torch
 
+import mpkern
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from test_trainer import LEN, VOCAB, Counting  # the same counting task as the first Trainer recipe
-
-import mpkern
+# the same counting task as the first Trainer recipe
+from test_trainer import LEN, VOCAB, Counting  # noqa: E402 -- needs transformers: imported after importorskip
 
 
 def _args(out: str, max_steps: int, **kw) -> transformers.TrainingArguments:

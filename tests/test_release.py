@@ -23,9 +23,9 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE
 
 import mpkern
+from conftest import DEVICE
 from mpkern.optim import buckets, release
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -84,7 +84,7 @@ def lm_loss(model, x, y):
 def batches(n, seed=11, scale_at=None):
     g = torch.Generator().manual_seed(seed)
     out = []
-    for i in range(n):
+    for _ in range(n):
         x = torch.randint(0, VOCAB, (4, 9), generator=g).to(DEVICE)
         y = torch.randint(0, VOCAB, (4, 9), generator=g).to(DEVICE)
         out.append((x, y))

@@ -13,9 +13,9 @@ import warnings
 
 import pytest
 import torch
-from conftest import DEVICE
 
 import mpkern
+from conftest import DEVICE
 from mpkern import FusedAdamWMP
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
@@ -242,7 +242,7 @@ def test_torch_scaler_unscale_with_main_grad_is_an_error(backend):
     lin.weight.main_grad = torch.randn(lin.weight.shape, device=DEVICE)
     lin.bias.grad = torch.randn_like(lin.bias)
     scaler.unscale_(opt)  # unscales .grad only: main_grad would be stepped at 1024x
-    with pytest.raises(ValueError, match="mpkern.unscale_"):
+    with pytest.raises(ValueError, match=r"mpkern\.unscale_"):
         scaler.step(opt)
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE
 
 import mpkern
+from conftest import DEVICE
 from mpkern import _backend
 
 pytestmark = pytest.mark.skipif(
@@ -77,7 +77,8 @@ def _same(opt_a, opt_b, ps_a, ps_b, norms=True):
                 assert torch.equal(_bits(x), _bits(y)), k
             else:
                 assert x == y, k
-    for x, y in ((opt_a.last_grad_norm, opt_b.last_grad_norm), (opt_a.last_found_inf, opt_b.last_found_inf))[:2 * norms]:
+    pairs = ((opt_a.last_grad_norm, opt_b.last_grad_norm), (opt_a.last_found_inf, opt_b.last_found_inf))
+    for x, y in pairs[:2 * norms]:
         assert (x is None) == (y is None)
         if x is not None:
             assert torch.equal(_bits(x), _bits(y))

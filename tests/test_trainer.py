@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import mpkern
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-
-import mpkern
 
 VOCAB, LEN = 24, 16
 

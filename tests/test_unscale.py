@@ -7,8 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import mpkern
 from conftest import DEVICE
