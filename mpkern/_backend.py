@@ -195,16 +195,17 @@ def forced() -> str | None:
     return val
 
 
-@contextlib.contextmanager
-def use_backend(name: str | None) -> Iterator[None]:
+def use_backend(name: str | None) -> contextlib.AbstractContextManager[None]:
     """Run the mpkern ops of the block on backend ``name`` -- ``"cuda"``, ``"triton"``, ``"cpu"`` or
     ``"torch"`` -- as ``MPKERN_BACKEND=name`` would (``None``: the automatic choice); on leaving the
     block the previous setting, or its absence, is restored, also when the block raises.
 
-    ``mpkern.use_backend``. The setting is process-wide (it is the environment variable, which
-    subprocesses inherit), not per thread. A backend that cannot run on an op's tensors is refused
-    by that op with the reason (:func:`select`); an unknown name is a ``ValueError`` here, before
-    anything changes. ``torch.compile`` reads the backend once, when it traces.
+    ``mpkern.use_backend``. The name is read like the environment variable (case and surrounding
+    spaces do not matter). The setting is process-wide (it is the environment variable, which
+    subprocesses inherit), not per thread. An unknown name is a ``ValueError`` and a non-string a
+    ``TypeError``, raised by this call, before anything changes; a backend that cannot run on an
+    op's tensors is refused by that op with the reason (:func:`select`). ``torch.compile`` reads
+    the backend once, when it traces.
 
     >>> import mpkern, torch
     >>> with mpkern.use_backend("torch"):   # the pure-PyTorch reference kernels
@@ -212,13 +213,20 @@ def use_backend(name: str | None) -> Iterator[None]:
     """
     if name is not None and not isinstance(name, str):
         raise TypeError(f"use_backend: name must be a str or None, got {type(name).__name__}")
-    if name is not None and name not in BACKENDS:
+    value = None if name is None else name.strip().lower()
+    if value is not None and value not in BACKENDS:
         raise ValueError(f"use_backend: {name!r} is not a backend; expected one of {', '.join(BACKENDS)} or None")
+    return _setting(value)
+
+
+@contextlib.contextmanager
+def _setting(value: str | None) -> Iterator[None]:
+    """``MPKERN_BACKEND=value`` (unset for None) within the block, the old setting restored after it."""
     old = os.environ.get(ENV)
-    if name is None:
+    if value is None:
         os.environ.pop(ENV, None)
     else:
-        os.environ[ENV] = name
+        os.environ[ENV] = value
     try:
         yield
     finally:

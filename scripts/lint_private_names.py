@@ -9,7 +9,11 @@ the files under ``[tool.mpkern.private-names] paths`` of ``pyproject.toml``:
   ``mpkern.*`` / ``mpkern.triton_kernels.*`` (the ``triton_kernels/`` folder) or a sibling script --
   unless ``_x`` is itself a module (``from . import _ops`` imports a module, not a name);
 * a private module (``mpkern._ops``) imported from outside its parent package (a benchmark
-  importing ``mpkern._backend``): inside the package, a private module is the package's own.
+  importing ``mpkern._backend``): inside the package, a private module is the package's own;
+* a relative import that climbs out of ``triton_kernels/`` (``from .. import measure``): it works
+  only because the folder is installed as ``mpkern.triton_kernels``, and import-linter, which reads
+  the folder as the package ``triton_kernels``, cannot see it (its contract: the kernels import
+  nothing of mpkern); a relative import above the top of any package is flagged too.
 
 Each exception is an ``allow`` entry ``{file, name, issue}`` in the same table: the issue that
 removes it. An entry that no longer matches anything is an error too, so the list only shrinks.
@@ -27,8 +31,11 @@ from dataclasses import dataclass
 
 try:
     import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    tomllib = None  # type: ignore[assignment]
+except ModuleNotFoundError:  # Python 3.10: the test extra installs tomli
+    try:
+        import tomli as tomllib
+    except ModuleNotFoundError:
+        tomllib = None  # type: ignore[assignment]
 
 #: our packages: import name -> folder in the repository
 PACKAGES = {"mpkern": "mpkern", "mpkern.triton_kernels": "triton_kernels", "triton_kernels": "triton_kernels"}
@@ -80,15 +87,25 @@ def module_path(name: str, root: str, script_dir: str | None) -> str | None:
 
 
 def resolve_from(node: ast.ImportFrom, here: str | None, is_package: bool) -> str | None:
-    """The absolute module of ``from X import ...`` in module ``here`` (None: unresolvable)."""
+    """The absolute module of ``from X import ...`` in module ``here`` (None: unresolvable, e.g. a
+    relative import in a script, or one that climbs above the top package)."""
     if not node.level:
         return node.module
     if here is None:
         return None
     base = here.split(".")
     # in a package's __init__.py `here` is the package itself: one level less to climb
-    base = base[: len(base) - node.level + (1 if is_package else 0)]
-    return ".".join(base + ([node.module] if node.module else []))
+    keep = len(base) - node.level + (1 if is_package else 0)
+    if keep < 1:
+        return None
+    return ".".join(base[:keep] + ([node.module] if node.module else []))
+
+
+def climbs_out(node: ast.ImportFrom, rel: str) -> bool:
+    """A relative import in ``rel`` (a path) that leaves the top folder it lives in: level 1 is the
+    file's own folder (for an ``__init__.py`` too: the package), each level more one folder up."""
+    depth = len(os.path.normpath(rel).split(os.sep)) - 1  # the folders the file is in
+    return node.level > depth
 
 
 def parent_package(name: str) -> str:
@@ -103,6 +120,10 @@ def check_file(path: str, root: str) -> Iterator[Finding]:
         tree = ast.parse(f.read(), rel)
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
+            if here is not None and climbs_out(node, rel):
+                yield Finding(rel, node.lineno, "." * node.level + (node.module or ""),
+                              f"relative import out of {rel.split(os.sep)[0]}/ (import the module by its name)")
+                continue
             src = resolve_from(node, here, rel.endswith("__init__.py"))
             if src is None or module_path(src, root, script_dir) is None:
                 continue  # not one of ours
@@ -160,7 +181,8 @@ def run(root: str, paths: list[str], allow: list[dict]) -> list[str]:
     """Every finding not allowed, and every allow entry that matched nothing, as lines."""
     allowed = {(a["file"], a["name"]): a for a in allow}
     used: set[tuple[str, str]] = set()
-    out = []
+    out = [f"{f}: allow entry for {n} is listed twice" for (f, n) in allowed
+           if sum((a["file"], a["name"]) == (f, n) for a in allow) > 1]
     for path in python_files(root, paths):
         for f in check_file(path, root):
             key = (f.file, f.name)

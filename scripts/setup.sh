@@ -17,13 +17,15 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 echo "[setup] installing torch and tools (torch 2.14.1 is ~80 s from a local wheel, minutes from PyPI)"
-# the test tools and linters: pyproject.toml's `test` extra (one list, read here, never copied)
-mapfile -t TEST_DEPS < <(python - <<'PY'
+# the test tools and linters: pyproject.toml's `test` extra (one list, read here, never copied; an
+# assignment, so that a failure to read it stops the script under set -e)
+deps=$(python - <<'PY'
 import ast, re
 text = open("pyproject.toml", encoding="utf-8").read()
 print("\n".join(ast.literal_eval(re.search(r"^test = (\[.*\])$", text, re.M).group(1))))
 PY
 )
+mapfile -t TEST_DEPS <<< "$deps"
 python -m pip install -q "torch==2.14.1" numpy "${TEST_DEPS[@]}" ninja "setuptools>=64" wheel
 
 if [ "${MPKERN_EXTRAS:-1}" != "0" ]; then

@@ -78,13 +78,19 @@ def test_use_backend_runs_the_ops_on_it(monkeypatch):
 
 
 @pytest.mark.parametrize("bad,err,match", [("opencl", ValueError, "'opencl' is not a backend"),
-                                           ("CPU", ValueError, "expected one of cuda, triton, cpu, torch"),
+                                           ("gpu", ValueError, "expected one of cuda, triton, cpu, torch"),
                                            (3, TypeError, "name must be a str or None, got int")])
 def test_use_backend_refuses_bad_names_before_changing_anything(monkeypatch, bad, err, match):
     monkeypatch.setenv("MPKERN_BACKEND", "torch")
-    with pytest.raises(err, match=match), mpkern.use_backend(bad):
-        pass
+    with pytest.raises(err, match=match):
+        mpkern.use_backend(bad)  # refused by the call itself, not only on entering the block
     assert _backend.forced() == "torch"
+
+
+def test_use_backend_reads_a_name_like_the_environment_variable(monkeypatch):
+    monkeypatch.delenv("MPKERN_BACKEND", raising=False)
+    with mpkern.use_backend(" Torch "):
+        assert _backend.forced() == "torch" and _backend.select("cpu") == "torch"
 
 
 def test_default_selection():

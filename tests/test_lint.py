@@ -15,7 +15,10 @@ import textwrap
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-tomllib = pytest.importorskip("tomllib", reason="Python >= 3.11 reads pyproject.toml with tomllib")
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the test extra installs tomli
+    tomllib = pytest.importorskip("tomli", reason="reading pyproject.toml needs tomllib (3.11+) or tomli")
 
 
 def _pyproject() -> dict:
@@ -109,7 +112,7 @@ def _private_names(tree, allow=()) -> subprocess.CompletedProcess:
     entries = ", ".join(f'{{ file = "{f}", name = "{n}", issue = 1 }}' for f, n in allow)
     (tree / "pyproject.toml").write_text(textwrap.dedent(f"""\
         [tool.mpkern.private-names]
-        paths = ["mpkern", "benchmarks"]
+        paths = ["mpkern", "triton_kernels", "benchmarks"]
         allow = [{entries}]
         """), encoding="utf-8")
     return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "lint_private_names.py"), str(tree)],
@@ -126,6 +129,11 @@ def test_private_name_check_finds_each_form(tmp_path):
     (pkg / "sub" / "__init__.py").write_text("from .. import _hidden_mod\n")  # a private module: the package's own
     (pkg / "sub" / "b.py").write_text("from ..a import _secret, shown\n\ndef f():\n    from mpkern.a import _late\n")
     (tmp_path / "benchmarks" / "bench.py").write_text("from mpkern import _hidden_mod\nimport mpkern._hidden_mod\n")
+    # the kernels' folder is installed as mpkern.triton_kernels: a relative import out of it reaches mpkern
+    (tmp_path / "triton_kernels").mkdir()
+    (tmp_path / "triton_kernels" / "__init__.py").write_text("")
+    (tmp_path / "triton_kernels" / "k.py").write_text("from . import _ok\nfrom .. import a\n")
+    (tmp_path / "triton_kernels" / "_ok.py").write_text("")
     r = _private_names(tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr
     lines = sorted(r.stdout.splitlines())
@@ -134,6 +142,7 @@ def test_private_name_check_finds_each_form(tmp_path):
         "benchmarks/bench.py:2: mpkern._hidden_mod: private module of mpkern imported from outside it",
         "mpkern/sub/b.py:1: mpkern.a._secret: private name of mpkern.a imported from another module",
         "mpkern/sub/b.py:4: mpkern.a._late: private name of mpkern.a imported from another module",
+        "triton_kernels/k.py:2: ..: relative import out of triton_kernels/ (import the module by its name)",
     ], r.stdout
 
 
@@ -147,6 +156,8 @@ def test_private_name_allow_list_allows_and_must_shrink(tmp_path):
     assert _private_names(tmp_path, [("mpkern/b.py", "mpkern.a._x")]).returncode == 0
     stale = _private_names(tmp_path, [("mpkern/b.py", "mpkern.a._x"), ("mpkern/b.py", "mpkern.a._gone")])
     assert stale.returncode == 1 and "mpkern.a._gone (issue 1) matches nothing" in stale.stdout, stale.stdout
+    twice = _private_names(tmp_path, [("mpkern/b.py", "mpkern.a._x")] * 2)
+    assert twice.returncode == 1 and "mpkern.a._x is listed twice" in twice.stdout, twice.stdout
 
 
 def test_private_name_allow_list_names_an_open_issue_for_each_entry():

@@ -405,8 +405,8 @@ def stage_matmul(out: str, tuned: bool = False, *, device: Any = None,
                         mpkern.matmul(a, b, out_dtype=od)  # the one tuning run of this shape
                         sync(dev)
                         extra["tuning_s"] = time.perf_counter() - t0
-                        # allow-listed (pyproject [tool.mpkern.private-names]): issue 41 makes the tuned config public
-                        best = getattr(tk._matmul_kernel_tuned, "best_config", None)  # noqa: SLF001 -- issue 41
+                        # issue 42 moves this module out of the package; issue 41's routes make the tuned config public
+                        best = getattr(tk._matmul_kernel_tuned, "best_config", None)  # noqa: SLF001 -- issues 41/42
                         cfg = f"tuned {best}" if best is not None else "tuned"
                     t = event_time(lambda a=a, b=b, od=od: mpkern.matmul(a, b, out_dtype=od), dev, calls=CALLS,
                                    rounds=ROUNDS, warmup=WARMUP)

@@ -4,7 +4,7 @@ It has the shape of ``torch/optim/adamw.py``; its parts live in the modules besi
 :mod:`.runtime` (the state an optimizer keeps between steps, one :class:`~.runtime.Runtime`, and the
 cached eager step), :mod:`.buckets` (collect and prepare the kernel lists), :mod:`.functional` (the
 fused step), :mod:`.writes` (external writes), :mod:`.checkpoint` (load / export / pickling) and
-:mod:`.storage` (the storage kinds); the step's factor is planned by :func:`mpkern.step_plan.plan_step`.
+:mod:`.storage` (the storage kinds); the step's factor is planned by :func:`mpkern.optim.step_plan.plan_step`.
 The helpers get the runtime, ``param_groups`` and ``state``, never the optimizer. See
 docs/design.md for how a step flows through them.
 """

@@ -332,8 +332,8 @@ def zero_main_grads(groups: list[dict[str, Any]], set_to_none: bool) -> None:
 
 def stats_pass(work: list[Bucket], process_group: Any) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
     """The step's statistics pass over the grads of ``work`` (a repeated param counted once, as in
-    torch's clip), for :func:`mpkern.step_plan.plan_step`: the stages of ``mpkern.unscale_``
-    (:func:`mpkern.step_plan.stats_pass`) on each bucket's backend."""
+    torch's clip), for :func:`mpkern.optim.step_plan.plan_step`: the stages of ``mpkern.unscale_``
+    (:func:`mpkern.optim.step_plan.stats_pass`) on each bucket's backend."""
     seen: set[int] = set()
     firsts = [x for b in work for x in b.pairs if not (id(x[0]) in seen or seen.add(id(x[0])))]
     backends = {b.device: b.backend for b in work}

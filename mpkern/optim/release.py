@@ -16,7 +16,7 @@ Two ways through, chosen by :func:`backward` (``opt.backward(loss, scaler=None)`
   check, known only once every grad exists. Pass 1 (graph retained) only runs the statistics
   kernel of ``step()`` over each bucket and drops the grads; the per-tensor statistics are put in
   the order ``step()`` would have them (:func:`.buckets.step_order`) and finished by the same
-  :func:`mpkern.step_plan.plan_step`, so norm, clip coefficient and ``found_inf`` are bit-identical to
+  :func:`mpkern.optim.step_plan.plan_step`, so norm, clip coefficient and ``found_inf`` are bit-identical to
   ``loss.backward(); opt.step()``. On an overflow pass 2 never runs (one host read of the flag,
   between the passes: the only one) and nothing changes; the GradScaler is told, so its
   ``update()`` backs off. Else pass 2 steps the buckets with the known factor.

@@ -16,7 +16,7 @@ The cached step: after a full step whose buckets are plain, dense, contiguous te
 device with a native (C++/CUDA) backend, :func:`build` hands the kernel lists to
 ``mpkern._C.StepCache`` (csrc/fastpath.cpp). Each later eager step :func:`refresh` re-checks, in
 O(groups) Python and one C++ loop over the params, that nothing the full step looks at has
-changed, and :func:`fast_step` plans the step's factor (:func:`mpkern.step_plan.plan_step`, as the full
+changed, and :func:`fast_step` plans the step's factor (:func:`mpkern.optim.step_plan.plan_step`, as the full
 path does) and runs the registered ``mpkern::adamw_step_`` op through the dispatcher with the
 cached lists -- bitwise the same step. Anything else takes the full path, which rebuilds it.
 """
