@@ -211,7 +211,6 @@ def _validate(params_or_optimizer: Any, inv_scale: Any, max_norm: Any, norm_type
                       UserWarning, stacklevel=3)
     if enabled is not None:
         _scaler_internals.check_unscale_stage(enabled, optimizer)
-    if enabled is not None:
         scale = _scaler_internals.scaler_internals(enabled).scale
         assert scale is not None  # checked by _inv_scale_tensor (needs_scale)
         out_device = scale.device

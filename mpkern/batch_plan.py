@@ -16,6 +16,7 @@ size with mixed precision, and a safety margin") from measurements instead of a 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -46,8 +47,8 @@ def measure_step(make_model: Callable[[], torch.nn.Module], make_batch: Callable
     for b in batches:
         inputs = make_batch(b)
 
-        def step(inputs: Any = inputs) -> None:  # bound: live_peak calls it now, but bound stays right
-            ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else _null()
+        def step(inputs: Any = inputs) -> None:  # bound: right even if live_peak ever kept the closure
+            ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
             with ctx:
                 loss = loss_fn(model, *inputs)
             loss.backward()
@@ -61,14 +62,6 @@ def measure_step(make_model: Callable[[], torch.nn.Module], make_batch: Callable
     return {"batches": list(batches), "peaks": peaks, "per_sample": per_sample, "fixed": p1 - per_sample * b1}
 
 
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
 def estimate_batch(budget: int, state_bytes: float, step: dict[str, float], *,
                    margin: float = SAFETY_MARGIN) -> dict[str, Any]:
     """The largest batch whose predicted peak -- ``state_bytes`` (persistent state without grads) +
@@ -79,7 +72,7 @@ def estimate_batch(budget: int, state_bytes: float, step: dict[str, float], *,
     room = usable - state_bytes - step["fixed"]
     per_sample = step["per_sample"]
     batch = max(0, int(room // per_sample)) if per_sample > 0 else (0 if room < 0 else None)
-    predicted = None if batch is None else state_bytes + step["fixed"] + batch * step["per_sample"]
+    predicted = None if batch is None else state_bytes + step["fixed"] + batch * per_sample
     return {"max_batch_size": batch, "budget_bytes": budget, "margin": margin, "usable_bytes": usable,
             "state_bytes": state_bytes, "fixed_bytes": step["fixed"], "per_sample_bytes": step["per_sample"],
             "predicted_peak_bytes": predicted}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ast
 import os
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -108,10 +109,6 @@ def climbs_out(node: ast.ImportFrom, rel: str) -> bool:
     return node.level > depth
 
 
-def parent_package(name: str) -> str:
-    return name.rsplit(".", 1)[0] if "." in name else ""
-
-
 def check_file(path: str, root: str) -> Iterator[Finding]:
     rel = os.path.relpath(path, root)
     here = module_name(rel)
@@ -168,7 +165,7 @@ def python_files(root: str, paths: list[str]) -> Iterator[str]:
 
 def load_config(root: str) -> dict:
     if tomllib is None:
-        raise SystemExit("lint_private_names: needs Python >= 3.11 (tomllib) to read pyproject.toml")
+        raise SystemExit("lint_private_names: reading pyproject.toml needs Python >= 3.11 or tomli")
     with open(os.path.join(root, "pyproject.toml"), "rb") as f:
         cfg = tomllib.load(f)
     try:
@@ -181,8 +178,8 @@ def run(root: str, paths: list[str], allow: list[dict]) -> list[str]:
     """Every finding not allowed, and every allow entry that matched nothing, as lines."""
     allowed = {(a["file"], a["name"]): a for a in allow}
     used: set[tuple[str, str]] = set()
-    out = [f"{f}: allow entry for {n} is listed twice" for (f, n) in allowed
-           if sum((a["file"], a["name"]) == (f, n) for a in allow) > 1]
+    counts = Counter((a["file"], a["name"]) for a in allow)
+    out = [f"{f}: allow entry for {n} is listed twice" for (f, n), k in counts.items() if k > 1]
     for path in python_files(root, paths):
         for f in check_file(path, root):
             key = (f.file, f.name)
