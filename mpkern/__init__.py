@@ -118,6 +118,6 @@ def info() -> dict[str, Any]:
 
 
 def _matmul_notes() -> dict[str, str]:
-    from .matmul import BACKEND_NOTES
+    from .matmul import NOTES
 
-    return BACKEND_NOTES
+    return NOTES

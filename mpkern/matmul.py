@@ -17,48 +17,79 @@ namespace:
 * ``mpkern::matmul_accumulate_(a, b, out!)``: ``out (fp32) += a @ b`` in the GEMM epilogue -- the
   weight-gradient accumulation into ``main_grad`` used by :mod:`mpkern.nn`.
 
-Backends (:func:`backend_for`): ``triton`` runs ``mpkern.triton_kernels.matmul`` (CUDA tensors, or
-CPU tensors under ``TRITON_INTERPRET=1`` when ``MPKERN_BACKEND=triton``); every other backend
-(``cpu``, ``torch``, and ``cuda`` -- there is no C++ GEMM) computes ``a.float() @ b.float()``
-through ATen, i.e. also with fp32 accumulation, then casts.
+Routes (:mod:`mpkern.matmul_routes`): the same contract runs on the platform's GEMM (``cublas`` on
+CUDA, ``aten`` on CPU: oneDNN with AMX / AVX512-BF16 where the CPU has them), on mpkern's Triton
+kernel (``triton``), or on an fp32 GEMM of upcast copies (``upcast``); each problem (device, dtypes,
+epilogue, layout, size bucket) takes the fastest that keeps the contract, timed once and cached in
+memory and on disk (:mod:`mpkern.route_cache`). ``MPKERN_MATMUL_ROUTE=triton|cublas|aten|upcast``
+forces one (:func:`use_route` within a block); :func:`routes` says which a problem may take and why not.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+
 import torch
 
-from . import _backend
+from . import matmul_routes
+from .matmul_routes import BIAS_DTYPES, IN_DTYPES, NOTES, OUT_DTYPES, temp_meter
 
 Tensor = torch.Tensor
 
-_IN_DTYPES = (torch.float16, torch.bfloat16)
-_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-__all__ = ["matmul", "linear", "matmul_accumulate_", "backend_for", "BACKEND_NOTES"]
-
-#: What each backend does for these ops (for ``mpkern info``).
-BACKEND_NOTES = {
-    "triton": "Triton tiled GEMM, fp32 accumulator, fused bias / fp32 accumulate / cast epilogue",
-    "cuda": "no C++ GEMM: Triton when available, else ATen a.float() @ b.float() (fp32 accumulation)",
-    "cpu": "ATen a.float() @ b.float() (fp32 accumulation), then cast",
-    "torch": "ATen a.float() @ b.float() (fp32 accumulation), then cast",
-}
+__all__ = ["matmul", "linear", "matmul_accumulate_", "routes", "route_summary", "use_route", "fold_rows", "temp_meter", "IN_DTYPES",
+           "NOTES"]
 
 
-def backend_for(device: torch.device | str) -> str:
-    """``'triton'`` or ``'torch'`` (ATen, fp32 accumulation): what the matmul ops run on ``device``.
+def routes(device: torch.device | str, dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype | None = None,
+           epilogue: str = "none") -> dict[str, str]:
+    """``{route: ""}`` for each route that may run a GEMM of ``dtype`` operands into ``out_dtype``
+    (default ``dtype``) on ``device`` -- ``epilogue``: ``"none"``, ``"bias"`` (a bias of ``dtype``) or
+    ``"accumulate"`` (fp32 ``+=``) -- and ``{route: why not}`` for the others (``mpkern info``)."""
+    if epilogue not in ("none", "bias", "accumulate"):
+        raise ValueError(f"routes: epilogue must be 'none', 'bias' or 'accumulate', got {epilogue!r}")
+    out_dtype = torch.float32 if epilogue == "accumulate" else out_dtype or dtype
+    return matmul_routes.candidates(torch.device(device), dtype, out_dtype, epilogue,
+                                    dtype if epilogue == "bias" else None)
 
-    Follows :func:`mpkern._backend.select` (so ``MPKERN_BACKEND`` is honoured and a forced backend
-    that cannot run is an error); the ``cuda`` backend has no C++ GEMM and uses Triton when it can.
-    """
-    device = torch.device(device)
-    name = _backend.select(device)
-    if name == "triton":
-        return "triton"
-    if name == "cuda" and _backend.forced() is None and not _backend.runs_on("triton", device):
-        return "triton"
-    return "torch"
+
+def route_summary(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The routes a ``dtype`` GEMM may take on ``device``, in words: ``"aten or upcast, the faster per
+    shape"``, or the one route (``mpkern compare``'s and ``bench``'s labels)."""
+    ok = [r for r, why in routes(device, dtype).items() if not why]
+    return ok[0] if len(ok) == 1 else " or ".join(ok) + ", the faster per shape"
+
+
+def use_route(name: str | None) -> contextlib.AbstractContextManager[None]:
+    """Within the block, every GEMM of these ops runs on route ``name`` (``"triton"``, ``"cublas"``,
+    ``"aten"``, ``"upcast"``; ``"auto"`` or None: the measured choice), as
+    ``MPKERN_MATMUL_ROUTE=name`` would; the previous setting is restored after. A route that cannot
+    keep the contract for a GEMM is refused by that GEMM with the reason."""
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"use_route: name must be a str or None, got {type(name).__name__}")
+    value = None if name is None else name.strip().lower()
+    if value is not None and value not in (*matmul_routes.ROUTES, "auto"):
+        raise ValueError(f"use_route: {name!r} is not a route; expected auto, {', '.join(matmul_routes.ROUTES)} "
+                         "or None")
+    return _route_setting(value)
+
+
+@contextlib.contextmanager
+def _route_setting(value: str | None) -> Iterator[None]:
+    env = matmul_routes.ENV
+    old = os.environ.get(env)
+    if value is None:
+        os.environ.pop(env, None)
+    else:
+        os.environ[env] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(env, None)
+        else:
+            os.environ[env] = old
 
 
 # ---- validation ---------------------------------------------------------------------------------
@@ -73,7 +104,7 @@ def _validate(op: str, a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: tor
     for name, t in ((an, a), (bn, b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if a.dtype not in _IN_DTYPES:
+    if a.dtype not in IN_DTYPES:
         raise TypeError(f"{op}: {an} must be float16 or bfloat16, got {an} {a.dtype} of shape {_shape(a)}")
     if b.dtype != a.dtype:
         raise TypeError(f"{op}: {an} and {bn} must have the same dtype, got {an} {a.dtype} {_shape(a)} and "
@@ -92,79 +123,29 @@ def _validate(op: str, a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: tor
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"{op}: bias must be a torch.Tensor or None, got {type(bias).__name__}")
-        if bias.dtype not in _BIAS_DTYPES:
+        if bias.dtype not in BIAS_DTYPES:
             raise TypeError(f"{op}: bias must be float16, bfloat16 or float32, got {bias.dtype}")
         if _shape(bias) != (n,):
             raise ValueError(f"{op}: bias must have shape ({n},) for {an} {_shape(a)} and {bn} {_shape(b)}, "
                              f"got {_shape(bias)}")
         if bias.device != a.device:
             raise ValueError(f"{op}: bias {_shape(bias)} is on {bias.device} but {an} {_shape(a)} is on {a.device}")
-    if out_dtype is not None and out_dtype not in _OUT_DTYPES:
+    if out_dtype is not None and out_dtype not in OUT_DTYPES:
         raise TypeError(f"{op}: out_dtype must be None, float16, bfloat16 or float32, got {out_dtype}")
 
 
 # ---- compute --------------------------------------------------------------------------------------
-#: Callables told, at every CPU (ATen fp32) GEMM of these ops, the peak bytes of the fp32 temporaries
-#: the call held at once (operand copies, fp32 product, and the rounded output while the product is
-#: alive). A ``TorchDispatchMode`` sees these ops but not the tensors inside them, so a memory meter
-#: (``mpkern.compare``'s ``LiveBytes``) adds them here.
-_temp_meters: list = []
-
-
-def _note_temps(*groups: int) -> None:
-    peak = max(groups)
-    for meter in _temp_meters:
-        meter(peak)
-
-
 def _mm2d(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
-    """2-D ``a (M, K) @ b (K, N) (+ bias)`` in a new (M, N) tensor of ``out_dtype``."""
-    if backend_for(a.device) == "triton":
-        from mpkern.triton_kernels import matmul as tk
-
-        return tk.matmul(a, b, bias, out_dtype)
-    return _mm2d_fp32(a, b, bias, out_dtype)
-
-
-#: The ATen path upcasts row blocks of ``a`` of about this many bytes (fp32 copy + fp32 product) at a
-#: time, so its temporaries do not grow with the batch: the fp32 copy of ``b`` (a weight) and one block.
-_CPU_BLOCK_BYTES = 4 << 20
-
-
-def _mm2d_fp32(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
-    """``_mm2d`` through ATen: an fp32 GEMM of the upcast operands in row blocks, one rounding each."""
-    m, k = a.shape
-    n = b.shape[1]
-    b32 = b.float()
-    bias32 = None if bias is None else bias.float()
-    rows = max(64, _CPU_BLOCK_BYTES // (4 * (k + n)))
-    if rows >= m:
-        a32 = a.float()
-        r = a32 @ b32
-        copies = (a32.nbytes if a32 is not a else 0) + (b32.nbytes if b32 is not b else 0)
-        del a32, b32
-        if bias32 is not None:
-            r += bias32
-        out = r.to(out_dtype)
-        if _temp_meters:
-            _note_temps(copies + r.nbytes, r.nbytes + (out.nbytes if out is not r else 0))
-        return out
-    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
-    block = 0
-    for i in range(0, m, rows):
-        a32 = a[i:i + rows].float()
-        r = a32 @ b32
-        if bias32 is not None:
-            r += bias32
-        out[i:i + rows].copy_(r)  # the one rounding of this block
-        block = max(block, a32.nbytes + r.nbytes)
-    if _temp_meters:
-        _note_temps((b32.nbytes if b32 is not b else 0) + out.nbytes + block)
+    """2-D ``a (M, K) @ b (K, N) (+ bias)`` in a new (M, N) tensor of ``out_dtype``, on the chosen route."""
+    out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    if out.numel():
+        matmul_routes.run(a, b, bias, out)
     return out
 
 
-def _fold(a: Tensor) -> Tensor:
-    """(*, K) -> (M, K), a view when the batch dims can be folded (a copy otherwise)."""
+def fold_rows(a: Tensor) -> Tensor:
+    """(*, K) -> (M, K) with M the product of the batch dims: a view when they can be folded (a copy
+    otherwise) -- how these ops treat batch dimensions."""
     m = 1
     for d in a.shape[:-1]:
         m = m * d
@@ -180,7 +161,7 @@ def _out_shape(a: Tensor, n: int) -> list[int]:
 def _matmul_op(a: Tensor, b: Tensor, bias: Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> Tensor:
     _validate("matmul", a, b, bias, out_dtype, weight=False)
-    out = _mm2d(_fold(a), b, bias, out_dtype or a.dtype)
+    out = _mm2d(fold_rows(a), b, bias, out_dtype or a.dtype)
     return out.view(_out_shape(a, b.shape[1]))
 
 
@@ -188,7 +169,7 @@ def _matmul_op(a: Tensor, b: Tensor, bias: Tensor | None = None,
 def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> Tensor:
     _validate("linear", x, weight, bias, out_dtype, weight=True)
-    out = _mm2d(_fold(x), weight.t(), bias, out_dtype or x.dtype)
+    out = _mm2d(fold_rows(x), weight.t(), bias, out_dtype or x.dtype)
     return out.view(_out_shape(x, weight.shape[0]))
 
 
@@ -200,17 +181,8 @@ def _matmul_accumulate_op(a: Tensor, b: Tensor, out: Tensor) -> None:
                          f"a {_shape(a)} @ b {_shape(b)}, got {out.dtype} {_shape(out)}")
     if out.device != a.device:
         raise ValueError(f"matmul_accumulate_: out is on {out.device} but a {_shape(a)} is on {a.device}")
-    if backend_for(a.device) == "triton":
-        from mpkern.triton_kernels import matmul as tk
-
-        tk.matmul_into(a, b, out, accumulate=True)
-    else:
-        a32, b32 = a.float(), b.float()
-        r = a32 @ b32
-        if _temp_meters:
-            _note_temps(a32.nbytes + b32.nbytes + r.nbytes)
-        del a32, b32
-        out.add_(r)
+    if out.numel():
+        matmul_routes.run(a, b, None, out, accumulate=True)
 
 
 @_matmul_op.register_fake
@@ -256,7 +228,7 @@ def _matmul_backward(ctx, gy):
     if ctx.needs_input_grad[0]:
         da = torch.ops.mpkern.matmul(g, b.t(), None, a.dtype)  # (*, N) @ (N, K)
     if ctx.needs_input_grad[1]:
-        db = torch.ops.mpkern.matmul(_fold(a).t(), _fold(g), None, b.dtype)  # (K, M) @ (M, N)
+        db = torch.ops.mpkern.matmul(fold_rows(a).t(), fold_rows(g), None, b.dtype)  # (K, M) @ (M, N)
     return da, db, _dbias(ctx, gy), None
 
 
@@ -267,7 +239,7 @@ def _linear_backward(ctx, gy):
     if ctx.needs_input_grad[0]:
         dx = torch.ops.mpkern.matmul(g, w, None, x.dtype)  # (*, N) @ (N, K)
     if ctx.needs_input_grad[1]:
-        dw = torch.ops.mpkern.matmul(_fold(g).t(), _fold(x), None, w.dtype)  # (N, M) @ (M, K)
+        dw = torch.ops.mpkern.matmul(fold_rows(g).t(), fold_rows(x), None, w.dtype)  # (N, M) @ (M, K)
     return dx, dw, _dbias(ctx, gy), None
 
 

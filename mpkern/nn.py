@@ -42,7 +42,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _fused_unscale, _grads
-from .matmul import _IN_DTYPES, _fold, linear, matmul, matmul_accumulate_
+from .matmul import IN_DTYPES, fold_rows, linear, matmul, matmul_accumulate_
 
 Tensor = torch.Tensor
 
@@ -78,7 +78,7 @@ class _LinearMainGrad(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = matmul(g, w, out_dtype=x.dtype)  # (*, N) @ (N, K)
         if ctx.needs_input_grad[1]:
-            matmul_accumulate_(_fold(g).t(), _fold(x), _main_grad(w))  # main_grad (N, K) += dY^T X
+            matmul_accumulate_(fold_rows(g).t(), fold_rows(x), _main_grad(w))  # main_grad (N, K) += dY^T X
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             dbias = gy.reshape(-1, gy.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return dx, None, dbias, None
@@ -98,14 +98,14 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
-        if x.device == w.device and w.dtype in _IN_DTYPES and torch.is_autocast_enabled(x.device.type):
+        if x.device == w.device and w.dtype in IN_DTYPES and torch.is_autocast_enabled(x.device.type):
             # autocast: a 16-bit weight of the autocast dtype runs the fused path on x cast to it
             # (what F.linear under autocast would compute from); other weights fall back below
             if w.dtype == torch.get_autocast_dtype(x.device.type):
                 x = x.to(w.dtype)
             else:
                 return self._fallback(x)
-        if not (x.dtype in _IN_DTYPES and w.dtype == x.dtype and x.device == w.device):
+        if not (x.dtype in IN_DTYPES and w.dtype == x.dtype and x.device == w.device):
             return self._fallback(x)
         if self.fp32_main_grad and w.requires_grad and torch.is_grad_enabled():
             return _LinearMainGrad.apply(x, w, self.bias, None)

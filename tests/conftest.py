@@ -2,6 +2,8 @@
 
 * Without a GPU, Triton kernels run in the interpreter: TRITON_INTERPRET=1 is set here, before
   anything imports triton.
+* The matmul route cache (``mpkern.route_cache``) of the test run lives in a folder of its own, not
+  the user's cache folder.
 * ``backend`` fixture: every backend that can run on this machine's test device, plus the C++ CPU
   kernels with SIMD switched off ("cpu-scalar"), so both CPU code paths are covered.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("MPKERN_CACHE_DIR", tempfile.mkdtemp(prefix="mpkern-test-cache-"))
 
 from mpkern import _backend, _ops  # noqa: E402 -- imported after TRITON_INTERPRET is set above
 

@@ -18,6 +18,7 @@ import torch
 
 import mpkern
 from mpkern import compare
+from mpkern.matmul import route_summary
 
 TINY = dict(steps=6, warmup=1, log_every=3, batch_size=4, seq_len=8, d_model=16, heads=2, layers=1, classes=5,
             noise_vocab=7, val_size=40)
@@ -375,7 +376,8 @@ def test_auto_linear_follows_the_measurement(monkeypatch):
         res = _run("bf16-naive,mpkern-bf16")
         assert set(res["linear_choice"]) == {"bfloat16"}
         for r in res["runs"]:
-            assert r["gemm"] == ("mpkern (fp32 GEMM)" if pick == "mpkern" else "ATen bf16"), r
+            want = f"mpkern ({route_summary('cpu', torch.bfloat16).split(',')[0]})"  # e.g. "aten or upcast"
+            assert r["gemm"] == (want if pick == "mpkern" else "ATen bf16"), r
             assert ("mpkern.nn.Linear" in r["linear"]) == (pick == "mpkern")
         assert "| bf16-naive | bfloat16 | bfloat16 | " + r["gemm"] + " |" in compare.format_table(res)
     res = _run("mpkern-bf16", linear="torch")
@@ -557,15 +559,14 @@ def test_live_bytes_counts_each_tensor_from_creation_to_free():
 
 @pytest.mark.parametrize("rows, block_bytes", [(24, 1 << 30), (200, 64 * 4 * (24 + 40))])
 def test_live_bytes_counts_mpkern_linear_cpu_temporaries(monkeypatch, rows, block_bytes):
-    """The fp32 temporaries inside mpkern.linear's CPU path (which a dispatch mode cannot see) are in
-    the peak: one shot -- x and w copies + fp32 product; in row blocks (64 rows here) -- the w copy,
-    the output and one block. The blocked result matches float64 within bf16 rounding."""
-    import importlib
+    """The fp32 temporaries inside mpkern.linear's upcast route (which a dispatch mode cannot see) are in
+    the peak: one shot -- x and w copies, the fp32 product and the output made before it; in row blocks
+    (64 rows here) -- the w copy, the output and one block. The blocked result matches float64 within
+    bf16 rounding."""
+    from mpkern import matmul_routes
 
-    mm = importlib.import_module("mpkern.matmul")  # the module (mpkern.matmul is also the function)
-    monkeypatch.setattr(mm, "_CPU_BLOCK_BYTES", block_bytes)
-    if mm.backend_for("cpu") != "torch":
-        pytest.skip("the CPU GEMM path is not ATen's here")
+    monkeypatch.setattr(matmul_routes, "CPU_BLOCK_BYTES", block_bytes)
+    monkeypatch.setenv("MPKERN_MATMUL_ROUTE", "upcast")
     g = torch.Generator().manual_seed(3)
     k, n = 24, 40
     x = (torch.randn(rows, k, generator=g) + 0.5).to(torch.bfloat16)
@@ -575,7 +576,7 @@ def test_live_bytes_counts_mpkern_linear_cpu_temporaries(monkeypatch, rows, bloc
     with LiveBytes() as meter:
         out = mpkern.linear(x, w)
     if block_bytes >= 1 << 30:
-        temps = 4 * rows * k + 4 * n * k + 4 * rows * n  # x32, w32, fp32 product (then product + output < that)
+        temps = 4 * rows * k + 4 * n * k + 4 * rows * n + 2 * rows * n  # x32, w32, fp32 product, the output
     else:
         temps = 4 * n * k + 2 * rows * n + 64 * 4 * (k + n)  # w32, output, one 64-row block (copy + product)
     assert meter.gemm_temp_peak == temps and meter.peak == temps

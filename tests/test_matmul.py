@@ -8,6 +8,8 @@ computation (plus a tiny floor); an fp32 result is within 1e-4 of the sum of |pr
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings, strategies as st
@@ -15,14 +17,23 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 import mpkern.nn
 from conftest import DEVICE
 from mpkern import _backend
-from mpkern.matmul import backend_for, linear, matmul, matmul_accumulate_
+from mpkern.matmul import linear, matmul, matmul_accumulate_, routes, use_route
 
-MM_BACKENDS = [b for b in ("torch", "triton") if not _backend.runs_on(b, DEVICE)]
+# every route this device has: the platform GEMM (aten on CPU, cublas on CUDA), upcast, and Triton
+# (on CPU through MPKERN_BACKEND=triton and the interpreter)
+MM_ROUTES = [r for r, why in routes(DEVICE).items() if not why or (r == "triton" and not _backend.runs_on(r, DEVICE))]
 DTYPES = [torch.bfloat16, torch.float16]
 HSET = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-forced = mpkern.use_backend  # MPKERN_BACKEND within a block
+
+
+@contextlib.contextmanager
+def forced(route):
+    """Every GEMM of the block on ``route`` (Triton on CPU: MPKERN_BACKEND=triton, the interpreter)."""
+    backend = "triton" if route == "triton" and DEVICE.type == "cpu" else None
+    with mpkern.use_backend(backend), use_route(None if backend else route):
+        yield
 
 
 def rand(shape, dtype, gen, layout="contig", scale=1.0):
@@ -93,7 +104,6 @@ def _case(backend, op, batch, m, n, k, dtype, out_dtype, with_bias, la, lb, seed
     gy = rand(a_shape[:-1] + [n], out_dtype or dtype, gen)
 
     with forced(backend):
-        assert backend_for(DEVICE) == backend
         y = matmul(a, b, bias=bias, out_dtype=out_dtype) if op == "matmul" else linear(a, b, bias, out_dtype=out_dtype)
         y.backward(gy)
     assert y.dtype == (out_dtype or dtype) and list(y.shape) == a_shape[:-1] + [n]
@@ -127,7 +137,7 @@ def _case(backend, op, batch, m, n, k, dtype, out_dtype, with_bias, la, lb, seed
         check_16bit(bias.grad, dbias_ref, dbias_same, f"{backend} {op} grad bias", g64.abs().reshape(-1, n).sum(0))
 
 
-@pytest.mark.parametrize("backend", MM_BACKENDS)
+@pytest.mark.parametrize("backend", MM_ROUTES)
 @HSET
 @given(op=st.sampled_from(["matmul", "linear"]), batch=st.sampled_from([0, 0, 1, 3]), m=DIM, n=DIM, k=DIM,
        dtype=st.sampled_from(DTYPES), out_dtype=st.sampled_from([None, torch.float32]),
@@ -142,7 +152,7 @@ def test_forward_backward(backend, op, batch, m, n, k, dtype, out_dtype, with_bi
     _case(backend, op, batch, m, n, k, dtype, out_dtype, with_bias, la, lb, seed)
 
 
-@pytest.mark.parametrize("backend", MM_BACKENDS)
+@pytest.mark.parametrize("backend", MM_ROUTES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_large_values_and_1d_input(backend, dtype):
     """Magnitudes far from 1 (fp16 close to its range) and a 1-D ``a``."""
@@ -159,7 +169,7 @@ def test_large_values_and_1d_input(backend, dtype):
     check(y32, ref, None, d(a).abs() @ d(b).abs(), "1-D fp32")
 
 
-@pytest.mark.parametrize("backend", MM_BACKENDS)
+@pytest.mark.parametrize("backend", MM_ROUTES)
 def test_empty_dims(backend):
     gen = torch.Generator().manual_seed(0)
     with forced(backend):
@@ -171,7 +181,7 @@ def test_empty_dims(backend):
         assert torch.equal(y.cpu(), bias.cpu().expand(4, 3))
 
 
-@pytest.mark.parametrize("backend", MM_BACKENDS)
+@pytest.mark.parametrize("backend", MM_ROUTES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_accumulate_into_fp32(backend, dtype):
     gen = torch.Generator().manual_seed(11)
@@ -186,7 +196,7 @@ def test_accumulate_into_fp32(backend, dtype):
     check_fp32(out, ref, d(out).abs() + d(a).abs() @ d(b).abs(), "accumulate")
 
 
-@pytest.mark.parametrize("backend", MM_BACKENDS)
+@pytest.mark.parametrize("backend", MM_ROUTES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_main_grad_accumulation(backend, dtype):
     """Three micro-batches: weight.main_grad (fp32, one buffer) == float64 sum of dY^T X."""
@@ -234,7 +244,7 @@ def test_linear_module_matches_nn_linear():
     assert mpkern.nn.Linear(4, 2, bias=False).bias is None
 
 
-@pytest.mark.parametrize("backend", MM_BACKENDS)
+@pytest.mark.parametrize("backend", MM_ROUTES)
 def test_convert_keeps_state_dict(backend):
     torch.manual_seed(0)
     dtype = torch.bfloat16
@@ -266,7 +276,7 @@ def test_convert_keeps_state_dict(backend):
     assert model[0].fp32_main_grad
 
 
-@pytest.mark.parametrize("backend", MM_BACKENDS)
+@pytest.mark.parametrize("backend", MM_ROUTES)
 def test_converted_model_trains(backend):
     """A converted bf16 model with fp32 main_grad learns (loss falls) with FusedAdamWMP, which reads
     main_grad and whose zero_grad clears it."""
@@ -292,7 +302,7 @@ def test_converted_model_trains(backend):
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-@pytest.mark.parametrize("backend", MM_BACKENDS)
+@pytest.mark.parametrize("backend", MM_ROUTES)
 def test_opcheck(backend):
     gen = torch.Generator().manual_seed(0)
     dt = torch.bfloat16
@@ -309,7 +319,7 @@ def test_opcheck(backend):
         torch.library.opcheck(torch.ops.mpkern.matmul_accumulate_.default, (a.detach()[0], b.detach(), out))
 
 
-@pytest.mark.parametrize("backend", MM_BACKENDS)
+@pytest.mark.parametrize("backend", MM_ROUTES)
 def test_torch_compile_fullgraph(backend):
     gen = torch.Generator().manual_seed(0)
     dt = torch.bfloat16

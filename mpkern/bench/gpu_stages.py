@@ -356,21 +356,23 @@ def stage_matmul(out: str, tuned: bool = False, *, device: Any = None,
 
     import mpkern
     from mpkern.matmul import matmul_accumulate_
+    from mpkern.matmul_routes import has_mm_out_dtype
     from mpkern.measure import event_time, sync
     from mpkern.triton_kernels import matmul as tk
 
-    from .matmul import DTYPES, _has_mm_out_dtype, wgrad_accumulate_peer
+    from .matmul import DTYPES, wgrad_accumulate_peer
 
     if tuned:
         os.environ.pop("MPKERN_MATMUL_CONFIG", None)
     else:
         os.environ["MPKERN_MATMUL_CONFIG"] = "fixed"
+    os.environ["MPKERN_MATMUL_ROUTE"] = "triton"  # this stage measures the Triton kernel; `bench matmul` every route
     name = "matmul_tuned" if tuned else "matmul"
     sf = StageFile(os.path.join(out, f"{name}.json"), name, kernel="matmul")
     dev = _gpu() if device is None else torch.device(device)
     fixed = "fixed " + "x".join(str(tk.FIXED_CONFIG[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
     sf.set(meta=_meta(dev, config="autotuned" if tuned else fixed))
-    mm_out = _has_mm_out_dtype(dev)
+    mm_out = has_mm_out_dtype(dev)
     cases = _mm_cases(tuned) if cases is None else list(cases)
     planned = []
     for shape, _m, _n, _k, layout, dts in cases:

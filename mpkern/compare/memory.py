@@ -152,17 +152,16 @@ class LiveBytes:
         self.peak = max(self.peak, self.live + n)
 
     def __enter__(self) -> LiveBytes:
-        from ..matmul import _temp_meters
+        from ..matmul import temp_meter
 
-        _temp_meters.append(self._temps)
+        self._meter = temp_meter(self._temps)
+        self._meter.__enter__()
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        from ..matmul import _temp_meters
-
         self._mode.__exit__(*exc)
-        _temp_meters.remove(self._temps)
+        self._meter.__exit__(*exc)
 
 
 def live_peak(fn: Callable[[], Any]) -> tuple[Any, int]:

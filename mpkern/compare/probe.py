@@ -166,8 +166,9 @@ def choose_linear(shapes: Sequence[tuple[int, int, int, bool]], dtype: torch.dty
     (``shapes``, from :func:`linear_shapes`) in ``dtype`` on ``device``.
 
     Candidates, both accumulating in fp32: ``torch`` -- ``F.linear`` on the 16-bit tensors (ATen's
-    GEMM: oneDNN on CPU, cuBLAS on CUDA) -- and ``mpkern`` -- :func:`mpkern.linear` (Triton on CUDA;
-    elsewhere an fp32 GEMM of the upcast operands, then one rounding).
+    GEMM: oneDNN on CPU, cuBLAS on CUDA) -- and ``mpkern`` -- :func:`mpkern.linear`, which itself takes
+    the faster of its routes per shape (:mod:`mpkern.matmul_routes`: the platform GEMM where it keeps
+    fp32 accumulation, Triton on CUDA, the fp32 GEMM of upcast operands).
 
     CPU: decided by the native-compute probe first (``native``: :func:`compute_support`'s entry for
     ``dtype``): a dtype the CPU does not compute natively (its GEMM measured below
@@ -180,13 +181,12 @@ def choose_linear(shapes: Sequence[tuple[int, int, int, bool]], dtype: torch.dty
     ``mpkern`` counts as correct; else the faster wins. Returns ``{"chosen", "ms", "why", ...}``.
     """
     from .. import linear as mp_linear
-    from ..matmul import backend_for
+    from ..matmul import route_summary
 
     dev = torch.device(device)
     dname = DTYPE_NAME[dtype]
     what = {"torch": f"ATen {dname} GEMM (F.linear)",
-            "mpkern": ("mpkern.linear, Triton GEMM" if backend_for(dev) == "triton"
-                       else "mpkern.linear: fp32 GEMM of the upcast operands (ATen), one rounding")}
+            "mpkern": f"mpkern.linear (route {route_summary(dev, dtype)}; fp32 accumulation, one rounding)"}
     res: dict[str, Any] = {"dtype": dname, "candidates": what, "ms": {}, "gemms": len(shapes)}
     if not shapes:
         return res | {"chosen": "torch", "why": "the model has no torch.nn.Linear layers to convert"}

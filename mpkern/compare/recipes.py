@@ -61,8 +61,9 @@ def use_mpkern_linear(cfg: Config, dtype: torch.dtype, device: torch.device,
     choice = (linear_choice or {}).get(DTYPE_NAME[dtype])
     if choice is not None:
         return choice["chosen"] == "mpkern"
-    # no measurement given (a direct call): the Triton GEMM on CUDA; on CPU mpkern.linear's fp32
-    # GEMM for fp16 (ATen's CPU fp16 GEMM is slow without AVX512-FP16), ATen's for bf16
+    # no measurement given (a direct call): mpkern.linear on CUDA (the contract whatever cuBLAS's
+    # reduced-precision flags say) and for fp16 on CPU (its routes include the fp32 GEMM, which wins
+    # without AVX512-FP16); F.linear for bf16 on CPU
     return device.type == "cuda" or dtype == torch.float16
 
 
@@ -70,7 +71,7 @@ def _linear_path(model: nn.Module, pdt: torch.dtype, cfg: Config, device: torch.
                  linear_choice: dict[str, dict[str, Any]] | None) -> tuple[str, str]:
     """Convert ``model``'s Linear layers to mpkern's when chosen; ``(linear note, GEMM column)``."""
     from .. import nn as mpnn
-    from ..matmul import backend_for
+    from ..matmul import route_summary
 
     layers = "the model's own layers" if cfg.hf_model else "torch.nn.Linear"
     how = "auto: measured faster" if cfg.linear == "auto" and linear_choice else f"--linear {cfg.linear}"
@@ -81,10 +82,9 @@ def _linear_path(model: nn.Module, pdt: torch.dtype, cfg: Config, device: torch.
         return f"{layers} (ATen {DTYPE_NAME[pdt]} GEMM); {how}", f"ATen {DTYPE_SHORT[pdt]}"
     mpnn.convert(model)
     n_conv = sum(isinstance(m, mpnn.Linear) for m in model.modules())
-    triton = backend_for(device) == "triton"
-    gemm = "Triton GEMM" if triton else "fp32 GEMM of upcast operands"
-    return (f"mpkern.nn.Linear -> mpkern.linear ({gemm}), {n_conv} layers; {how}",
-            "mpkern (Triton)" if triton else "mpkern (fp32 GEMM)")
+    routes = route_summary(device, pdt)
+    return (f"mpkern.nn.Linear -> mpkern.linear (route {routes}), {n_conv} layers; {how}",
+            f"mpkern ({routes.split(',')[0]})")
 
 
 def _torch_optimizer(name: str, cfg: Config, model: nn.Module, device: torch.device) -> dict[str, Any]:
