@@ -114,6 +114,8 @@ def info() -> dict[str, Any]:
         "backends": {b: {"available": s.available, "reason": s.reason}
                      for b, s in ((b, _backend.status(b)) for b in _backend.BACKENDS)},
         "matmul": dict(_matmul_notes()),
+        "matmul_routes": _matmul_routes(dev),
+        "matmul_chosen": _matmul_chosen(dev),
     }
 
 
@@ -121,3 +123,26 @@ def _matmul_notes() -> dict[str, str]:
     from .matmul import NOTES
 
     return NOTES
+
+
+def _matmul_routes(dev: torch.device) -> dict[str, dict[str, str]]:
+    """Per operand dtype and epilogue, each route's reason it cannot run here ("" when it can)."""
+    from .matmul import routes
+
+    out: dict[str, dict[str, str]] = {}
+    for dt in (torch.bfloat16, torch.float16):
+        for label, od, epilogue in (("", dt, "none"), (" -> fp32", torch.float32, "none"),
+                                    (" += fp32", torch.float32, "accumulate")):
+            try:
+                out[f"{str(dt).removeprefix('torch.')}{label}"] = routes(dev, dt, od, epilogue)
+            except (RuntimeError, ValueError) as e:  # a forced backend that cannot run here
+                out[f"{str(dt).removeprefix('torch.')}{label}"] = {"error": str(e)}
+    return out
+
+
+def _matmul_chosen(dev: torch.device) -> list[dict[str, Any]]:
+    """The route choices remembered on disk for this device type (``mpkern.route_cache``)."""
+    from . import route_cache
+
+    return [{"problem": dict(e["problem"]._asdict()), "route": e["route"], "ms": e["ms"]}
+            for e in route_cache.entries(dev.type)]

@@ -110,9 +110,20 @@ def _cmd_info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for name, st in data["backends"].items():
         mark = "yes" if st["available"] else "no "
         print(f"  {name:<7} {mark}  {st['reason']}")
-    print("matmul / linear on each backend:")
+    print("matmul / linear routes (MPKERN_MATMUL_ROUTE; auto: the faster per problem, timed once):")
     for name, note in data["matmul"].items():
         print(f"  {name:<7} {note}")
+    for problem, why in data.get("matmul_routes", {}).items():
+        ok = [r for r, w in why.items() if not w]
+        print(f"  {problem:<17} may run on: {', '.join(ok) or 'none'}")
+    chosen = data.get("matmul_chosen", [])
+    if chosen:
+        print(f"matmul routes chosen so far on this device type ({len(chosen)}; the cache file of mpkern.route_cache):")
+        for e in chosen[:20]:
+            p = e["problem"]
+            ms = ", ".join(f"{r} {t:.3g} ms" for r, t in e["ms"].items())
+            size = f"M~{p['m']} N~{p['n']} K~{p['k']}"
+            print(f"  {p['dtype']}->{p['out_dtype']} {p['epilogue']:<10} {p['layout']} {size}: {e['route']} ({ms})")
     return 0
 
 

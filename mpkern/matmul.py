@@ -38,8 +38,8 @@ from .matmul_routes import BIAS_DTYPES, IN_DTYPES, NOTES, OUT_DTYPES, temp_meter
 
 Tensor = torch.Tensor
 
-__all__ = ["matmul", "linear", "matmul_accumulate_", "routes", "route_summary", "use_route", "fold_rows", "temp_meter", "IN_DTYPES",
-           "NOTES"]
+__all__ = ["matmul", "linear", "matmul_accumulate_", "routes", "route_summary", "use_route", "fold_rows", "temp_meter",
+           "IN_DTYPES", "NOTES"]
 
 
 def routes(device: torch.device | str, dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype | None = None,

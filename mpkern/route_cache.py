@@ -41,6 +41,9 @@ import torch
 
 __all__ = ["Problem", "choose", "cache_path", "entries", "fingerprint", "forget", "remembered", "timing_allowed"]
 
+#: Another route replaces the caller's default only when it measures at least this many times faster
+#: (a burst of load on a shared machine during the one timing must not fix a slower route for good).
+MARGIN = 1.05
 #: The file's format; a file of another format is ignored (and replaced at the next write).
 FORMAT = 1
 FILE_NAME = "matmul_routes.json"
@@ -228,7 +231,8 @@ def choose(problem: Problem, device: torch.device, runs: Mapping[str, Callable[[
 
     One candidate: it. Remembered (memory or an up-to-date disk entry naming a candidate): that.
     Inside a capture or a compile trace: ``default``, not remembered. Otherwise each candidate is
-    timed (:func:`_seconds`), the fastest is remembered in memory and on disk, and returned.
+    timed (:func:`_seconds`), the fastest -- ``default`` unless another is :data:`MARGIN` times
+    faster -- is remembered in memory and on disk, and returned.
     """
     if len(runs) == 1:
         return next(iter(runs))
@@ -239,6 +243,8 @@ def choose(problem: Problem, device: torch.device, runs: Mapping[str, Callable[[
         return default
     ms = {name: _seconds(fn, device, reps) * 1e3 for name, fn in runs.items()}
     route = min(ms, key=lambda r: ms[r])
+    if default in ms and ms[route] * MARGIN >= ms[default]:
+        route = default  # within the margin: the default (the platform GEMM), so noise cannot flip it
     with _lock:
         _memory[problem.key()] = route
     _write_entry(problem, route, ms)

@@ -20,9 +20,24 @@ def test_run_docstring_gives_the_sizes_the_code_uses():
         assert said in doc, (mode, said)
     probe = inspect.signature(bench.measure_bandwidth).parameters["nbytes"].default
     assert f"probe is {probe >> 20} MiB in both" in doc
-    for m, k, n in bench.CPU_SHAPES.values():
-        assert f"{m}x{k}x{n}" in doc
-    assert f"{bench.GPU_SQUARE[0][0]}^3 square (quick" in doc and f"{bench.GPU_LLM[0]}." in doc
+    cpu_quick, cpu_full = bench.matmul.TOKENS["cpu"]
+    gpu_quick, gpu_full = bench.matmul.TOKENS["cuda"]
+    assert f"with {cpu_quick} tokens (quick, CPU; the large ones left out) or {cpu_full} (CPU), {gpu_quick} or " \
+           f"{gpu_full} (CUDA" in doc
+
+
+def test_matmul_problems_are_the_linear_layers_gemms():
+    """Each model layer gives its three GEMMs in nn.Linear's layouts, with shapes that multiply."""
+    probs = {name: (m, n, k, make) for name, m, n, k, make in bench.matmul_problems("cpu", quick=False)}
+    t = bench.matmul.TOKENS["cpu"][1]
+    for model, layer, k_in, n_out in bench.MODEL_LAYERS:
+        tag = f"{model} {layer} T={t}"
+        assert probs[f"{tag} fwd"][:3] == (t, n_out, k_in)
+        assert probs[f"{tag} dgrad"][:3] == (t, k_in, n_out)
+        assert probs[f"{tag} wgrad"][:3] == (n_out, k_in, t)
+    m, n, k, make = probs[f"gpt2-small attn.c_proj T={t} wgrad"]
+    a, b = make(torch.bfloat16, torch.device("cpu"))
+    assert a.shape == (m, k) and b.shape == (k, n) and a.stride(0) == 1  # dY.T: a transposed view, no copy
 
 
 def _wgrad_problem(device, tokens=4096, n_out=24, k_in=20, seed=0):

@@ -238,3 +238,16 @@ def test_bad_operands_get_the_same_errors_on_every_route(cache_dir):
             for call, exc, words in bad:
                 with pytest.raises(exc, match=words):
                     call()
+
+
+@CPU_ONLY
+def test_a_near_tie_keeps_the_platform_gemm(cache_dir, fake_timer):
+    """Another route must beat the default (the platform GEMM) by route_cache.MARGIN to replace it."""
+    fake_timer["times"].update(aten=1.0, upcast=1.0 / (route_cache.MARGIN - 0.01))
+    a, b = _bf16(70, 33), _bf16(33, 17)
+    out = torch.empty(70, 17, dtype=torch.bfloat16)
+    assert matmul_routes.route_for(a, b, None, out, False) == "aten"
+    matmul_routes.forget()
+    (cache_dir / route_cache.FILE_NAME).unlink()
+    fake_timer["times"].update(upcast=1.0 / (route_cache.MARGIN + 0.01))
+    assert matmul_routes.route_for(a, b, None, out, False) == "upcast"

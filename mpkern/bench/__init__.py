@@ -54,12 +54,14 @@ from .common import (
 )
 from .host import bench_host_time, host_time
 from .matmul import (
-    CPU_SHAPES,
     DTYPES,
     GPU_LLM,
     GPU_SQUARE,
+    MODEL_LAYERS,
+    bench_linear_e2e,
     bench_matmul,
     check_matmul_interpreter,
+    problems as matmul_problems,
     wgrad_accumulate_peer,
 )
 from .modes import (
@@ -81,7 +83,7 @@ __all__ = [
                      "ADAMW_LR",
                      "ADAMW_MAX_NORM",
                      "BASELINE",
-                     "CPU_SHAPES",
+
                      "DEFAULT_ADAMW_MODES",
                      "DTYPES",
                      "FULL",
@@ -99,7 +101,7 @@ __all__ = [
                      "bench_adamw",
                      "bench_adamw_modes",
                      "bench_host_time",
-                     "bench_matmul",
+                     "bench_matmul", "bench_linear_e2e", "matmul_problems", "MODEL_LAYERS",
                      "bench_release",
                      "bench_torchao",
                      "bench_unscale",

@@ -14,7 +14,7 @@ from ..measure import machine_info, measure_bandwidth, write_json
 from .adamw import bench_adamw
 from .common import FULL, KERNELS, QUICK
 from .host import bench_host_time
-from .matmul import bench_matmul, check_matmul_interpreter
+from .matmul import bench_linear_e2e, bench_matmul, check_matmul_interpreter
 from .modes import adamw_modes, bench_adamw_modes
 from .release import bench_release
 from .report import format_table, plot
@@ -32,10 +32,11 @@ def run(which: str = "all", *, device: str | torch.device | None = None, quick: 
     Sizes (``params``/``tensors``/``reps`` override those of the optimizer-side benchmarks): full
     32M params in 200 tensors, 15 repetitions (``FULL``); ``quick`` 16M params in 100 tensors, 7
     repetitions (``QUICK``; the AdamW benchmark runs 5 fewer, at least 3, in both). The bandwidth
-    probe is 256 MiB in both. matmul: on CPU one shape, 1024x512x1024 (quick, at most 5
-    repetitions) or 2048x1024x2048 (at most 10); on CUDA the 4096^3 square (quick; also 8192^3 in
-    full) and the LLM-layer forward, input-gradient and weight-gradient GEMMs with 4096 tokens
-    (quick) or 16384.
+    probe is 256 MiB in both. matmul: the GPT-2-small and Llama-7B layer GEMMs (forward, input and
+    weight gradient; :func:`mpkern.bench.matmul.problems`) with 256 tokens (quick, CPU; the large
+    ones left out) or 1024 (CPU), 2048 or 8192 (CUDA, which adds the square and LLM shapes of the
+    first GPU run), every route beside ``torch.matmul``; the full run adds :func:`bench_linear_e2e`
+    (GPT-2 small forward + backward with torch's and mpkern's Linear).
 
     ``adamw`` also runs, on the same sizes and against the same AMP-recipe baseline:
     :func:`bench_adamw_modes` for ``modes`` (see :func:`adamw_modes`: ``"default"``, ``"all"``,
@@ -93,6 +94,8 @@ def run(which: str = "all", *, device: str | torch.device | None = None, quick: 
             rows += bench_host_time(dev, log=log)
     if "matmul" in kernels:
         rows += bench_matmul(dev, quick=quick, log=log)
+        if not quick:
+            rows += bench_linear_e2e(dev, log=log)
     if "release" in kernels:
         rows += bench_release(dev, quick=quick, reps=size["reps"], log=log)
     meta["seconds"] = time.perf_counter() - t0
