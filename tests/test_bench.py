@@ -310,3 +310,38 @@ def test_release_memory_meter_follows_each_grad_until_freed(release):
     else:
         assert meter.peak == every
     assert meter.live == 0
+
+
+def test_linear_e2e_times_three_models_side_by_side():
+    """bench_linear_e2e runs a transformers model with torch's Linear, converted, and converted with
+    fp32 main_grad, and reports the converted ones against the first (a smoke run: tiny sequence)."""
+    pytest.importorskip("transformers")
+    lines = []
+    rows = bench.bench_linear_e2e("cpu", model="llama", seq=16, reps=1, log=lines.append)
+    assert [r["method"].split(":")[0] for r in rows] == ["torch.nn.Linear", "mpkern.nn.convert",
+                                                         "mpkern.nn.convert(fp32_main_grad)"]
+    assert all(r["ms"] > 0 for r in rows) and rows[0]["mpkern_speedup"] is None
+    assert all(r["mpkern_speedup"] > 0 for r in rows[1:]) and "29 Linear converted" in rows[1]["method"]
+    with pytest.raises(ValueError, match="model must be"):
+        bench.bench_linear_e2e("cpu", model="bert")
+
+
+def test_matmul_routes_stage_writes_bench_matmul_rows(tmp_path, monkeypatch):
+    """The GPU check's matmul_routes stage is bench_matmul's rows (one implementation), in its JSON."""
+    import json
+
+    from mpkern.bench import gpu_stages, matmul as bench_mm
+
+    seen = {}
+
+    def fake(dev, **kw):
+        seen.update(kw, dev=dev)
+        return [{"kernel": "matmul", "method": "torch.matmul: x", "ms": 1.0}]
+
+    monkeypatch.setattr(bench_mm, "bench_matmul", fake)
+    monkeypatch.setenv("MPKERN_MATMUL_CONFIG", "x")  # recorded, so the stage's setting is undone after the test
+    monkeypatch.delenv("MPKERN_MATMUL_CONFIG")
+    assert gpu_stages.stage_matmul_routes(str(tmp_path), device=torch.device("cpu")) == 0
+    data = json.loads((tmp_path / "matmul_routes.json").read_text())
+    assert data["rows"] == [{"kernel": "matmul", "method": "torch.matmul: x", "ms": 1.0}]
+    assert seen["quick"] and seen["dtypes"] == "bf16" and os.environ["MPKERN_MATMUL_CONFIG"] == "fixed"

@@ -43,6 +43,7 @@ from typing import Any
 from .gpu_rows import StageFile, matmul_row, mem_row, short_error
 
 __all__ = ["StageFile", "mem_row", "matmul_row", "stage_device", "stage_unscale", "stage_adamw", "stage_matmul",
+           "stage_matmul_routes",
            "STAGES", "main"]
 
 #: the problem sizes: params (elements), tensors; chosen so the working set is far above the L2
@@ -366,10 +367,11 @@ def stage_matmul(out: str, tuned: bool = False, *, device: Any = None,
         os.environ.pop("MPKERN_MATMUL_CONFIG", None)
     else:
         os.environ["MPKERN_MATMUL_CONFIG"] = "fixed"
-    os.environ["MPKERN_MATMUL_ROUTE"] = "triton"  # this stage measures the Triton kernel; `bench matmul` every route
     name = "matmul_tuned" if tuned else "matmul"
     sf = StageFile(os.path.join(out, f"{name}.json"), name, kernel="matmul")
     dev = _gpu() if device is None else torch.device(device)
+    if dev.type == "cuda":  # this stage measures the Triton kernel (matmul_routes: every route)
+        os.environ["MPKERN_MATMUL_ROUTE"] = "triton"
     fixed = "fixed " + "x".join(str(tk.FIXED_CONFIG[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
     sf.set(meta=_meta(dev, config="autotuned" if tuned else fixed))
     mm_out = has_mm_out_dtype(dev)
@@ -444,7 +446,26 @@ def stage_matmul(out: str, tuned: bool = False, *, device: Any = None,
     return 0
 
 
-STAGES = ("device", "unscale", "adamw", "matmul", "matmul_tuned")
+def stage_matmul_routes(out: str, *, device: Any = None, dtypes: str = "bf16") -> int:
+    """Every route of mpkern.matmul beside torch.matmul (cuBLAS) on the square 4096^3 GEMM and the
+    GPT-2-small and Llama-7B layer GEMMs (fwd, dgrad, wgrad, += main_grad; 2048 tokens), and the route
+    the default took: :func:`mpkern.bench.matmul.bench_matmul` (the same rows as ``mpkern bench
+    matmul --quick``), into ``matmul_routes.json`` row by row. The Triton route runs the fixed config
+    (``MPKERN_MATMUL_CONFIG=fixed``: no autotuning inside the stage's limit)."""
+    os.environ.setdefault("MPKERN_MATMUL_CONFIG", "fixed")
+    os.environ.pop("MPKERN_MATMUL_ROUTE", None)
+    from .matmul import bench_matmul
+
+    sf = StageFile(os.path.join(out, "matmul_routes.json"), "matmul_routes", kernel="matmul")
+    dev = _gpu() if device is None else device
+    sf.set(meta=_meta(dev, config=os.environ["MPKERN_MATMUL_CONFIG"]))
+    for r in bench_matmul(dev, quick=True, dtypes=dtypes, reps=10, log=_log):
+        sf.add_row(r)
+    sf.finish()
+    return 0
+
+
+STAGES = ("device", "unscale", "adamw", "matmul", "matmul_tuned", "matmul_routes")
 
 
 def dump_stacks_later() -> None:
@@ -499,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     dump_stacks_later()
     files = {"device": ["device.json"], "unscale": ["unscale.json"], "adamw": [f"adamw_{args.backend}.json"],
-             "matmul": ["matmul.json"], "matmul_tuned": ["matmul_tuned.json"]}[args.stage]
+             "matmul": ["matmul.json"], "matmul_tuned": ["matmul_tuned.json"],
+             "matmul_routes": ["matmul_routes.json"]}[args.stage]
     try:
         if args.stage == "device":
             return stage_device(args.out)
@@ -507,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
             return stage_unscale(args.out, params, args.tensors)
         if args.stage == "adamw":
             return stage_adamw(args.out, args.backend, peer=args.peer, params=params, tensors=args.tensors)
+        if args.stage == "matmul_routes":
+            return stage_matmul_routes(args.out)
         return stage_matmul(args.out, tuned=args.stage == "matmul_tuned")
     except KeyboardInterrupt as e:
         _mark_ended(args.out, files, f"interrupted ({e or 'SIGINT'}: the stage's time limit)")
