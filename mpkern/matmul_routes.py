@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import warnings
 from collections.abc import Callable, Iterator
 from functools import cache, partial
 from typing import Any
@@ -187,16 +188,20 @@ def exact_cuda_math() -> Iterator[None]:
     flags = [f for f in ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction",
                          "allow_fp16_accumulation", "allow_tf32") if hasattr(torch.backends.cuda.matmul, f)]
     mm = torch.backends.cuda.matmul
-    old = {f: getattr(mm, f) for f in flags}
-    try:
+    with warnings.catch_warnings():  # newer torch warns that allow_tf32 gives way to fp32_precision
+        warnings.simplefilter("ignore")
+        old = {f: getattr(mm, f) for f in flags}
         for f in flags:
             if old[f]:
                 setattr(mm, f, False)
+    try:
         yield
     finally:
-        for f in flags:
-            if old[f]:
-                setattr(mm, f, old[f])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for f in flags:
+                if old[f]:
+                    setattr(mm, f, old[f])
 
 
 def _run_cublas(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, accumulate: bool) -> None:

@@ -251,3 +251,16 @@ def test_a_near_tie_keeps_the_platform_gemm(cache_dir, fake_timer):
     (cache_dir / route_cache.FILE_NAME).unlink()
     fake_timer["times"].update(upcast=1.0 / (route_cache.MARGIN + 0.01))
     assert matmul_routes.route_for(a, b, None, out, False) == "upcast"
+
+
+def test_exact_cuda_math_switches_reduced_precision_off_and_restores_it():
+    m = torch.backends.cuda.matmul
+    old = (m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction)
+    m.allow_bf16_reduced_precision_reduction = m.allow_fp16_reduced_precision_reduction = True
+    try:
+        with pytest.raises(RuntimeError, match="inside"), matmul_routes.exact_cuda_math():
+            assert not m.allow_bf16_reduced_precision_reduction and not m.allow_fp16_reduced_precision_reduction
+            raise RuntimeError("inside")
+        assert m.allow_bf16_reduced_precision_reduction and m.allow_fp16_reduced_precision_reduction
+    finally:
+        m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = old
