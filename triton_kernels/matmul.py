@@ -7,11 +7,38 @@ Math, for A (M, K) and B (K, N) in fp16 or bf16 (both the same dtype), any strid
     acc      += C[m, n]                           if ACCUMULATE (C is fp32: C += A @ B, main_grad)
     C[m, n]   = round_to_nearest_even(acc, dtype of C)   -- C is fp16, bf16 or fp32
 
-Tiling: one program per BLOCK_M x BLOCK_N output tile, a loop over K in BLOCK_K steps with only
-the K tail masked (rows/columns past M/N are wrapped with ``% M`` / ``% N`` on load and masked on
-store). Programs are numbered in groups of GROUP_M tile-rows so that consecutive programs reuse
-the same A rows and B columns from L2. All offsets are int64. Transposed operands are strides,
-never copies. Batch dimensions are folded into M by the caller.
+Both kernels cut C into BLOCK_M x BLOCK_N tiles, walk K in BLOCK_K steps into an fp32 register
+accumulator, and number the tiles in groups of GROUP_M tile-rows (swept column by column), so that
+tiles computed at the same time share A rows and B columns in L2. The epilogue is one function for
+both: fp32 bias, the fp32 C tile (ACCUMULATE), the rounding, a masked store through C's strides.
+All element offsets of C are int64. Transposed operands are strides, never copies. Batch
+dimensions are folded into M by the caller.
+
+Two kernels, chosen per call by :func:`matmul_into` (:func:`kernel_for`):
+
+* ``_matmul_kernel`` -- pointer loads, one program per tile (grid = number of tiles). Rows/columns
+  past M/N are wrapped with ``% M`` / ``% N`` on load (valid memory; masked on store), only the K
+  tail is masked. Software-pipelined by Triton (``cp.async`` + ``mma.sync`` on sm_80, wgmma on
+  sm_90). It is the interpreter's kernel, the Ampere (sm_80/86/89) kernel, and the fallback for
+  operands a TMA descriptor cannot describe.
+* ``_matmul_tma_kernel`` -- Hopper (sm_90) and datacenter Blackwell (sm_100): A and B tiles are read
+  by the TMA engine through host-built tensor descriptors (``triton.tools.tensor_descriptor``,
+  ``UTMALDG`` into swizzled shared memory, fed to ``HGMMA`` without passing through registers).
+  The descriptor zero-fills reads past the tensor's edge, so the K, M and N tails need no masks or
+  wraps. A transposed operand (A with ``stride(0) == 1``, e.g. ``grad_out.t()`` in the weight
+  gradient; B with ``stride(0) == 1``, e.g. ``weight.t()`` in the forward) is described as the
+  contiguous matrix it is a view of: its descriptor has the block shape swapped and the loaded tile
+  is used as ``tile.T`` (a transposed shared-memory operand of the MMA: no data movement).
+  The kernel is persistent: ``min(#SMs, #tiles)`` programs each take every #SMs-th tile of the
+  grouped order, and the tile loop and the K loop are flattened into one software-pipelined loop
+  (``tl.range(..., flatten=True)``), so the next tile's first TMA loads are in flight while the
+  current tile's epilogue runs. Because those loads are in flight, the epilogue's layout conversion
+  (through shared memory) cannot reuse the pipeline's buffers: it stores the tile in 1, 2 or 4 column
+  slices of at most 32 KB of C each (``tl.split`` of the accumulator's registers), which keeps an fp32
+  128x256 tile within the 227 KB of shared memory and an ACCUMULATE epilogue's C slice small enough
+  not to spill. TMA needs a 16-byte aligned base, a unit last stride and 16-byte aligned other
+  strides: :func:`tma_layout` checks each operand, and the launcher falls back to the pointer kernel
+  when one does not qualify (or K == 0). C is written with masked pointer stores (any strides).
 
 Under ``TRITON_INTERPRET=1`` (CPU tensors):
 * the interpreter's ``tl.dot`` multiplies bfloat16 bit patterns as integers (triton-lang/triton
@@ -20,24 +47,35 @@ Under ``TRITON_INTERPRET=1`` (CPU tensors):
 * its fp32->bf16 cast truncates; bf16 output is therefore always rounded with integer bit math
   (``f32_to_bf16_bits``, the same as ``math.h``) and stored as raw 16-bit words -- identical on
   the GPU, whose cast rounds to nearest even too;
-* autotuning is off: one small fixed config keeps the tests fast.
+* autotuning is off: one small fixed config keeps the tests fast; the pointer kernel runs unless
+  ``MPKERN_MATMUL_KERNEL=tma`` asks for the TMA kernel (a check of its tiling on CPU).
 
-On the GPU the kernel is autotuned. The tuning key buckets M, N and K to the next power of two
-and reduces the operand strides to a layout code (per stride: is it 1, is it a multiple of 16 --
-the classes Triton specialises on). The token count is M in the forward and input-gradient GEMMs
-and K in the weight-gradient GEMMs (N or a stride in other uses); it changes with the batch
-shape, and each new exact value would re-run the host-synchronising tuning benchmark for every
-layer shape. The fp32 ``main_grad`` accumulate epilogue -- which holds the loaded C tile next to
-the accumulator -- only tries configs with at most 64 accumulator values per thread (the larger
-tiles spill there). ``MPKERN_MATMUL_CONFIG=fixed`` turns tuning off on the GPU too (one
-fixed config: the tests and the GPU check use it, so no test waits on tuning).
+On the GPU both kernels are autotuned, each over configs for its architecture (:data:`CONFIGS_SM90`
+for the TMA kernel, :data:`CONFIGS_SM80` for the pointer kernel). The tuning key buckets M, N and K
+to the next power of two and reduces the operand strides to a layout code (per stride: is it 1, is
+it a multiple of 16 -- the classes Triton specialises on). The token count is M in the forward and
+input-gradient GEMMs and K in the weight-gradient GEMMs (N or a stride in other uses); it changes
+with the batch shape, and each new exact value would re-run the host-synchronising tuning benchmark
+for every layer shape. The fp32 ``main_grad`` accumulate epilogue -- which holds the loaded C tile
+next to the accumulator -- only tries configs with at most 64 accumulator values per thread in the
+pointer kernel (the larger tiles spill there) and 128 in the TMA kernel (whose epilogue loads C one
+column slice at a time). ``MPKERN_MATMUL_CONFIG=fixed`` turns tuning off on the GPU too (one fixed
+config per kernel, :data:`FIXED_CONFIG` / :data:`FIXED_CONFIG_SM90`: the tests and the GPU check use
+it, so no test waits on tuning). ``MPKERN_MATMUL_KERNEL=pointer`` keeps the pointer kernel on Hopper
+(for comparisons); ``benchmarks/matmul_sass.py`` compiles the main configs ahead of time and counts
+their HGMMA / UTMALDG / HMMA instructions and spills, without a GPU.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import f32_to_bf16_bits
 
@@ -46,19 +84,32 @@ _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # The one config used under the interpreter (tl.dot needs every block dim >= 16).
 INTERPRET_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
+# The TMA kernel under the interpreter (MPKERN_MATMUL_KERNEL=tma): few "SMs", so that each program
+# walks several tiles of the persistent loop, and small epilogue slices, so that a 32x32 tile is stored in
+# 2 (16-bit C) or 4 (fp32 C) slices as the GPU's big tiles are.
+INTERPRET_SMS = 3
+INTERPRET_EPI_SLICE_BYTES = 1024
+# The TMA kernel's epilogue slices on the GPU (see _matmul_tma_kernel).
+EPI_SLICE_BYTES = 32768
 
-
-# The one config used on the GPU when MPKERN_MATMUL_CONFIG=fixed (64 accumulator values per thread:
-# also fine for the accumulate epilogue).
+# The one config of each kernel used on the GPU when MPKERN_MATMUL_CONFIG=fixed (64 accumulator values
+# per thread: also fine for the accumulate epilogue).
 FIXED_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}
 FIXED_LAUNCH = {"num_warps": 8, "num_stages": 3}
+FIXED_CONFIG_SM90 = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}
+FIXED_LAUNCH_SM90 = {"num_warps": 8, "num_stages": 4}
 _MAX_ACC_PER_THREAD_ACCUMULATE = 64
+_MAX_ACC_PER_THREAD_ACCUMULATE_SM90 = 128
+
+KERNEL_ENV = "MPKERN_MATMUL_KERNEL"  # "" / "auto": by device and operands; "pointer"; "tma"
 
 
 def _fixed_config() -> bool:
-    import os
-
     return os.environ.get("MPKERN_MATMUL_CONFIG", "").strip().lower() == "fixed"
+
+
+def _kernel_request() -> str:
+    return os.environ.get(KERNEL_ENV, "").strip().lower() or "auto"
 
 
 def m_bucket(m: int) -> int:
@@ -91,32 +142,110 @@ def prune_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> l
     return kept or configs
 
 
-def _interpreting() -> bool:
-    import os
+def prune_configs_sm90(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """The TMA kernel's pruning: its epilogue works in column slices of at most 32 KB of output, so the
+    accumulate epilogue holds a slice of C, not a whole tile, next to the accumulator: configs with up to
+    128 accumulator values per thread do not spill there (benchmarks/matmul_sass.py checks it)."""
+    accumulate = kwargs.get("ACCUMULATE", named_args.get("ACCUMULATE", False))
+    if not accumulate:
+        return configs
+    kept = [c for c in configs if _acc_per_thread(c) <= _MAX_ACC_PER_THREAD_ACCUMULATE_SM90]
+    return kept or configs
 
+
+def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _configs() -> list[triton.Config]:
-    """Autotune candidates: Hopper (sm_90, 228 KB smem) and Ampere (sm_80, 164 KB) friendly tiles.
+def _cfg(bm: int, bn: int, bk: int, stages: int, warps: int,
+         pre_hook: Callable[[dict], None] | None = None) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=stages,
+                         num_warps=warps, pre_hook=pre_hook)
 
-    Large 128x256 / 256x128 tiles with 8 warps win on big problems on both; the 4-warp 128x128 and
-    64-wide tiles cover skinny shapes (few tiles -> more programs per SM) and smaller GPUs.
-    """
-    c = triton.Config
-    return [
-        c({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=3, num_warps=8),
-        c({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=3, num_warps=8),
-        c({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=8),
-        c({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=8),
-        c({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
-        c({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 32, "GROUP_M": 8}, num_stages=3, num_warps=8),
-        c({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_stages=4, num_warps=4),
-        c({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
-        c({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
-        c({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=5, num_warps=4),
-        c({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 32, "GROUP_M": 8}, num_stages=4, num_warps=4),
-    ]
+
+def _set_block_shapes(nargs: dict) -> None:
+    """Config pre-hook of the TMA kernel: the descriptors' block shapes follow the config's tile (a
+    transposed operand's descriptor has its block swapped: [BLOCK_K, BLOCK_M] / [BLOCK_N, BLOCK_K])."""
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bk, bm] if nargs["A_T"] else [bm, bk]
+    nargs["b_desc"].block_shape = [bn, bk] if nargs["B_T"] else [bk, bn]
+
+
+#: Pointer kernel (Ampere sm_80: 164 KB of shared memory per block at most, so no 4-stage 128x256x64).
+#: Large 128x256 / 256x128 tiles with 8 warps win on big problems; the 4-warp 128x128x32 and the
+#: 64-wide tiles cover skinny shapes (few tiles -> more programs per SM). No 4-warp 128x128x64: it
+#: spills with Triton 3.6 (benchmarks/matmul_sass.py).
+CONFIGS_SM80: list[triton.Config] = [
+    _cfg(128, 256, 64, 3, 8),
+    _cfg(256, 128, 64, 3, 8),
+    _cfg(128, 128, 64, 4, 8),
+    _cfg(128, 256, 32, 3, 8),
+    _cfg(128, 128, 32, 4, 4),
+    _cfg(128, 64, 64, 4, 4),
+    _cfg(64, 128, 64, 4, 4),
+    _cfg(64, 64, 64, 5, 4),
+    _cfg(64, 256, 32, 4, 4),
+]
+
+#: TMA kernel (Hopper sm_90: 228 KB of shared memory per SM, wgmma from two warpgroups with 8 warps).
+#: 128x256x64 with 8 warps (128 accumulator registers per thread, each warpgroup a 64x256 wgmma) is the
+#: big-problem tile, with 3 (144 KB) or 4 (192 KB) stages; 128x128x64 and 128x128x128 the mid-size
+#: ones; 64x128 / 128x64 / 64x64 with one warpgroup the skinny and small shapes (more tiles per SM).
+CONFIGS_SM90: list[triton.Config] = [
+    _cfg(128, 256, 64, 3, 8, _set_block_shapes),
+    _cfg(128, 256, 64, 4, 8, _set_block_shapes),
+    _cfg(256, 128, 64, 3, 8, _set_block_shapes),
+    _cfg(128, 128, 64, 4, 8, _set_block_shapes),
+    _cfg(128, 128, 128, 3, 8, _set_block_shapes),
+    _cfg(128, 128, 64, 4, 4, _set_block_shapes),
+    _cfg(64, 128, 64, 5, 4, _set_block_shapes),
+    _cfg(128, 64, 64, 5, 4, _set_block_shapes),
+    _cfg(64, 64, 64, 6, 4, _set_block_shapes),
+]
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of tile number ``tile_id`` in the grouped order: GROUP_M tile-rows swept column by
+    column, so neighbouring tiles share A rows and B columns in L2."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _epilogue(acc, c_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn,
+              HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr):
+    """C[rm, rn] = round(acc + bias[rn] (+ C[rm, rn] if ACCUMULATE)); rm, rn int64, masked to M x N."""
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0)
+        acc += bias[None, :]
+    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    c_mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=c_mask, other=0.0)
+    if OUT_BF16:
+        tl.store(c_ptrs, f32_to_bf16_bits(acc).to(tl.int16, bitcast=True), mask=c_mask)
+    else:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The left and right column halves of ``x`` (ROWS, COLS): a register split, no data movement."""
+    return tl.split(tl.permute(tl.reshape(x, (ROWS, 2, COLS // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _epilogue_cols(acc, part, c_ptr, bias_ptr, rm, off_n, M, N, stride_cm, stride_cn,
+                   HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr, WIDTH: tl.constexpr):
+    """The epilogue of column slice ``part`` (WIDTH columns) of the tile whose first column is ``off_n``."""
+    rn = off_n + part * WIDTH + tl.arange(0, WIDTH)
+    _epilogue(acc, c_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, HAS_BIAS, ACCUMULATE, OUT_BF16)
 
 
 @triton.jit(do_not_specialize=["M_BUCKET", "N_BUCKET", "K_BUCKET", "LAYOUT"])
@@ -133,17 +262,9 @@ def _matmul_kernel(
     UPCAST: tl.constexpr,       # interpreter only: fp32 operands for tl.dot (triton #11584)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    """The pointer kernel: one program per C tile (see the module docstring)."""
     pid = tl.program_id(0).to(tl.int64)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped order: GROUP_M tile-rows are swept column by column, so neighbouring programs
-    # share A rows and B columns in L2.
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = _tile_coords(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # int64
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # int64
@@ -169,28 +290,103 @@ def _matmul_kernel(
         a_ptrs += a_step
         b_ptrs += b_step
 
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0)
-        acc += bias[None, :]
-    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-    c_mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if ACCUMULATE:
-        acc += tl.load(c_ptrs, mask=c_mask, other=0.0)
-    if OUT_BF16:
-        tl.store(c_ptrs, f32_to_bf16_bits(acc).to(tl.int16, bitcast=True), mask=c_mask)
-    else:
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    _epilogue(acc, c_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, HAS_BIAS, ACCUMULATE, OUT_BF16)
 
 
-# GPU entry point: autotuned per (M, N, K buckets, layout code). restore_value keeps C intact while the
+@triton.jit(do_not_specialize=["M_BUCKET", "N_BUCKET", "K_BUCKET", "LAYOUT", "NUM_SMS"])
+def _matmul_tma_kernel(
+    a_desc, b_desc, c_ptr, bias_ptr,
+    M, N, K,
+    M_BUCKET, N_BUCKET, K_BUCKET, LAYOUT,  # the autotuning key (unused), as in _matmul_kernel
+    stride_cm, stride_cn,
+    NUM_SMS,                    # programs launched (<= number of SMs): the persistent loop's stride
+    HAS_BIAS: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    UPCAST: tl.constexpr,
+    A_T: tl.constexpr,          # a_desc describes A^T (K, M) with block [BLOCK_K, BLOCK_M]; else A, [BLOCK_M, BLOCK_K]
+    B_T: tl.constexpr,          # b_desc describes B^T (N, K) with block [BLOCK_N, BLOCK_K]; else B, [BLOCK_K, BLOCK_N]
+    EPI_SLICE_BYTES: tl.constexpr,  # the epilogue's column slices hold at most this many bytes of C (1, 2 or 4 slices)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """The persistent TMA kernel (see the module docstring). Program p computes tiles p, p + NUM_SMS, ...
+    of the grouped order; the tile loop and the K loop are flattened into one pipelined loop."""
+    TILE_BYTES: tl.constexpr = BLOCK_M * BLOCK_N * (c_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    SPLIT: tl.constexpr = 1 if TILE_BYTES <= EPI_SLICE_BYTES else (2 if TILE_BYTES <= 2 * EPI_SLICE_BYTES else 4)
+    start = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    # The epilogue finds its tile from its own counter (not the loads' tile_id): a value used both at
+    # the top (loads) and the bottom (stores) of the flattened, pipelined loop would have to be carried
+    # across its stages.
+    tile_c = start - NUM_SMS
+    for tile_id in tl.range(start, num_tiles, NUM_SMS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            off_k = ki * BLOCK_K
+            # (constexpr conditions: only the chosen load is compiled)
+            a = a_desc.load([off_k, off_m]).T if A_T else a_desc.load([off_m, off_k])
+            b = b_desc.load([off_n, off_k]).T if B_T else b_desc.load([off_k, off_n])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+
+        tile_c += NUM_SMS
+        pid_m, pid_n = _tile_coords(tile_c, num_pid_m, num_pid_n, GROUP_M)
+        rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        off_n = pid_n.to(tl.int64) * BLOCK_N
+        # The epilogue in 1, 2 or 4 column slices of at most EPI_SLICE_BYTES of output each (4 at most: the
+        # sm_90 tiles need no more): its layout conversion goes through a shared-memory scratch that cannot
+        # reuse the pipeline's buffers (the next tile's loads are in flight), and an ACCUMULATE slice of C
+        # is loaded next to the accumulator (registers).
+        if SPLIT == 1:
+            _epilogue(acc, c_ptr, bias_ptr, rm, off_n + tl.arange(0, BLOCK_N), M, N, stride_cm, stride_cn,
+                      HAS_BIAS, ACCUMULATE, OUT_BF16)
+        elif SPLIT == 2:
+            lo, hi = _halves(acc, BLOCK_M, BLOCK_N)
+            _epilogue_cols(lo, 0, c_ptr, bias_ptr, rm, off_n, M, N, stride_cm, stride_cn,
+                           HAS_BIAS, ACCUMULATE, OUT_BF16, BLOCK_N // 2)
+            _epilogue_cols(hi, 1, c_ptr, bias_ptr, rm, off_n, M, N, stride_cm, stride_cn,
+                           HAS_BIAS, ACCUMULATE, OUT_BF16, BLOCK_N // 2)
+        else:
+            lo, hi = _halves(acc, BLOCK_M, BLOCK_N)
+            q0, q1 = _halves(lo, BLOCK_M, BLOCK_N // 2)
+            _epilogue_cols(q0, 0, c_ptr, bias_ptr, rm, off_n, M, N, stride_cm, stride_cn,
+                           HAS_BIAS, ACCUMULATE, OUT_BF16, BLOCK_N // 4)
+            _epilogue_cols(q1, 1, c_ptr, bias_ptr, rm, off_n, M, N, stride_cm, stride_cn,
+                           HAS_BIAS, ACCUMULATE, OUT_BF16, BLOCK_N // 4)
+            q2, q3 = _halves(hi, BLOCK_M, BLOCK_N // 2)
+            _epilogue_cols(q2, 2, c_ptr, bias_ptr, rm, off_n, M, N, stride_cm, stride_cn,
+                           HAS_BIAS, ACCUMULATE, OUT_BF16, BLOCK_N // 4)
+            _epilogue_cols(q3, 3, c_ptr, bias_ptr, rm, off_n, M, N, stride_cm, stride_cn,
+                           HAS_BIAS, ACCUMULATE, OUT_BF16, BLOCK_N // 4)
+
+
+# Public handles for ahead-of-time compilation (benchmarks/matmul_sass.py): the raw JIT functions.
+pointer_kernel = _matmul_kernel
+tma_kernel = _matmul_tma_kernel
+
+# GPU entry points: autotuned per (M, N, K buckets, layout code). restore_value keeps C intact while the
 # tuner benchmarks candidates on an accumulating call (C += A @ B would otherwise be applied repeatedly).
 TUNING_KEY = ["M_BUCKET", "N_BUCKET", "K_BUCKET", "LAYOUT", "ACCUMULATE", "OUT_BF16"]
 _matmul_kernel_tuned = triton.autotune(
-    configs=_configs(),
+    configs=CONFIGS_SM80,
     key=TUNING_KEY,
     prune_configs_by={"early_config_prune": prune_configs},
     restore_value=["c_ptr"],
 )(_matmul_kernel)
+_matmul_tma_kernel_tuned = triton.autotune(
+    configs=CONFIGS_SM90,
+    key=TUNING_KEY,
+    prune_configs_by={"early_config_prune": prune_configs_sm90},
+    restore_value=["c_ptr"],
+)(_matmul_tma_kernel)
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -221,12 +417,163 @@ def kernel_args(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.T
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
 
 
+def tma_layout(t: torch.Tensor) -> bool | None:
+    """How a TMA descriptor reads the 2-D operand ``t`` (rows, cols): ``False`` as itself (row-major:
+    ``stride(1) == 1``), ``True`` as the row-major matrix ``t.T`` it is a view of (``stride(0) == 1``),
+    ``None`` when TMA cannot read it (base not 16-byte aligned, no unit stride, the other stride not a
+    positive multiple of 16 bytes, or rows overlapping)."""
+    if t.data_ptr() % 16:
+        return None
+    rows, cols = t.shape
+    s0, s1 = t.stride()
+    esz = t.element_size()
+    if s1 == 1 and s0 >= max(cols, 1) and (s0 * esz) % 16 == 0:
+        return False
+    if s0 == 1 and s1 >= max(rows, 1) and (s1 * esz) % 16 == 0:
+        return True
+    return None
+
+
+def _descriptor(t: torch.Tensor, transposed: bool, block: list[int]) -> TensorDescriptor:
+    """The TMA descriptor of operand ``t`` (or of the matrix ``t.T``, stored row-major, if ``transposed``)
+    with the given block shape (out-of-bounds reads give zeros)."""
+    rows, cols = t.shape
+    if transposed:
+        return TensorDescriptor(t, [cols, rows], [t.stride(1), 1], block)
+    return TensorDescriptor(t, [rows, cols], [t.stride(0), 1], block)
+
+
+def tma_kernel_args(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, a_t: bool,
+                    b_t: bool, num_sms: int, cfg: dict | None = None) -> tuple:
+    """The positional arguments of ``_matmul_tma_kernel`` (up to NUM_SMS) for 2-D ``a @ b -> c``, with
+    ``a_t``/``b_t`` from :func:`tma_layout`. The descriptors get the block shapes of ``cfg`` (the
+    autotuner's config pre-hook sets them per candidate when ``cfg`` is None)."""
+    M, K = a.shape
+    N = b.shape[1]
+    bm, bn, bk = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]) if cfg else (64, 64, 64)
+    a_desc = _descriptor(a, a_t, [bk, bm] if a_t else [bm, bk])
+    b_desc = _descriptor(b, b_t, [bn, bk] if b_t else [bk, bn])
+    return (a_desc, b_desc, c, bias if bias is not None else c, M, N, K, m_bucket(M), m_bucket(N), m_bucket(K),
+            layout_code(a.stride(0), a.stride(1), b.stride(0), b.stride(1)), c.stride(0), c.stride(1), num_sms)
+
+
+@functools.cache
+def _cuda_info(index: int) -> tuple[tuple[int, int], int]:
+    """(compute capability, number of SMs) of CUDA device ``index``, read once."""
+    props = torch.cuda.get_device_properties(index)
+    return torch.cuda.get_device_capability(index), props.multi_processor_count
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Hopper (sm_90) and datacenter Blackwell (sm_100): TMA and >= 228 KB of shared memory per SM for the
+    sm_90 configs (consumer Blackwell, sm_120, has TMA but about 100 KB)."""
+    return _cuda_info(_device_index(device))[0][0] in (9, 10)
+
+
+def fixed_config(device: torch.device | str) -> dict:
+    """The tile config ``MPKERN_MATMUL_CONFIG=fixed`` runs on ``device`` (TMA-capable operands on a
+    Hopper / datacenter Blackwell GPU: :data:`FIXED_CONFIG_SM90`; else :data:`FIXED_CONFIG`)."""
+    device = torch.device(device)
+    if device.type == "cuda" and _kernel_request() != "pointer" and _has_tma(device):
+        return FIXED_CONFIG_SM90
+    return FIXED_CONFIG
+
+
+def kernel_for(a: torch.Tensor, b: torch.Tensor) -> tuple[str, bool, bool]:
+    """``("tma", a_t, b_t)`` when the TMA kernel runs ``a @ b``, ``("pointer", False, False)`` otherwise.
+
+    TMA: on Hopper / datacenter Blackwell GPUs (capability 9.x / 10.x, read once per device) unless
+    ``MPKERN_MATMUL_KERNEL=pointer``; under the interpreter only with ``MPKERN_MATMUL_KERNEL=tma``; and
+    only when K > 0 and both operands pass :func:`tma_layout` (else the pointer kernel, which takes any
+    strides)."""
+    request = _kernel_request()
+    if request == "pointer" or a.shape[1] == 0:
+        return "pointer", False, False
+    if _interpreting() or a.device.type == "cpu":
+        if request != "tma":
+            return "pointer", False, False
+    elif not _has_tma(a.device):
+        return "pointer", False, False
+    a_t, b_t = tma_layout(a), tma_layout(b)
+    if a_t is None or b_t is None:
+        return "pointer", False, False
+    return "tma", a_t, b_t
+
+
+def launch_flags(kind: str, has_bias: bool, accumulate: bool, out_bf16: bool, interp: bool, a_t: bool = False,
+                 b_t: bool = False) -> dict:
+    """The constexpr arguments (all but the config's) of a launch of the ``"pointer"`` or ``"tma"`` kernel."""
+    flags = dict(HAS_BIAS=has_bias, ACCUMULATE=accumulate, OUT_BF16=out_bf16, UPCAST=interp)
+    if kind == "tma":
+        flags.update(A_T=a_t, B_T=b_t, EPI_SLICE_BYTES=INTERPRET_EPI_SLICE_BYTES if interp else EPI_SLICE_BYTES)
+    return flags
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+_last_tuned: list[triton.Config | None] = [None]
+
+
+def last_tuned_config() -> triton.Config | None:
+    """The config the autotuner picked for the last tuned GPU launch of either kernel (None before one):
+    the TMA kernel's on Hopper, the pointer kernel's elsewhere."""
+    return _last_tuned[0]
+
+
+def _launch_pointer(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, M: int, N: int,
+                    flags: dict, interp: bool) -> None:
+    args = kernel_args(a, b, c, bias)
+    if interp:
+        cfg = INTERPRET_CONFIG
+        _matmul_kernel[(triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)](*args, **flags, **cfg)
+    elif _fixed_config():
+        cfg = FIXED_CONFIG
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+        with torch.cuda.device(a.device):
+            _matmul_kernel[grid](*args, **flags, **cfg, **FIXED_LAUNCH)
+    else:
+        def grid(meta):
+            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+        with torch.cuda.device(a.device):
+            _matmul_kernel_tuned[grid](*args, **flags)
+        _last_tuned[0] = getattr(_matmul_kernel_tuned, "best_config", None)
+
+
+def _launch_tma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, M: int, N: int,
+                flags: dict, interp: bool, a_t: bool, b_t: bool) -> None:
+    if interp:
+        cfg = INTERPRET_CONFIG
+        tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+        sms = min(INTERPRET_SMS, tiles)
+        _matmul_tma_kernel[(sms,)](*tma_kernel_args(a, b, c, bias, a_t, b_t, sms, cfg), **flags, **cfg)
+        return
+    num_sms = _cuda_info(_device_index(a.device))[1]
+    if _fixed_config():
+        cfg = FIXED_CONFIG_SM90
+        tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+        with torch.cuda.device(a.device):
+            _matmul_tma_kernel[(min(num_sms, tiles),)](*tma_kernel_args(a, b, c, bias, a_t, b_t, num_sms, cfg),
+                                                       **flags, **cfg, **FIXED_LAUNCH_SM90)
+        return
+
+    def grid(meta):
+        return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+
+    with torch.cuda.device(a.device):
+        _matmul_tma_kernel_tuned[grid](*tma_kernel_args(a, b, c, bias, a_t, b_t, num_sms), **flags)
+    _last_tuned[0] = getattr(_matmul_tma_kernel_tuned, "best_config", None)
+
+
 def matmul_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
                 accumulate: bool = False) -> torch.Tensor:
     """``out = a @ b (+ bias)`` or, with ``accumulate``, ``out += a @ b (+ bias)``; returns ``out``.
 
     ``a`` (M, K) and ``b`` (K, N): fp16 or bf16, any strides. ``out`` (M, N): fp16/bf16/fp32,
     any strides (fp32 when accumulating). ``bias``: (N,), any float dtype, added in fp32.
+    The kernel (TMA on Hopper when the operands allow it, pointer loads otherwise): :func:`kernel_for`.
     """
     _check(a, b, out, bias)
     if accumulate and out.dtype != torch.float32:
@@ -240,23 +587,12 @@ def matmul_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch
     out_bf16 = out.dtype == torch.bfloat16
     c = out.view(torch.int16) if out_bf16 else out
     interp = _interpreting() or a.device.type == "cpu"
-    args = kernel_args(a, b, c, bias)
-    flags = dict(HAS_BIAS=bias is not None, ACCUMULATE=bool(accumulate), OUT_BF16=out_bf16, UPCAST=interp)
-    if interp:
-        cfg = INTERPRET_CONFIG
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-        _matmul_kernel[grid](*args, **flags, **cfg)
-    elif _fixed_config():
-        cfg = FIXED_CONFIG
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-        with torch.cuda.device(a.device):
-            _matmul_kernel[grid](*args, **flags, **cfg, **FIXED_LAUNCH)
+    kind, a_t, b_t = kernel_for(a, b)
+    flags = launch_flags(kind, bias is not None, bool(accumulate), out_bf16, interp, a_t, b_t)
+    if kind == "tma":
+        _launch_tma(a, b, c, bias, M, N, flags, interp, a_t, b_t)
     else:
-        def grid(meta):
-            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-
-        with torch.cuda.device(a.device):
-            _matmul_kernel_tuned[grid](*args, **flags)
+        _launch_pointer(a, b, c, bias, M, N, flags, interp)
     return out
 
 

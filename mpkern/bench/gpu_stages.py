@@ -372,7 +372,7 @@ def stage_matmul(out: str, tuned: bool = False, *, device: Any = None,
     dev = _gpu() if device is None else torch.device(device)
     if dev.type == "cuda":  # this stage measures the Triton kernel (matmul_routes: every route)
         os.environ["MPKERN_MATMUL_ROUTE"] = "triton"
-    fixed = "fixed " + "x".join(str(tk.FIXED_CONFIG[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+    fixed = "fixed " + "x".join(str(tk.fixed_config(dev)[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
     sf.set(meta=_meta(dev, config="autotuned" if tuned else fixed))
     mm_out = has_mm_out_dtype(dev)
     cases = _mm_cases(tuned) if cases is None else list(cases)
@@ -409,8 +409,7 @@ def stage_matmul(out: str, tuned: bool = False, *, device: Any = None,
                         mpkern.matmul(a, b, out_dtype=od)  # the one tuning run of this shape
                         sync(dev)
                         extra["tuning_s"] = time.perf_counter() - t0
-                        # issue 42 moves this module out of the package; issue 41's routes make the tuned config public
-                        best = getattr(tk._matmul_kernel_tuned, "best_config", None)  # noqa: SLF001 -- issues 41/42
+                        best = tk.last_tuned_config()
                         cfg = f"tuned {best}" if best is not None else "tuned"
                     t = event_time(lambda a=a, b=b, od=od: mpkern.matmul(a, b, out_dtype=od), dev, calls=CALLS,
                                    rounds=ROUNDS, warmup=WARMUP)
