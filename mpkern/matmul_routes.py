@@ -57,7 +57,8 @@ ENV = "MPKERN_MATMUL_ROUTE"
 ROUTES = ("triton", "cublas", "aten", "upcast")
 #: What each route runs (``mpkern info``, ``bench matmul``).
 NOTES = {
-    "triton": "mpkern's Triton GEMM: fp32 accumulator, bias / fp32 out / fp32 += fused in the epilogue",
+    "triton": "mpkern's Triton GEMM (Hopper: persistent, TMA-fed; else pointer loads): fp32 accumulator, bias / "
+              "fp32 out / fp32 += fused in the epilogue",
     "cublas": "cuBLAS(Lt) through ATen, compute type fp32, reduced-precision reduction and TF32 off for the call",
     "aten": "ATen's 16-bit GEMM (oneDNN), checked to accumulate in fp32; ATen's 16-bit -> fp32 GEMM for an fp32 C",
     "upcast": "ATen fp32 GEMM of fp32 copies of the operands, then one rounding",

@@ -403,3 +403,41 @@ def test_autotune_key_buckets_the_token_count_in_every_gemm():
     # the layout still tells a transposed operand apart (a different kernel specialisation)
     a, b, c = plain(64, 96, 128)
     assert _tuning_key(a, b, c) != _tuning_key(a, b.t().contiguous().t(), c)
+
+
+def test_eager_path_equals_the_op_and_dispatch_modes_still_see_the_op():
+    """Eager calls on plain tensors skip the dispatcher (same implementation, same backward); under a
+    TorchDispatchMode the op is what the mode sees, and both give the same bits and gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(9)
+    x = rand([6, 5, 24], torch.bfloat16, gen).requires_grad_()
+    w = torch.nn.Parameter(rand([12, 24], torch.bfloat16, gen))
+    bias = torch.nn.Parameter(rand([12], torch.float32, gen))
+    gy = rand([6, 5, 12], torch.bfloat16, gen)
+    y = linear(x, w, bias)
+    y.backward(gy)
+    grads = [t.grad.clone() for t in (x, w, bias)]
+    for t in (x, w, bias):
+        t.grad = None
+    with Seen() as mode:
+        y2 = linear(x, w, bias)
+    assert "mpkern.linear.default" in mode.ops and "aten.mm.out" not in mode.ops
+    y2.backward(gy)
+    assert torch.equal(y, y2)
+    for g, t in zip(grads, (x, w, bias)):
+        assert torch.equal(g, t.grad)
+    mg, mg2 = torch.zeros(12, 24), torch.zeros(12, 24)
+    matmul_accumulate_(gy.reshape(-1, 12).t(), x.detach().reshape(-1, 24), mg)
+    with Seen() as mode:
+        matmul_accumulate_(gy.reshape(-1, 12).t(), x.detach().reshape(-1, 24), mg2)
+    assert "mpkern.matmul_accumulate_.default" in mode.ops and torch.equal(mg, mg2)
