@@ -26,7 +26,7 @@ from . import (
 from ._backend import use_backend
 from .amp import UnscaleResult, clip_grad_norm_, unscale_
 from .doctor import Diagnosis, NonfiniteEntry, NonfiniteReport, diagnose, nonfinite_report
-from .matmul import linear, matmul
+from .matmul import linear, matmul, matmul_accumulate_, routes as matmul_routes_for, use_route
 from .optim import FusedAdamWMP
 
 __version__ = "0.1.0"
@@ -36,6 +36,8 @@ __all__ = [
     "FusedAdamWMP",
     "linear",
     "matmul",
+    "matmul_accumulate_",
+    "matmul_routes_for",
     "nn",
     "bf16_supported",
     "clip_grad_norm_",
@@ -48,6 +50,7 @@ __all__ = [
     "reference",
     "unscale_",
     "use_backend",
+    "use_route",
     "UnscaleResult",
 ]
 
