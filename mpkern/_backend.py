@@ -216,24 +216,25 @@ def use_backend(name: str | None) -> contextlib.AbstractContextManager[None]:
     value = None if name is None else name.strip().lower()
     if value is not None and value not in BACKENDS:
         raise ValueError(f"use_backend: {name!r} is not a backend; expected one of {', '.join(BACKENDS)} or None")
-    return _setting(value)
+    return env_setting(ENV, value)
 
 
 @contextlib.contextmanager
-def _setting(value: str | None) -> Iterator[None]:
-    """``MPKERN_BACKEND=value`` (unset for None) within the block, the old setting restored after it."""
-    old = os.environ.get(ENV)
+def env_setting(var: str, value: str | None) -> Iterator[None]:
+    """The environment variable ``var`` set to ``value`` (unset for None) within the block, its old
+    setting (or absence) restored after it, also when the block raises."""
+    old = os.environ.get(var)
     if value is None:
-        os.environ.pop(ENV, None)
+        os.environ.pop(var, None)
     else:
-        os.environ[ENV] = value
+        os.environ[var] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(ENV, None)
+            os.environ.pop(var, None)
         else:
-            os.environ[ENV] = old
+            os.environ[var] = old
 
 
 def runs_on(name: str, device: torch.device) -> str:

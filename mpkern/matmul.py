@@ -28,13 +28,11 @@ forces one (:func:`use_route` within a block); :func:`routes` says which a probl
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Iterator
 
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from . import matmul_routes
+from . import _backend, matmul_routes
 from .matmul_routes import BIAS_DTYPES, IN_DTYPES, NOTES, OUT_DTYPES, temp_meter
 
 Tensor = torch.Tensor
@@ -73,24 +71,7 @@ def use_route(name: str | None) -> contextlib.AbstractContextManager[None]:
     if value is not None and value not in (*matmul_routes.ROUTES, "auto"):
         raise ValueError(f"use_route: {name!r} is not a route; expected auto, {', '.join(matmul_routes.ROUTES)} "
                          "or None")
-    return _route_setting(value)
-
-
-@contextlib.contextmanager
-def _route_setting(value: str | None) -> Iterator[None]:
-    env = matmul_routes.ENV
-    old = os.environ.get(env)
-    if value is None:
-        os.environ.pop(env, None)
-    else:
-        os.environ[env] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(env, None)
-        else:
-            os.environ[env] = old
+    return _backend.env_setting(matmul_routes.ENV, value)
 
 
 # ---- validation ---------------------------------------------------------------------------------
@@ -284,39 +265,34 @@ torch.library.register_autograd("mpkern::matmul", _matmul_backward, setup_contex
 torch.library.register_autograd("mpkern::linear", _linear_backward, setup_context=_setup_context)
 
 
-class _MatmulFunction(torch.autograd.Function):
-    """The eager path's autograd: the op's implementation, setup and backward, without the dispatcher."""
+#: (implementation, backward) of each op, for the eager path's autograd
+_EAGER = {"matmul": (_matmul_impl, _matmul_backward), "linear": (_linear_impl, _linear_backward)}
+
+
+class _EagerFunction(torch.autograd.Function):
+    """The eager path's autograd: op ``name``'s implementation, context setup and backward (the same
+    the registered op uses), without the dispatcher."""
 
     @staticmethod
-    def forward(ctx, a, b, bias, out_dtype):
+    def forward(ctx, name, a, b, bias, out_dtype):
         _setup_context(ctx, (a, b, bias, out_dtype), None)
-        return _matmul_impl(a, b, bias, out_dtype)
+        ctx.op = name
+        return _EAGER[name][0](a, b, bias, out_dtype)
 
     @staticmethod
     def backward(ctx, gy):
-        return _matmul_backward(ctx, gy)
-
-
-class _LinearFunction(torch.autograd.Function):
-    """:class:`_MatmulFunction` for ``linear``."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype):
-        _setup_context(ctx, (x, weight, bias, out_dtype), None)
-        return _linear_impl(x, weight, bias, out_dtype)
-
-    @staticmethod
-    def backward(ctx, gy):
-        return _linear_backward(ctx, gy)
+        # the op's backward reads needs_input_grad by the op's own argument positions
+        ctx.needs_input_grad = ctx.needs_input_grad[1:]
+        return (None, *_EAGER[ctx.op][1](ctx, gy))
 
 
 def _call_matmul(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype | None) -> Tensor:
     """``mpkern::matmul`` on validated operands: straight to the implementation when :func:`_direct`
-    allows (through :class:`_MatmulFunction` when a gradient is needed), else through the op."""
+    allows (through :class:`_EagerFunction` when a gradient is needed), else through the op."""
     if not _direct(a, b, bias):
         return torch.ops.mpkern.matmul(a, b, bias, out_dtype)
     if _needs_grad(a, b, bias):
-        return _MatmulFunction.apply(a, b, bias, out_dtype)
+        return _EagerFunction.apply("matmul", a, b, bias, out_dtype)
     return _matmul_impl(a, b, bias, out_dtype)
 
 
@@ -349,7 +325,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
     if not _direct(x, weight, bias):
         return torch.ops.mpkern.linear(x, weight, bias, out_dtype)
     if _needs_grad(x, weight, bias):
-        return _LinearFunction.apply(x, weight, bias, out_dtype)
+        return _EagerFunction.apply("linear", x, weight, bias, out_dtype)
     return _linear_impl(x, weight, bias, out_dtype)
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
 import warnings
 from collections.abc import Callable, Iterator
 from functools import cache, partial
@@ -45,6 +44,7 @@ from typing import Any
 import torch
 
 from . import _backend, route_cache
+from .measure import cpu_name
 from .route_cache import Problem
 
 Tensor = torch.Tensor
@@ -345,25 +345,13 @@ def candidates(device: torch.device, dtype: torch.dtype, out_dtype: torch.dtype,
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
-    return f"{device.type}:{_cpu_model()}"
+    return f"{device.type}:{cpu_name()}"
 
 
 @cache
 def _cuda_name(index: int) -> str:
     cap = torch.cuda.get_device_capability(index)
     return f"cuda:{torch.cuda.get_device_name(index)}:sm_{cap[0]}{cap[1]}"
-
-
-@cache
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _bucket(n: int) -> int:

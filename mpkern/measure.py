@@ -78,17 +78,24 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, reps: int = 15, w
 
 
 def time_alternating(fns: list[tuple[Callable[[], object], Callable[[], object] | None]], device: torch.device, *,
-                     reps: int = 15, warmup: int = 3) -> list[float]:
+                     reps: int = 15, warmup: int = 3, rotate: bool = False) -> list[float]:
     """Median wall times (seconds) of several ``(fn, setup)`` pairs timed in alternation: each round
     runs every ``setup()`` (untimed) and ``fn()`` once, in order, so a slow stretch of a shared
-    machine falls on all of them alike and their ratios hold where separate runs drift."""
+    machine falls on all of them alike and their ratios hold where separate runs drift.
+
+    ``rotate``: round ``r`` starts at pair ``r % len(fns)``, so each call follows each other call
+    equally often (with ``reps`` a multiple of ``len(fns)``): a call that leaves the caches cold
+    (a GEMM of large fp32 copies) does not always slow the same next one."""
     if not fns:
         raise ValueError("time_alternating: fns must name at least one (fn, setup) pair")
     if reps < 1:
         raise ValueError(f"time_alternating: reps must be >= 1, got {reps}")
     times: list[list[float]] = [[] for _ in fns]
+    n = len(fns)
     for r in range(warmup + reps):
-        for k, (fn, setup) in enumerate(fns):
+        for j in range(n):
+            k = (j + r) % n if rotate else j
+            fn, setup = fns[k]
             if setup:
                 setup()
             sync(device)

@@ -16,6 +16,7 @@ import tempfile
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
@@ -102,3 +103,15 @@ def kernel_path(path: str):
                 del os.environ["MPKERN_CPU_AVX512"]
             else:
                 os.environ["MPKERN_CPU_AVX512"] = old
+
+
+class OpsSeen(TorchDispatchMode):
+    """A dispatch mode that records the name of every op it sees (``.ops``) and runs it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))

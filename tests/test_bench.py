@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 
 import pytest
@@ -345,3 +346,17 @@ def test_matmul_routes_stage_writes_bench_matmul_rows(tmp_path, monkeypatch):
     data = json.loads((tmp_path / "matmul_routes.json").read_text())
     assert data["rows"] == [{"kernel": "matmul", "method": "torch.matmul: x", "ms": 1.0}]
     assert seen["quick"] and seen["dtypes"] == "bf16" and os.environ["MPKERN_MATMUL_CONFIG"] == "fixed"
+
+
+def test_time_alternating_rotates_the_order_so_each_call_follows_each_other():
+    from mpkern.measure import time_alternating
+
+    order = []
+    fns = [(lambda k=k: order.append(k), None) for k in range(3)]
+    time_alternating(fns, torch.device("cpu"), reps=6, warmup=0, rotate=True)
+    follows = set(itertools.pairwise(order))
+    assert order[:3] == [0, 1, 2] and order[3:6] == [1, 2, 0] and order[6:9] == [2, 0, 1]
+    assert {(a, b) for a in range(3) for b in range(3) if a != b} <= follows
+    order.clear()
+    time_alternating(fns, torch.device("cpu"), reps=2, warmup=0)
+    assert order == [0, 1, 2, 0, 1, 2]

@@ -408,16 +408,7 @@ def test_autotune_key_buckets_the_token_count_in_every_gemm():
 def test_eager_path_equals_the_op_and_dispatch_modes_still_see_the_op():
     """Eager calls on plain tensors skip the dispatcher (same implementation, same backward); under a
     TorchDispatchMode the op is what the mode sees, and both give the same bits and gradients."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
+    from conftest import OpsSeen as Seen
 
     gen = torch.Generator().manual_seed(9)
     x = rand([6, 5, 24], torch.bfloat16, gen).requires_grad_()

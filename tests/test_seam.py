@@ -118,21 +118,12 @@ def test_profiler_sees_every_cached_step():
 
 @needs_cache
 def test_dispatch_mode_sees_cached_steps():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
+    from conftest import OpsSeen
 
     opt, _ = _traced_opt()
     opt.step()
     hits = _counting(opt)
-    with Seen() as seen:
+    with OpsSeen() as seen:
         opt.step()
     assert hits == [1]
     assert "mpkern.adamw_step_.default" in seen.ops

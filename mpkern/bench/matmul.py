@@ -6,7 +6,8 @@ platform GEMM a PyTorch user runs (``torch.matmul`` in the operand dtype), every
 :mod:`mpkern.matmul_routes` forced in turn, and ``mpkern.matmul`` as it runs by default (the route
 it chose, timed once and cached). The weight gradients also run as ``main_grad += dY^T X`` into an
 fp32 ``main_grad`` against :func:`wgrad_accumulate_peer`. Each shape's calls are timed in
-alternation (median), so a slow stretch of a shared machine falls on all of them alike. On CPU
+alternation (median; the order rotated each round, so no call always follows the cache-cold upcast
+GEMM), so a slow stretch of a shared machine falls on all of them alike. On CPU
 :func:`check_matmul_interpreter` also runs the Triton kernel in the interpreter against float64,
 and :func:`bench_linear_e2e` times a model's forward + backward with ``torch.nn.Linear`` and with
 ``mpkern.nn.Linear`` side by side.
@@ -175,7 +176,9 @@ def bench_matmul(device: torch.device | str, *, quick: bool = False, dtypes: str
 def _rows(label: str, fns: dict[str, Callable[[], Any]], peer: str, flops: float, dev: torch.device, reps: int,
           log: Callable[[str], None], took: str) -> list[dict[str, Any]]:
     """Time ``fns`` in alternation; one row each, mpkern's with their speed over ``peer``'s."""
-    times = dict(zip(fns, time_alternating([(fn, None) for fn in fns.values()], dev, reps=reps, warmup=1)))
+    reps = -(-reps // len(fns)) * len(fns)  # a multiple of the calls: each follows each other equally often
+    times = dict(zip(fns, time_alternating([(fn, None) for fn in fns.values()], dev, reps=reps, warmup=1,
+                                           rotate=True)))
     peer_rate = flops / times[peer] / 1e12
     out = [row("matmul", f"{peer}: {label}", times[peer], flops=flops, bound=peer_rate)]
     parts = [f"{peer} {peer_rate:.2f}"]
