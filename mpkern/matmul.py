@@ -119,15 +119,16 @@ def _validate(op: str, a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: tor
 # ---- compute --------------------------------------------------------------------------------------
 def _mm2d(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     """2-D ``a (M, K) @ b (K, N) (+ bias)`` in a new (M, N) tensor of ``out_dtype``, on the chosen route."""
-    out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
-    if out.numel():
-        matmul_routes.run(a, b, bias, out)
-    return out
+    if a.shape[0] == 0 or b.shape[1] == 0:
+        return torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    return matmul_routes.run(a, b, bias, out_dtype)
 
 
 def fold_rows(a: Tensor) -> Tensor:
     """(*, K) -> (M, K) with M the product of the batch dims: a view when they can be folded (a copy
     otherwise) -- how these ops treat batch dimensions."""
+    if a.dim() == 2:
+        return a
     m = 1
     for d in a.shape[:-1]:
         m = m * d
@@ -141,12 +142,12 @@ def _out_shape(a: Tensor, n: int) -> list[int]:
 # ---- implementations (the ops' bodies; the eager path calls them directly) ------------------------
 def _matmul_impl(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype | None) -> Tensor:
     out = _mm2d(fold_rows(a), b, bias, out_dtype or a.dtype)
-    return out.view(_out_shape(a, b.shape[1]))
+    return out if a.dim() == 2 else out.view(_out_shape(a, b.shape[1]))
 
 
 def _linear_impl(x: Tensor, weight: Tensor, bias: Tensor | None, out_dtype: torch.dtype | None) -> Tensor:
     out = _mm2d(fold_rows(x), weight.t(), bias, out_dtype or x.dtype)
-    return out.view(_out_shape(x, weight.shape[0]))
+    return out if x.dim() == 2 else out.view(_out_shape(x, weight.shape[0]))
 
 
 def _validate_accumulate(a: Tensor, b: Tensor, out: Tensor) -> None:
@@ -162,7 +163,7 @@ def _validate_accumulate(a: Tensor, b: Tensor, out: Tensor) -> None:
 
 def _accumulate_impl(a: Tensor, b: Tensor, out: Tensor) -> None:
     if out.numel():
-        matmul_routes.run(a, b, None, out, accumulate=True)
+        matmul_routes.run(a, b, None, torch.float32, out)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -233,32 +234,36 @@ def _grad_operand(gy: Tensor, dtype: torch.dtype) -> Tensor:
     return gy if gy.dtype == dtype else gy.to(dtype)
 
 
-def _dbias(ctx, gy: Tensor) -> Tensor | None:
-    if ctx.bias_dtype is None or not ctx.needs_input_grad[2]:
+def _dbias(ctx, gy: Tensor, needs: tuple[bool, ...]) -> Tensor | None:
+    if ctx.bias_dtype is None or not needs[2]:
         return None
     return gy.reshape(-1, gy.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
 
 
-def _matmul_backward(ctx, gy):
+def _matmul_backward(ctx, gy, needs: tuple[bool, ...] | None = None):
+    """dA, dB, dbias of ``matmul`` (``needs``: which inputs need one; default ``ctx.needs_input_grad``)."""
+    needs = ctx.needs_input_grad if needs is None else needs
     a, b = ctx.saved_tensors
     g = _grad_operand(gy, a.dtype)
     da = db = None
-    if ctx.needs_input_grad[0]:
+    if needs[0]:
         da = _call_matmul(g, b.t(), None, a.dtype)  # (*, N) @ (N, K)
-    if ctx.needs_input_grad[1]:
+    if needs[1]:
         db = _call_matmul(fold_rows(a).t(), fold_rows(g), None, b.dtype)  # (K, M) @ (M, N)
-    return da, db, _dbias(ctx, gy), None
+    return da, db, _dbias(ctx, gy, needs), None
 
 
-def _linear_backward(ctx, gy):
+def _linear_backward(ctx, gy, needs: tuple[bool, ...] | None = None):
+    """dX, dW, dbias of ``linear`` (``needs`` as in :func:`_matmul_backward`)."""
+    needs = ctx.needs_input_grad if needs is None else needs
     x, w = ctx.saved_tensors
     g = _grad_operand(gy, x.dtype)
     dx = dw = None
-    if ctx.needs_input_grad[0]:
+    if needs[0]:
         dx = _call_matmul(g, w, None, x.dtype)  # (*, N) @ (N, K)
-    if ctx.needs_input_grad[1]:
+    if needs[1]:
         dw = _call_matmul(fold_rows(g).t(), fold_rows(x), None, w.dtype)  # (N, M) @ (M, K)
-    return dx, dw, _dbias(ctx, gy), None
+    return dx, dw, _dbias(ctx, gy, needs), None
 
 
 torch.library.register_autograd("mpkern::matmul", _matmul_backward, setup_context=_setup_context)
@@ -281,9 +286,9 @@ class _EagerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        # the op's backward reads needs_input_grad by the op's own argument positions
-        ctx.needs_input_grad = ctx.needs_input_grad[1:]
-        return (None, *_EAGER[ctx.op][1](ctx, gy))
+        # the op's backward reads which inputs need a gradient by the op's own argument positions
+        # (ctx is left as it is: a retained graph runs this backward again)
+        return (None, *_EAGER[ctx.op][1](ctx, gy, ctx.needs_input_grad[1:]))
 
 
 def _call_matmul(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype | None) -> Tensor:

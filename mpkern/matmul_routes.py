@@ -174,10 +174,12 @@ def _row_major(t: Tensor) -> bool:
     return (t.stride(1) == 1 or t.shape[1] <= 1) and (t.stride(0) >= t.shape[1] or t.shape[0] <= 1)
 
 
-def _run_triton(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, accumulate: bool) -> None:
+def _run_triton(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype, acc: Tensor | None) -> Tensor:
     from mpkern.triton_kernels import matmul as tk
 
-    tk.matmul_into(a, b, out, bias, accumulate=accumulate)
+    if acc is not None:
+        return tk.matmul_into(a, b, acc, bias, accumulate=True)
+    return tk.matmul(a, b, bias, out_dtype)
 
 
 @contextlib.contextmanager
@@ -205,52 +207,43 @@ def exact_cuda_math() -> Iterator[None]:
                     setattr(mm, f, old[f])
 
 
-def _run_cublas(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, accumulate: bool) -> None:
+def _run_cublas(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype, acc: Tensor | None) -> Tensor:
     with exact_cuda_math():
-        if accumulate:
-            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-        elif out.dtype == a.dtype and (bias is None or bias.dtype == a.dtype):
-            if bias is None:
-                torch.mm(a, b, out=out)
-            else:
-                torch.addmm(bias, a, b, out=out)
-        elif out.dtype == torch.float32:
-            torch.mm(a, b, out_dtype=torch.float32, out=out)
-            if bias is not None:
-                out += bias
-        else:  # 16-bit output, bias of another dtype: an fp32 product, the bias, one rounding
-            r = torch.mm(a, b, out_dtype=torch.float32)
-            if bias is not None:
-                r += bias
-            out.copy_(r)
+        if acc is not None:
+            return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        if out_dtype == a.dtype and (bias is None or bias.dtype == a.dtype):
+            return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
+        r = torch.mm(a, b, out_dtype=torch.float32)
+        if bias is not None:
+            r += bias
+        return r if out_dtype == torch.float32 else r.to(out_dtype)  # the one rounding
 
 
-def _run_aten(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, accumulate: bool) -> None:
-    if not accumulate and out.dtype == a.dtype and (bias is None or bias.dtype == a.dtype):
-        if bias is None:
-            torch.mm(a, b, out=out)
-        else:
-            torch.addmm(bias, a, b, out=out)
-        return
+def _run_aten(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype, acc: Tensor | None) -> Tensor:
+    if acc is None and out_dtype == a.dtype and (bias is None or bias.dtype == a.dtype):
+        return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
     # an fp32 C: ATen's 16-bit -> fp32 GEMM takes row-major operands (a transposed view is copied)
     a_r = a if _row_major(a) else a.contiguous()
     b_r = b if _row_major(b) else b.contiguous()
     copies = (a_r.nbytes if a_r is not a else 0) + (b_r.nbytes if b_r is not b else 0)
     mm_f32 = _mm_f32()
-    if accumulate:
-        c = out if _row_major(out) else out.contiguous()
+    if acc is not None:
+        c = acc if _row_major(acc) else acc.contiguous()
         mm_f32(a_r, b_r, c, True)
-        if c is not out:
-            out.copy_(c)
-        _note_temps(copies + (c.nbytes if c is not out else 0))
-        return
-    c = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
+        if c is not acc:
+            acc.copy_(c)
+        _note_temps(copies + (c.nbytes if c is not acc else 0))
+        return acc
+    c = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
     if bias is not None:
         c.copy_(bias.expand(c.shape))
     mm_f32(a_r, b_r, c, bias is not None)
-    if c is not out:
-        out.copy_(c)  # the one rounding
-    _note_temps(copies + (c.nbytes if c is not out else 0) + out.nbytes)
+    if out_dtype == torch.float32:
+        _note_temps(copies + c.nbytes)
+        return c
+    out = c.to(out_dtype)  # the one rounding
+    _note_temps(copies + c.nbytes + out.nbytes)
+    return out
 
 
 #: The upcast route converts row blocks of ``a`` of about this many bytes (fp32 copy + fp32 product) at
@@ -258,19 +251,20 @@ def _run_aten(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, accumulate
 CPU_BLOCK_BYTES = 4 << 20
 
 
-def _run_upcast(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, accumulate: bool) -> None:
+def _run_upcast(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype, acc: Tensor | None) -> Tensor:
     with exact_cuda_math() if a.is_cuda else contextlib.nullcontext():
         b32 = b.float()
         b_copy = b32.nbytes if b32 is not b else 0
-        if accumulate:
+        if acc is not None:
             a32 = a.float()
-            out.addmm_(a32, b32)  # beta = 1 in the fp32 GEMM: no product temporary
+            acc.addmm_(a32, b32)  # beta = 1 in the fp32 GEMM: no product temporary
             _note_temps(a32.nbytes + b_copy)
-            return
+            return acc
         m, k = a.shape
         n = b.shape[1]
         bias32 = None if bias is None else bias.float()
-        fp32_out = out.dtype == torch.float32
+        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+        fp32_out = out_dtype == torch.float32
         rows = m if fp32_out else max(64, CPU_BLOCK_BYTES // (4 * (k + n)))
         block = 0
         for i in range(0, m, rows):
@@ -284,9 +278,10 @@ def _run_upcast(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, accumula
             block = max(block, a32.nbytes + (0 if fp32_out else r.nbytes))
             del a32, r
         _note_temps(b_copy + block + out.nbytes)  # out: made inside the op, not yet seen by a dispatch mode
+        return out
 
 
-_RUNS: dict[str, Callable[[Tensor, Tensor, Tensor | None, Tensor, bool], None]] = {
+_RUNS: dict[str, Callable[[Tensor, Tensor, Tensor | None, torch.dtype, Tensor | None], Tensor]] = {
     "triton": _run_triton, "cublas": _run_cublas, "aten": _run_aten, "upcast": _run_upcast}
 
 
@@ -369,33 +364,32 @@ def problem(a: Tensor, b: Tensor, out_dtype: torch.dtype, epilogue: str) -> Prob
                    _bucket(a.shape[0]), _bucket(b.shape[1]), _bucket(a.shape[1]))
 
 
-#: Decisions already taken, by a cheap key (device, dtypes, epilogue, layout, size buckets and the two
-#: environment variables): a later call of the problem costs one dict lookup.
+#: Decisions already taken, by the exact call (device, dtypes, shapes, strides, the accumulation and the
+#: two environment variables): a later call costs one dict lookup.
 _decided: dict[tuple[Any, ...], str] = {}
 
 
-def route_for(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, accumulate: bool) -> str:
-    """The route that runs ``out (+)= a @ b (+ bias)`` (see the module docstring for the rules).
+def route_for(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype, acc: Tensor | None = None) -> str:
+    """The route that runs ``a @ b (+ bias)`` into ``out_dtype``, or ``acc += a @ b`` (see the module
+    docstring for the rules).
 
-    The first call of a problem with several candidates times them on scratch outputs (``out`` itself
-    when it is overwritten anyway; a scratch tensor when accumulating), so nothing the caller holds
-    changes; later calls look the choice up."""
-    fast = (a.device, a.dtype, out.dtype, None if bias is None else bias.dtype, accumulate, _layout(a, b),
-            _bucket(a.shape[0]), _bucket(b.shape[1]), _bucket(a.shape[1]), os.environ.get(ENV),
-            os.environ.get(_backend.ENV))
+    The first call of a problem with several candidates times them (an accumulation on a scratch
+    tensor, so nothing the caller holds changes); later calls look the choice up."""
+    fast = (a.device, a.dtype, out_dtype, None if bias is None else bias.dtype, acc is None, a.shape, a.stride(),
+            b.shape, b.stride(), os.environ.get(ENV), os.environ.get(_backend.ENV))
     route = _decided.get(fast)
     if route is not None:
         return route
     device = a.device
-    epilogue = "accumulate" if accumulate else "bias" if bias is not None else "none"
-    why = candidates(device, a.dtype, out.dtype, epilogue, None if bias is None else bias.dtype)
+    epilogue = "accumulate" if acc is not None else "bias" if bias is not None else "none"
+    why = candidates(device, a.dtype, out_dtype, epilogue, None if bias is None else bias.dtype)
     ok = [r for r in ROUTES if not why.get(r, "n/a")]
     forced = forced_route(device)
     if forced is not None and why.get(forced, "") == "MPKERN_BACKEND=triton":
         forced = None  # MPKERN_BACKEND=triton (the interpreter tests) decides before the route variable
     if forced is not None:
         if forced not in ok:
-            gemm = f"{a.dtype} {tuple(a.shape)} @ {tuple(b.shape)} -> {out.dtype}, {epilogue}"
+            gemm = f"{a.dtype} {tuple(a.shape)} @ {tuple(b.shape)} -> {out_dtype}, {epilogue}"
             raise ValueError(f"{ENV}={os.environ.get(ENV, '').strip()} cannot run this GEMM ({gemm}) on {device}: "
                              f"{why[forced]}")
         route = forced
@@ -404,11 +398,11 @@ def route_for(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, accumulate
     else:
         default = platform_route(device) if platform_route(device) in ok else ok[0]
         if not route_cache.timing_allowed(device):
-            known = route_cache.remembered(problem(a, b, out.dtype, epilogue))
+            known = route_cache.remembered(problem(a, b, out_dtype, epilogue))
             return known if known in ok else default  # not kept in _decided: an eager call measures later
-        scratch = torch.zeros_like(out) if accumulate else out
-        runs = {r: partial(_RUNS[r], a, b, bias, scratch, accumulate) for r in ok}
-        route = route_cache.choose(problem(a, b, out.dtype, epilogue), device, runs, default)
+        scratch = None if acc is None else torch.zeros_like(acc)
+        runs = {r: partial(_RUNS[r], a, b, bias, out_dtype, scratch) for r in ok}
+        route = route_cache.choose(problem(a, b, out_dtype, epilogue), device, runs, default)
     _decided[fast] = route
     return route
 
@@ -424,9 +418,7 @@ def forget() -> None:
             clear()
 
 
-def run(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, accumulate: bool = False) -> str:
-    """``out = a @ b (+ bias)``, or ``out += a @ b`` with ``accumulate`` (fp32 ``out``), on the chosen
-    route; returns the route's name. ``a`` (M, K), ``b`` (K, N): 2-D, validated by the caller."""
-    route = route_for(a, b, bias, out, accumulate)
-    _RUNS[route](a, b, bias, out, accumulate)
-    return route
+def run(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype, acc: Tensor | None = None) -> Tensor:
+    """``a @ b (+ bias)`` in a new (M, N) tensor of ``out_dtype``, or ``acc += a @ b`` (fp32 ``acc``,
+    returned), on the chosen route. ``a`` (M, K), ``b`` (K, N): 2-D, validated by the caller."""
+    return _RUNS[route_for(a, b, bias, out_dtype, acc)](a, b, bias, out_dtype, acc)

@@ -432,3 +432,20 @@ def test_eager_path_equals_the_op_and_dispatch_modes_still_see_the_op():
     with Seen() as mode:
         matmul_accumulate_(gy.reshape(-1, 12).t(), x.detach().reshape(-1, 24), mg2)
     assert "mpkern.matmul_accumulate_.default" in mode.ops and torch.equal(mg, mg2)
+
+
+def test_eager_backward_runs_twice_on_a_retained_graph():
+    """A retained graph's backward (gradient release's statistics pass, then its step pass) gives the same
+    gradients both times: twice the one-pass gradient, for every input of both ops."""
+    gen = torch.Generator().manual_seed(12)
+    for op in (linear, matmul):
+        x = rand([7, 16], torch.bfloat16, gen).requires_grad_()
+        w = torch.nn.Parameter(rand([16, 16], torch.bfloat16, gen))
+        bias = torch.nn.Parameter(rand([16], torch.float32, gen))
+        y = op(x, w, bias) if op is linear else op(x, w, bias=bias)
+        gy = rand([7, 16], torch.bfloat16, gen)
+        y.backward(gy, retain_graph=True)
+        once = [t.grad.clone() for t in (x, w, bias)]
+        y.backward(gy)
+        for g1, t in zip(once, (x, w, bias)):
+            assert torch.equal(t.grad.float(), (g1.float() * 2).to(t.grad.dtype).float()), op.__name__

@@ -84,17 +84,15 @@ def test_aten_is_no_candidate_where_its_16_bit_gemm_breaks_the_contract(cache_di
         matmul(_bf16(8, 8), _bf16(8, 8))
     with use_route("auto"):  # auto never takes it
         a, b = _bf16(8, 16), _bf16(16, 4)
-        out = torch.empty(8, 4, dtype=torch.bfloat16)
-        assert matmul_routes.route_for(a, b, None, out, False) == "upcast"
+        assert matmul_routes.route_for(a, b, None, torch.bfloat16) == "upcast"
 
 
 @CPU_ONLY
 def test_forced_routes_and_their_names(cache_dir, fake_timer):
     a, b = _bf16(16, 32), _bf16(32, 8)
-    out = torch.empty(16, 8, dtype=torch.bfloat16)
     for name, want in (("upcast", "upcast"), ("aten", "aten"), ("cublas", "aten"), (" Upcast ", "upcast")):
         with use_route(name):
-            assert matmul_routes.route_for(a, b, None, out, False) == want
+            assert matmul_routes.route_for(a, b, None, torch.bfloat16) == want
     assert fake_timer["calls"] == []  # forcing never times
     with pytest.raises(ValueError, match="not a route"):
         use_route("cudnn")
@@ -167,11 +165,10 @@ def test_stale_and_corrupt_cache_files_are_ignored_and_replaced(cache_dir, fake_
 def test_no_timing_under_compile_or_capture(cache_dir, fake_timer, monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     a, b = _bf16(30, 20), _bf16(20, 10)
-    out = torch.empty(30, 10, dtype=torch.bfloat16)
-    assert matmul_routes.route_for(a, b, None, out, False) == "aten"  # the platform GEMM, untimed
+    assert matmul_routes.route_for(a, b, None, torch.bfloat16) == "aten"  # the platform GEMM, untimed
     assert fake_timer["calls"] == [] and not (cache_dir / route_cache.FILE_NAME).exists()
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
-    assert matmul_routes.route_for(a, b, None, out, False) == "upcast"  # the next eager call measures
+    assert matmul_routes.route_for(a, b, None, torch.bfloat16) == "upcast"  # the next eager call measures
     assert fake_timer["calls"] == ["aten", "upcast"]
 
 
@@ -245,12 +242,11 @@ def test_a_near_tie_keeps_the_platform_gemm(cache_dir, fake_timer):
     """Another route must beat the default (the platform GEMM) by route_cache.MARGIN to replace it."""
     fake_timer["times"].update(aten=1.0, upcast=1.0 / (route_cache.MARGIN - 0.01))
     a, b = _bf16(70, 33), _bf16(33, 17)
-    out = torch.empty(70, 17, dtype=torch.bfloat16)
-    assert matmul_routes.route_for(a, b, None, out, False) == "aten"
+    assert matmul_routes.route_for(a, b, None, torch.bfloat16) == "aten"
     matmul_routes.forget()
     (cache_dir / route_cache.FILE_NAME).unlink()
     fake_timer["times"].update(upcast=1.0 / (route_cache.MARGIN + 0.01))
-    assert matmul_routes.route_for(a, b, None, out, False) == "upcast"
+    assert matmul_routes.route_for(a, b, None, torch.bfloat16) == "upcast"
 
 
 def test_exact_cuda_math_switches_reduced_precision_off_and_restores_it():

@@ -155,7 +155,7 @@ def bench_matmul(device: torch.device | str, *, quick: bool = False, dtypes: str
                                          for r in cands}
                 fns["mpkern.matmul (default)"] = partial(mpkern.matmul, a, b, out_dtype=od)
                 fns["mpkern.matmul (default)"]()  # the default's one timing of this shape happens here
-                took = matmul_routes.route_for(a, b, None, torch.empty(0, dtype=od, device=dev), False)
+                took = matmul_routes.route_for(a, b, None, od)
                 rows += _rows(label, fns, peer, flops, dev, reps, log, took)
             if name.endswith("wgrad"):
                 mg = torch.zeros(m, n, device=dev, dtype=torch.float32)
@@ -165,7 +165,7 @@ def bench_matmul(device: torch.device | str, *, quick: bool = False, dtypes: str
                 fns |= {f"route {r}": _forced(r, partial(matmul_accumulate_, a, b, mg)) for r in cands}
                 fns["mpkern (default)"] = partial(matmul_accumulate_, a, b, mg)
                 fns["mpkern (default)"]()
-                took = matmul_routes.route_for(a, b, None, mg, True)
+                took = matmul_routes.route_for(a, b, None, torch.float32, mg)
                 rows += _rows(f"{name} {dname} +=main_grad", fns, peer, flops, dev, reps, log, took)
             del a, b
             if dev.type == "cuda":
