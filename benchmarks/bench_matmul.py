@@ -1,12 +1,13 @@
-"""Benchmark: mpkern.matmul (fp32 accumulation) vs torch, TFLOP/s = 2MNK / time, in one run.
+"""Benchmark: mpkern.matmul (fp32 accumulation) route by route against the platform's GEMM, in one run.
 
-CUDA: the Triton GEMM vs cuBLAS on square 4096^3/8192^3 and LLM-shaped (M=16384, K=4096, N=11008)
-forward, dgrad and wgrad problems (weight stored (N, K) like nn.Linear, transposed views, no
-copies), bf16 and fp16, 16-bit and fp32 outputs, and wgrad accumulated into an fp32 main_grad
-(mpkern: in the epilogue; torch: GEMM + add).
-CPU: what mpkern.matmul runs there (ATen in fp32, then a cast) vs ATen's own 16-bit GEMM, plus
-(without --quick) the Triton kernel in the interpreter checked against float64 on small shapes.
-The code is mpkern.bench.bench_matmul, the same that `mpkern bench matmul` runs.
+Per GEMM of the GPT-2-small and Llama-7B layers (forward, input gradient, weight gradient, in
+nn.Linear's layouts; CUDA adds the square 4096^3 / 8192^3 and LLM 16384x4096x11008 shapes): the
+platform GEMM (torch.matmul), every route mpkern.matmul may take there (CUDA: cublas, triton; CPU:
+aten, upcast), and its default choice with the route it took; TFLOP/s and ratios; the weight
+gradients also accumulated into an fp32 main_grad. The full run adds GPT-2 small forward + backward
+with torch.nn.Linear and mpkern.nn.Linear side by side, and on CPU the Triton kernel in the
+interpreter checked against float64. The code is mpkern.bench.bench_matmul, what `mpkern bench
+matmul` runs.
 
     python benchmarks/bench_matmul.py [--device cpu|cuda] [--quick] [--reps 20] [--no-plot]
 """
