@@ -84,11 +84,9 @@ def temp_meter(callback: Callable[[int], None]) -> Iterator[None]:
         _meters.remove(callback)
 
 
-def _note_temps(*groups: int) -> None:
-    if _meters:
-        peak = max(groups)
-        for meter in list(_meters):
-            meter(peak)
+def _note_temps(nbytes: int) -> None:
+    for meter in list(_meters):
+        meter(nbytes)
 
 
 # ---- platform capabilities ------------------------------------------------------------------------
@@ -365,8 +363,11 @@ def problem(a: Tensor, b: Tensor, out_dtype: torch.dtype, epilogue: str) -> Prob
 
 
 #: Decisions already taken, by the exact call (device, dtypes, shapes, strides, the accumulation and the
-#: two environment variables): a later call costs one dict lookup.
+#: two environment variables): a later call costs one dict lookup. Emptied when it holds _DECIDED_MAX
+#: calls (a run with ever-new shapes must not grow it without end; the buckets' choices stay in
+#: route_cache, so refilling costs lookups, not timings).
 _decided: dict[tuple[Any, ...], str] = {}
+_DECIDED_MAX = 4096
 
 
 def route_for(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype, acc: Tensor | None = None) -> str:
@@ -403,6 +404,8 @@ def route_for(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype,
         scratch = None if acc is None else torch.zeros_like(acc)
         runs = {r: partial(_RUNS[r], a, b, bias, out_dtype, scratch) for r in ok}
         route = route_cache.choose(problem(a, b, out_dtype, epilogue), device, runs, default)
+    if len(_decided) >= _DECIDED_MAX:
+        _decided.clear()
     _decided[fast] = route
     return route
 

@@ -265,3 +265,12 @@ def test_exact_cuda_math_switches_reduced_precision_off_and_restores_it():
         assert m.allow_bf16_reduced_precision_reduction and m.allow_fp16_reduced_precision_reduction
     finally:
         m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = old
+
+
+@CPU_ONLY
+def test_the_decision_memo_stays_bounded_with_ever_new_shapes(cache_dir, monkeypatch):
+    monkeypatch.setattr(matmul_routes, "_DECIDED_MAX", 3)
+    with use_route("upcast"):
+        for m in range(1, 9):
+            assert matmul_routes.route_for(_bf16(m, 8), _bf16(8, 4), None, torch.bfloat16) == "upcast"
+            assert len(matmul_routes._decided) <= 3
