@@ -340,6 +340,7 @@ def _add_compare_parser(sub: Any) -> None:
 
 
 def _cmd_doctor(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .compare.diagnosis import compare_case
     from .doctor import command
 
     device = _resolve_device(args.device, parser)
@@ -352,7 +353,7 @@ def _cmd_doctor(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             dtypes = [d for d in dtypes if d != "bf16"]
     command.run(args.model or ["compare", "gpt2"], dtypes, device=device, recipe=args.recipe, full=args.full,
                 loss_scale=args.loss_scale, out=args.out, as_json=args.json, plot=not args.no_plot, seed=args.seed,
-                keep_fp32=args.keep_fp32)
+                keep_fp32=args.keep_fp32, builders={"compare": compare_case})
     return 0
 
 
@@ -376,7 +377,7 @@ def _add_doctor_parser(sub: Any) -> None:
                     "every module: its own error (alone, on the fp32 input), the accumulated error, headroom to "
                     "the dtype's max, inf/NaN appearing, values below the smallest normal, and every gradient at "
                     "the loss scale; then print the findings with their fixes (mpkern.diagnose).")
-    pd.add_argument("--model", type=_choices(MODELS, "--model"), default=None, metavar="LIST",
+    pd.add_argument("--model", type=_choices(("compare", *MODELS), "--model"), default=None, metavar="LIST",
                     help="comma list of compare (the built-in compare classifier), gpt2 (GPT-2 LM from its config), "
                          "bert (BERT sequence classifier from its config); default compare,gpt2. Random weights, "
                          "no download; needs transformers for gpt2/bert. The examples of docs/doctor.md: lse (a naive "

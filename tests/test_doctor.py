@@ -424,6 +424,27 @@ def test_doctor_cli_rejects_unknown_model(capsys):
     assert "--model must be a comma list" in capsys.readouterr().err
 
 
+def test_doctor_command_builds_a_model_it_does_not_know_from_builders(capsys):
+    """command.run takes the models outside mpkern.doctor (the CLI's ``compare``) as builders; build refuses them."""
+    from mpkern.doctor import command, models
+    from mpkern.doctor.case import Case
+
+    with pytest.raises(ValueError, match="unknown model 'compare'"):
+        models.build("compare")
+    seen = []
+
+    def overflow_case(device, seed):
+        seen.append((device, seed))
+        m, x = _overflow_model()
+        return Case("mine", m, x, lambda out: out.float().sum(), "the exp overflow model")
+
+    out = command.run(["mine"], ["fp16", "bf16"], plot=False, seed=3, builders={"mine": overflow_case})
+    assert seen == [("cpu", 3)]  # built once, diagnosed in each dtype
+    assert [(e["model"], e["dtype"], e["diagnosis"]["first_overflow"]) for e in out] == [
+        ("mine", "fp16", "1"), ("mine", "bf16", None)]
+    assert "== the exp overflow model: fp16 ==" in capsys.readouterr().out
+
+
 # ---- mistakes caught where they happen ----------------------------------------------------------
 def test_step_inside_autocast_warns_once_with_the_fix():
     import warnings

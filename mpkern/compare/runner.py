@@ -201,7 +201,7 @@ def _run(cfg: Config, explicit: bool, find_batch: bool, memory_budget: str | int
             "budget": budget, "runs": runs, "plan": plan_table(runs[0]["params"]) if runs else []}
         results["lessons"] = lessons(results)
         if doctor:
-            from ..doctor.models import diagnose_compare_runs
+            from .diagnosis import diagnose_compare_runs
 
             n = min(cfg.batch_size, len(task.y_val))
             recipes = list(dict.fromkeys(split_run(p)[0] for p in cfg.precisions))  # a release run: its recipe's

@@ -6,12 +6,14 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from .. import nn as mpnn
 from . import models
+from .case import CaseBuilder
 from .run import diagnose
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -19,10 +21,15 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 def run(model_names: list[str], dtypes: list[str], *, device: str = "cpu", recipe: str = "autocast",
         full: bool = False, loss_scale: float | None = None, out: str | None = None, as_json: bool = False,
-        plot: bool = True, seed: int = 0, keep_fp32: list[str] | None = None) -> list[dict[str, Any]]:
+        plot: bool = True, seed: int = 0, keep_fp32: list[str] | None = None,
+        builders: Mapping[str, CaseBuilder] | None = None) -> list[dict[str, Any]]:
     """Diagnose each model in each dtype; print the tables (or JSON); write ``doctor.json`` and one
     PNG per diagnosis into ``out``. ``keep_fp32``: module names made fp32 islands first
-    (:func:`mpkern.nn.keep_fp32`), to check a fix. Returns ``[{"model", "describe", "dtype", "diagnosis"}, ...]``."""
+    (:func:`mpkern.nn.keep_fp32`), to check a fix. ``builders``: the models named in ``model_names``
+    that :func:`.models.build` does not know, each built from ``(device, seed)`` (the CLI gives
+    ``compare``: :func:`mpkern.compare.diagnosis.compare_case`). Returns
+    ``[{"model", "describe", "dtype", "diagnosis"}, ...]``."""
+    builders = builders or {}
     results = []
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if as_json else (lambda *a: print(*a, flush=True))
     if out:
@@ -31,8 +38,9 @@ def run(model_names: list[str], dtypes: list[str], *, device: str = "cpu", recip
     i = 0
     for name in model_names:
         try:
-            case = models.build(name, device, full=full, seed=seed)
-        except ValueError as e:  # transformers missing
+            case = (builders[name](device, seed) if name in builders
+                    else models.build(name, device, full=full, seed=seed))
+        except ValueError as e:  # transformers missing (the CLI has checked the names)
             say(f"[doctor] skipping {name}: {e}")
             continue
         if keep_fp32:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .models import Case
+from .case import Case
 
 Tensor = torch.Tensor
 

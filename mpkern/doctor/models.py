@@ -1,47 +1,21 @@
-"""The models ``mpkern doctor`` diagnoses: the compare task's classifier and Hugging Face models
-built from a config (random weights, no download), each with its inputs and loss."""
+"""The models ``mpkern doctor`` builds itself: Hugging Face models built from a config (random weights,
+no download) and the examples of docs/doctor.md, each as a :class:`~mpkern.doctor.case.Case` with its
+inputs and loss."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-Tensor = torch.Tensor
+from .case import Case
+from .examples import EXAMPLES, example_case
 
-MODELS = ("compare", "gpt2", "bert", "lse", "cancel", "tiny", "gradscale")
+__all__ = ["MODELS", "Case", "build", "hf_case"]
 
-
-@dataclass
-class Case:
-    """A model to diagnose, what to feed it and how its loss is computed."""
-
-    name: str
-    model: nn.Module
-    inputs: Any
-    loss_fn: Callable[[Any], Tensor]
-    describe: str
-    loss_scale: float | None = None  # the scale its gradients are judged at (None: GradScaler's first)
-
-
-def compare_case(device: str = "cpu", seed: int = 0) -> Case:
-    """The built-in ``mpkern compare`` classifier (default CPU size) on a batch of its task."""
-    from ..compare.config import default_config
-    from ..compare.task import Classifier, make_task
-
-    cfg = default_config("cpu")
-    cfg.steps, cfg.val_size, cfg.seed = 1, cfg.batch_size, seed
-    task = make_task(cfg)
-    torch.manual_seed(seed)
-    model = Classifier(task.vocab, cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads, task.classes).to(device)
-    x, y = task.x_val.to(device), task.y_val.to(device)
-    return Case("compare", model, x, lambda out: F.cross_entropy(out.float(), y),
-                f"compare classifier: {cfg.layers} blocks, d_model {cfg.d_model}, batch {cfg.batch_size} x "
-                f"{cfg.seq_len} tokens")
+MODELS = ("gpt2", "bert", *EXAMPLES)
+"""The models :func:`build` knows: Hugging Face models from their configs and the examples of docs/doctor.md
+(``mpkern doctor --model compare``, ``mpkern compare``'s classifier, is built by :mod:`mpkern.compare.diagnosis`)."""
 
 
 def _no_dropout(config: Any) -> Any:
@@ -97,37 +71,9 @@ def hf_case(kind: str, device: str = "cpu", *, full: bool = False, seed: int = 0
 
 
 def build(kind: str, device: str = "cpu", *, full: bool = False, seed: int = 0) -> Case:
-    """The :class:`Case` named ``kind`` (one of :data:`MODELS`)."""
-    if kind == "compare":
-        return compare_case(device, seed)
+    """The :class:`Case` named ``kind`` (one of :data:`MODELS`); ValueError for another name."""
+    if kind not in MODELS:
+        raise ValueError(f"unknown model {kind!r}: expected one of {MODELS}")
     if kind in ("gpt2", "bert"):
         return hf_case(kind, device, full=full, seed=seed)
-    from .examples import example_case
-
     return example_case(kind, device, seed)
-
-
-def run_recipe(name: str) -> tuple[torch.dtype, str] | None:
-    """The dtype and :func:`~mpkern.diagnose` recipe of ``mpkern compare`` run ``name`` (None for fp32):
-    ``bf16`` / ``fp16`` are autocast over fp32 params; every other run keeps 16-bit params."""
-    if name == "fp32":
-        return None
-    dtype = torch.float16 if "fp16" in name else torch.bfloat16
-    return dtype, ("autocast" if name in ("bf16", "fp16") else "params")
-
-
-def diagnose_compare_runs(model: nn.Module, ids: Tensor, labels: Tensor, names: list[str]) -> list[dict[str, Any]]:
-    """``mpkern compare --doctor``: the compare model (its initial weights) diagnosed in each 16-bit run's
-    dtype and recipe on one batch of the task, with its cross-entropy loss. Returns one entry per run:
-    ``{"run", "dtype", "recipe", "diagnosis" (to_dict), "text" (the table)}``."""
-    from .run import diagnose
-
-    out = []
-    for name in names:
-        rr = run_recipe(name)
-        if rr is None:
-            continue
-        d = diagnose(model, ids, dtype=rr[0], recipe=rr[1], loss_fn=lambda o: F.cross_entropy(o.float(), labels))
-        out.append({"run": name, "dtype": str(rr[0]).replace("torch.", ""), "recipe": rr[1],
-                    "diagnosis": d.to_dict(), "text": str(d)})
-    return out
