@@ -89,6 +89,18 @@ def best_of(fn: Callable[[], object], reps: int, device: torch.device) -> float:
     return best
 
 
+def unscale_problem(dev: torch.device, sizes: list[int], seed: int = 0) -> list[torch.nn.Parameter]:
+    """The unscale benchmarks' params: one bf16 param per size (its values never read) holding a
+    "loss-scaled" bf16 grad (N(0, 64^2), drawn on the CPU from ``seed``, so every device gets the same)."""
+    g = torch.Generator().manual_seed(seed)
+    ps = []
+    for n in sizes:
+        p = torch.nn.Parameter(torch.empty(n, dtype=torch.bfloat16, device=dev))
+        p.grad = (torch.randn(n, generator=g) * 64.0).to(torch.bfloat16).to(dev)
+        ps.append(p)
+    return ps
+
+
 def adamw_problem(dev: torch.device, sizes: list[int], seed: int = 1) -> tuple[list[Tensor], list[Tensor]]:
     """``(grads16, init)``: "loss-scaled" bf16 grads (N(0, 64^2)) and fp32 initial weights (N(0, 0.02^2))."""
     g = torch.Generator().manual_seed(seed)
@@ -132,18 +144,19 @@ def unscale_clip(params: list[Tensor], inv: Tensor) -> None:
     torch_unscale_clip(params, inv, ADAMW_MAX_NORM)
 
 
-def amp_fp32_recipe(init: list[Tensor], grads16: list[Tensor], inv: Tensor,
-                    lr: float = ADAMW_LR) -> tuple[Callable[[], None], Callable[[], None], torch.optim.Optimizer]:
+def amp_fp32_recipe(init: list[Tensor], grads16: list[Tensor], inv: Tensor, lr: float = ADAMW_LR, *,
+                    capturable: bool = False) -> tuple[Callable[[], None], Callable[[], None], torch.optim.Optimizer]:
     """``(step, restore, optimizer)`` of the baseline every AdamW row is measured against: the AMP
     recipe on fp32 params and grads (unscale + ``clip_grad_norm_(foreach=True)`` +
-    ``torch.optim.AdamW(fused=True)``; 48 B/param). ``restore()`` puts the grads back (untimed)."""
+    ``torch.optim.AdamW(fused=True)``; 48 B/param). ``restore()`` puts the grads back (untimed).
+    ``capturable``: AdamW's own switch (its step may then be captured in a CUDA graph)."""
     dev = inv.device
     fused_kw = {"fused": True} if dev.type in ("cuda", "cpu") else {}
     pa = [torch.nn.Parameter(w.clone()) for w in init]
     ga = [x.float() for x in grads16]
     for p, x in zip(pa, ga):
         p.grad = x.clone()
-    opt = torch.optim.AdamW(pa, lr=lr, **fused_kw)
+    opt = torch.optim.AdamW(pa, lr=lr, capturable=capturable, **fused_kw)
 
     def restore() -> None:
         torch._foreach_copy_([p.grad for p in pa], ga)

@@ -82,31 +82,52 @@ def _randn(shape: tuple[int, ...], dt: torch.dtype, dev: torch.device, seed: int
     return (torch.randn(shape, generator=g) * 0.1).to(dev, dt)
 
 
+#: the operand layouts of :func:`operands`
+LAYOUTS = ("square", "fwd", "dgrad", "wgrad")
+
+
+def operands(layout: str, m: int, n: int, k: int, dtype: torch.dtype,
+             device: torch.device | str) -> tuple[Tensor, Tensor]:
+    """``(a, b)`` for ``a (M, K) @ b (K, N)`` in one of nn.Linear's layouts (N(0, 0.1^2), drawn on the
+    CPU from fixed seeds, so every device gets the same): ``"square"`` and ``"dgrad"`` (``dY @ W``)
+    both operands row-major; ``"fwd"`` ``x @ W.T`` (W stored (N, K)); ``"wgrad"`` ``dY.T @ X`` (dY
+    stored (K, M): the reduction runs over the tokens)."""
+    dev = torch.device(device)
+    if layout == "square":
+        return _randn((m, k), dtype, dev, 1), _randn((k, n), dtype, dev, 2)
+    if layout == "fwd":
+        return _randn((m, k), dtype, dev, 1), _randn((n, k), dtype, dev, 2).t()
+    if layout == "dgrad":
+        return _randn((m, k), dtype, dev, 3), _randn((k, n), dtype, dev, 2)
+    if layout == "wgrad":
+        return _randn((k, m), dtype, dev, 3).t(), _randn((k, n), dtype, dev, 1)
+    raise ValueError(f"operands: layout must be one of {LAYOUTS}, got {layout!r}")
+
+
 def problems(device: torch.device | str, quick: bool) -> list[tuple[str, int, int, int, Callable]]:
     """``(name, M, N, K, make(dtype, device) -> (a, b))`` for ``a (M, K) @ b (K, N)``, in nn.Linear's
-    layouts: forward ``x @ W.T`` (W stored (N, K)), input gradient ``dY @ W``, weight gradient
-    ``dY.T @ X`` (the reduction over the tokens)."""
+    layouts (:func:`operands`): forward ``x @ W.T`` (W stored (N, K)), input gradient ``dY @ W``,
+    weight gradient ``dY.T @ X`` (the reduction over the tokens)."""
     dev = torch.device(device)
     out: list[tuple[str, int, int, int, Callable]] = []
+
+    def case(name: str, layout: str, m: int, n: int, k: int) -> None:
+        out.append((name, m, n, k, partial(operands, layout, m, n, k)))
+
     if dev.type == "cuda":
         for m, n, k in GPU_SQUARE[:1] if quick else GPU_SQUARE:
-            out.append((f"square {m}^3", m, n, k,
-                        lambda dt, d, m=m, n=n, k=k: (_randn((m, k), dt, d, 1), _randn((k, n), dt, d, 2))))
+            case(f"square {m}^3", "square", m, n, k)
         big, k_, n_ = GPU_LLM
         if not quick:
-            out.append((f"LLM fwd {big}x{k_}x{n_}", big, n_, k_,
-                        lambda dt, d: (_randn((big, k_), dt, d, 1), _randn((n_, k_), dt, d, 2).t())))
+            case(f"LLM fwd {big}x{k_}x{n_}", "fwd", big, n_, k_)
     t = TOKENS["cuda" if dev.type == "cuda" else "cpu"][0 if quick else 1]
     for model, layer, k, n in MODEL_LAYERS:
         if dev.type != "cuda" and quick and layer in CPU_QUICK_SKIP:
             continue
         tag = f"{model} {layer} T={t}"
-        out.append((f"{tag} fwd", t, n, k,
-                    lambda dt, d, k=k, n=n: (_randn((t, k), dt, d, 1), _randn((n, k), dt, d, 2).t())))
-        out.append((f"{tag} dgrad", t, k, n,
-                    lambda dt, d, k=k, n=n: (_randn((t, n), dt, d, 3), _randn((n, k), dt, d, 2))))
-        out.append((f"{tag} wgrad", n, k, t,
-                    lambda dt, d, k=k, n=n: (_randn((t, n), dt, d, 3).t(), _randn((t, k), dt, d, 1))))
+        case(f"{tag} fwd", "fwd", t, n, k)
+        case(f"{tag} dgrad", "dgrad", t, k, n)
+        case(f"{tag} wgrad", "wgrad", n, k, t)
     return out
 
 

@@ -10,7 +10,7 @@ import torch
 
 from .. import _backend, bytemodel
 from ..measure import measure_bandwidth, time_fn
-from .common import FULL, row, tensor_sizes, torch_unscale_clip
+from .common import FULL, row, tensor_sizes, torch_unscale_clip, unscale_problem
 
 
 def bench_unscale(device: torch.device | str, *, params: int = FULL["params"], tensors: int = FULL["tensors"],
@@ -21,12 +21,7 @@ def bench_unscale(device: torch.device | str, *, params: int = FULL["params"], t
 
     dev = torch.device(device)
     bw = bandwidth or measure_bandwidth(dev)
-    g = torch.Generator().manual_seed(0)
-    ps = []
-    for n in tensor_sizes(params, tensors):
-        p = torch.nn.Parameter(torch.empty(n, dtype=torch.bfloat16, device=dev))
-        p.grad = (torch.randn(n, generator=g) * 64.0).to(torch.bfloat16).to(dev)  # "scaled" grads
-        ps.append(p)
+    ps = unscale_problem(dev, tensor_sizes(params, tensors))
     grads = [p.grad for p in ps]
     backup = [x.clone() for x in grads]
     inv = torch.tensor(1.0 / 1024.0, device=dev)
