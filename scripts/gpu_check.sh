@@ -9,7 +9,7 @@
 # Every stage runs under its own `timeout` (SIGINT first, so pytest writes its XML and the Python
 # stages mark their JSON "interrupted"; SIGKILL a few seconds later, inside the stage's limit), and
 # every stage is also capped by the total deadline, so the run ends within TOTAL seconds plus the
-# shell's own overhead. The summary (mpkern/bench/gpu_summary.py, standard library only) runs from
+# shell's own overhead. The summary (tools/gpu_check/summary.py, standard library only) runs from
 # an EXIT trap: it is printed whatever failed, timed out or was interrupted.
 #
 # Stages, in order (limits in seconds below; `--dry-run` prints them):
@@ -20,9 +20,10 @@
 #                 reference variants add nothing on a GPU); JUnit XML + -v log, so tests count per file
 #   unscale, adamw_cuda, adamw_triton, matmul, matmul_tuned
 #                 benchmarks, one process each, each writing its own JSON after every row: kernel time
-#                 from CUDA events over back-to-back calls, wall time, CUDA-graph replay (mpkern/bench/gpu_stages.py)
+#                 from CUDA events over back-to-back calls, wall time, CUDA-graph replay
+#                 (tools/gpu_check/stages_kernels.py, stages_matmul.py)
 #   release       whole training steps, regular beside gradient release (one pass; two passes with the
-#                 clip; forward + two backwards), peak memory, bitwise check (mpkern/bench/gpu_release.py)
+#                 clip; forward + two backwards), peak memory, bitwise check (tools/gpu_check/release.py)
 #   tests_rest    the other test files, in whatever time the stages above left
 #   summary       GB/s and % of the measured copy bandwidth per kernel and storage mode (bytes from
 #                 mpkern.bytemodel), TFLOP/s against cuBLAS, tests passed/failed/skipped per file
@@ -58,7 +59,7 @@ fi
 SUMMARY_LIMIT=10
 # name|limit (s)|what it runs
 STAGES=(
-  "precheck|15|ninja, torch CUDA vs nvcc --version, GPU capability (mpkern/bench/gpu_precheck.py)"
+  "precheck|15|ninja, torch CUDA vs nvcc --version, GPU capability (tools/gpu_check/precheck.py)"
   "build|130|MPKERN_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=<this GPU> pip install --no-build-isolation --no-deps -e ."
   "device|15|CUDA kernels built + selected, mpkern info, copy bandwidth (1 GiB copy_, CUDA events)"
   "tests_gpu|90|one pytest process over the GPU-first files (list below), MPKERN_MATMUL_CONFIG=fixed"
@@ -69,7 +70,7 @@ STAGES=(
   "matmul|25|mpkern.matmul, fixed config (no tuning) vs cuBLAS: 4096^3, LLM fwd, wgrad +=main_grad"
   "matmul_tuned|30|one bf16 shape (LLM fwd 16384x4096x11008) through the autotuner (one tuning) vs cuBLAS"
   "tests_rest|REST|the other test files, one pytest process"
-  "summary|$SUMMARY_LIMIT|$OUT/summary.txt (mpkern/bench/gpu_summary.py)"
+  "summary|$SUMMARY_LIMIT|$OUT/summary.txt (tools/gpu_check/summary.py)"
 )
 declare -A LIMIT WHAT
 ORDER=()
@@ -152,11 +153,7 @@ START=$(date +%s)
 if [[ -e "$OUT/stages.tsv" ]]; then  # a previous run's files would be summarised as this run's: move them
   rm -rf "$OUT/previous_run"
   mkdir -p "$OUT/previous_run"
-  for f in plan.tsv stages.tsv arch.txt summary.txt summary.log tests_gpu.k tests_gpu.list tests_rest.list \
-           tests_gpu.xml tests_rest.xml precheck.json device.json unscale.json matmul.json matmul_tuned.json release.json \
-           adamw_*.json "${ORDER[@]/%/.log}"; do
-    for g in "$OUT"/$f; do [[ -e "$g" ]] && mv "$g" "$OUT/previous_run/"; done
-  done
+  for g in "$OUT"/*; do [[ -f "$g" ]] && mv "$g" "$OUT/previous_run/"; done  # every file a stage wrote
   echo "[gpu_check] the previous run's files are in $OUT/previous_run"
 fi
 DEADLINE=$((START + TOTAL))
@@ -222,7 +219,7 @@ finish() {
   fi
   local t0
   t0=$(date +%s)
-  if timeout -k 2 "$SUMMARY_LIMIT" "$PY" mpkern/bench/gpu_summary.py "$OUT" --write > "$OUT/summary.log" 2>&1; then
+  if timeout -k 2 "$SUMMARY_LIMIT" "$PY" -m tools.gpu_check.summary "$OUT" --write > "$OUT/summary.log" 2>&1; then
     record summary "$SUMMARY_LIMIT" 0 $(( $(date +%s) - t0 )) ok
     cat "$OUT/summary.txt"
   else
@@ -237,7 +234,7 @@ trap finish EXIT
 trap 'log "interrupted"; exit 130' INT TERM
 
 # ---- precheck -------------------------------------------------------------------------------------
-stage precheck "$PY" mpkern/bench/gpu_precheck.py "$OUT"
+stage precheck "$PY" -m tools.gpu_check.precheck "$OUT"
 PRE=$?
 ARCH=$(cat "$OUT/arch.txt" 2>/dev/null || true)
 if [[ $PRE -eq 3 || -z "$ARCH" ]]; then
@@ -262,19 +259,19 @@ else
     MPKERN_BUILD_CUDA=0 $PIP_E; rc=\$?; \
     echo \"[gpu_check] the CUDA build failed; the build without CUDA kernels ended with rc=\$rc\"; exit 3"
 fi
-stage device "$PY" -m mpkern.bench.gpu_stages device --out "$OUT"
+stage device "$PY" -m tools.gpu_check.stages_kernels device --out "$OUT"
 
 # ---- the GPU-first tests, one process --------------------------------------------------------------
 stage tests_gpu "$PY" -m pytest -p no:cacheprovider -v --tb=short -rfE --durations=25 -o junit_family=xunit1 -o faulthandler_timeout=45 \
   --junitxml="$OUT/tests_gpu.xml" -k "$KEXPR" "${GPU_FILES[@]}"
 
 # ---- benchmarks, one process and one JSON each -------------------------------------------------------
-stage unscale "$PY" -m mpkern.bench.gpu_stages unscale --out "$OUT"
-stage adamw_cuda "$PY" -m mpkern.bench.gpu_stages adamw --backend cuda --peer --out "$OUT"
-stage release "$PY" -m mpkern.bench.gpu_release --out "$OUT"
-stage adamw_triton "$PY" -m mpkern.bench.gpu_stages adamw --backend triton --out "$OUT"
-stage matmul "$PY" -m mpkern.bench.gpu_stages matmul --out "$OUT"
-stage matmul_tuned "$PY" -m mpkern.bench.gpu_stages matmul_tuned --out "$OUT"
+stage unscale "$PY" -m tools.gpu_check.stages_kernels unscale --out "$OUT"
+stage adamw_cuda "$PY" -m tools.gpu_check.stages_kernels adamw --backend cuda --peer --out "$OUT"
+stage release "$PY" -m tools.gpu_check.release --out "$OUT"
+stage adamw_triton "$PY" -m tools.gpu_check.stages_kernels adamw --backend triton --out "$OUT"
+stage matmul "$PY" -m tools.gpu_check.stages_matmul matmul --out "$OUT"
+stage matmul_tuned "$PY" -m tools.gpu_check.stages_matmul matmul_tuned --out "$OUT"
 
 # ---- the rest of the tests, in what is left -----------------------------------------------------------
 stage tests_rest "$PY" -m pytest -p no:cacheprovider -v --tb=short -rfE -o junit_family=xunit1 -o faulthandler_timeout=45 \

@@ -327,27 +327,6 @@ def test_linear_e2e_times_three_models_side_by_side():
         bench.bench_linear_e2e("cpu", model="bert")
 
 
-def test_matmul_routes_stage_writes_bench_matmul_rows(tmp_path, monkeypatch):
-    """The GPU check's matmul_routes stage is bench_matmul's rows (one implementation), in its JSON."""
-    import json
-
-    from mpkern.bench import gpu_stages, matmul as bench_mm
-
-    seen = {}
-
-    def fake(dev, **kw):
-        seen.update(kw, dev=dev)
-        return [{"kernel": "matmul", "method": "torch.matmul: x", "ms": 1.0}]
-
-    monkeypatch.setattr(bench_mm, "bench_matmul", fake)
-    monkeypatch.setenv("MPKERN_MATMUL_CONFIG", "x")  # recorded, so the stage's setting is undone after the test
-    monkeypatch.delenv("MPKERN_MATMUL_CONFIG")
-    assert gpu_stages.stage_matmul_routes(str(tmp_path), device=torch.device("cpu")) == 0
-    data = json.loads((tmp_path / "matmul_routes.json").read_text())
-    assert data["rows"] == [{"kernel": "matmul", "method": "torch.matmul: x", "ms": 1.0}]
-    assert seen["quick"] and seen["dtypes"] == "bf16" and os.environ["MPKERN_MATMUL_CONFIG"] == "fixed"
-
-
 def test_time_alternating_rotates_the_order_so_each_call_follows_each_other():
     from mpkern.measure import time_alternating
 

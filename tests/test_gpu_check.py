@@ -21,7 +21,10 @@ import pytest
 import torch
 
 from mpkern import measure
-from mpkern.bench import gpu_precheck, gpu_stages, gpu_summary
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: in the tree, not installed
+from tools.gpu_check import harness, precheck, read, stages_kernels, stages_matmul, summary, tables
+from tools.gpu_check.rows import matmul_row, mem_row
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
@@ -119,8 +122,8 @@ FAKE_PYTHON = r"""#!/usr/bin/env bash
 # a tests stage that runs until stopped; the summary (and the script's own questions) run for real
 echo "$*" >> "$FAKE_DIR/calls.log"
 case "$*" in
-  -c*|*gpu_summary.py*) exec "$REAL_PY" "$@" ;;
-  *gpu_precheck.py*)
+  -c*|*tools.gpu_check.summary*) exec "$REAL_PY" "$@" ;;
+  *tools.gpu_check.precheck*)
     out=${@: -1}; echo 9.0 > "$out/arch.txt"
     echo '{"gpu": {"name": "Fake GPU", "arch": "9.0"}, "problems": []}' > "$out/precheck.json"; exit 0 ;;
   *"-m pip"*)
@@ -154,7 +157,7 @@ def test_every_stage_is_stopped_at_its_limit_and_the_summary_still_comes(tmp_pat
     p = subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env,
                        check=False)
     assert p.returncode == 1, p.stdout + p.stderr  # two stages did not end ok
-    stages = gpu_summary.read_stages(str(out))
+    stages = read.read_stages(str(out))
     assert stages["build"]["rc"] in (124, 137) and stages["build"]["seconds"] <= 8, stages["build"]
     assert stages["build"]["status"].startswith(("KILLED", "TIMEOUT"))  # it ignored SIGINT: SIGKILL ended it
     assert stages["tests_gpu"]["rc"] == 124 and stages["tests_gpu"]["seconds"] <= 7
@@ -165,7 +168,7 @@ def test_every_stage_is_stopped_at_its_limit_and_the_summary_still_comes(tmp_pat
     assert not _alive(tmp_path / "pip.pid") and not _alive(tmp_path / "pytest.pid")
     assert "mpkern gpu_check summary" in p.stdout and (out / "summary.txt").read_text() in p.stdout
     calls = (tmp_path / "calls.log").read_text()
-    assert "-m mpkern.bench.gpu_stages adamw --backend triton" in calls
+    assert "-m tools.gpu_check.stages_kernels adamw --backend triton" in calls
     assert calls.count("-m pytest") == 2  # one process for the GPU-first files, one for the rest
 
 
@@ -175,7 +178,7 @@ def test_a_run_whose_stages_all_end_ok_exits_0(tmp_path):
     p = subprocess.run(["bash", SCRIPT, str(tmp_path / "out")], capture_output=True, text=True, timeout=120, cwd=ROOT,
                        env=env, check=False)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert {v["status"] for v in gpu_summary.read_stages(str(tmp_path / "out")).values()} == {"ok"}
+    assert {v["status"] for v in read.read_stages(str(tmp_path / "out")).values()} == {"ok"}
 
 
 @needs_bash
@@ -201,7 +204,7 @@ def test_an_interrupted_run_stops_its_stage_and_prints_the_summary(tmp_path):
     assert "mpkern gpu_check summary" in stdout and "interrupted" in stdout
     time.sleep(1)
     assert not _alive(tmp_path / "pytest.pid")
-    assert gpu_summary.read_stages(str(out))["tests_gpu"]["status"] == "interrupted (the run was stopped)"
+    assert read.read_stages(str(out))["tests_gpu"]["status"] == "interrupted (the run was stopped)"
     assert re.search(r"^  tests_gpu\s+90 s\s+\d+ s  interrupted", (out / "summary.txt").read_text(), re.M)
 
 
@@ -217,14 +220,14 @@ def test_per_call_ms_is_the_median_over_rounds_of_total_over_calls():
 
 
 def test_rates_and_their_refusals():
-    assert gpu_summary.gbps(3e9, 1000.0) == pytest.approx(3.0)
-    assert gpu_summary.gbps(960e6, 0.25) == pytest.approx(3840.0)
-    assert gpu_summary.tflops(2 * 4096**3, 0.25) == pytest.approx(549.755813888)
+    assert tables.gbps(3e9, 1000.0) == pytest.approx(3.0)
+    assert tables.gbps(960e6, 0.25) == pytest.approx(3840.0)
+    assert tables.tflops(2 * 4096**3, 0.25) == pytest.approx(549.755813888)
     for bad in (0, -1.0, float("inf"), None):
         with pytest.raises(ValueError):
-            gpu_summary.gbps(1.0, bad)
+            tables.gbps(1.0, bad)
         with pytest.raises(ValueError):
-            gpu_summary.tflops(1.0, bad)
+            tables.tflops(1.0, bad)
 
 
 NVCC_OUT = """nvcc: NVIDIA (R) Cuda compiler driver
@@ -236,55 +239,55 @@ Build cuda_13.0.r13.0/compiler.36260728_0
 
 
 def test_precheck_reads_nvcc_and_applies_torchs_version_rule():
-    assert gpu_precheck.parse_nvcc_version(NVCC_OUT) == "13.0"
-    assert gpu_precheck.parse_nvcc_version("Cuda compilation tools, release 12.8, V12.8.93") == "12.8"
-    assert gpu_precheck.parse_nvcc_version("command not found") is None
-    assert gpu_precheck.cuda_version_problem("12.8", "12.8") == ("", False)
-    msg, fatal = gpu_precheck.cuda_version_problem("12.8", "12.6")
+    assert precheck.parse_nvcc_version(NVCC_OUT) == "13.0"
+    assert precheck.parse_nvcc_version("Cuda compilation tools, release 12.8, V12.8.93") == "12.8"
+    assert precheck.parse_nvcc_version("command not found") is None
+    assert precheck.cuda_version_problem("12.8", "12.8") == ("", False)
+    msg, fatal = precheck.cuda_version_problem("12.8", "12.6")
     assert not fatal and "only warns" in msg
-    msg, fatal = gpu_precheck.cuda_version_problem("13.0", "12.8")
+    msg, fatal = precheck.cuda_version_problem("13.0", "12.8")
     assert fatal and "major" in msg
-    assert gpu_precheck.cuda_version_problem(None, "12.8")[1] and gpu_precheck.cuda_version_problem("12.8", None)[1]
-    assert gpu_precheck.arch_string((9, 0)) == "9.0" and gpu_precheck.arch_string([8, 6]) == "8.6"
-    assert gpu_precheck.arch_string(None) == ""
+    assert precheck.cuda_version_problem(None, "12.8")[1] and precheck.cuda_version_problem("12.8", None)[1]
+    assert precheck.arch_string((9, 0)) == "9.0" and precheck.arch_string([8, 6]) == "8.6"
+    assert precheck.arch_string(None) == ""
     with pytest.raises(ValueError):
-        gpu_precheck.arch_string((0, -1))
+        precheck.arch_string((0, -1))
 
 
 def test_stage_file_is_valid_json_after_every_row_and_says_how_it_ended(tmp_path):
     path = str(tmp_path / "adamw_cuda.json")
-    sf = gpu_stages.StageFile(path, "adamw_cuda", kernel="adamw")
+    sf = harness.StageFile(path, "adamw_cuda", kernel="adamw")
     assert _read_json(path)["status"] == "running"
     t = {"kernel_ms": 0.3, "wall_ms": 0.5, "calls": 20, "rounds": 5, "queued_ahead": 5}
-    row = gpu_stages.mem_row("adamw", "FusedAdamWMP", "cuda", mode="m", bytes_per_param=30,
+    row = mem_row("adamw", "FusedAdamWMP", "cuda", mode="m", bytes_per_param=30,
                              bytes_source="bytemodel.STEP_TRAFFIC['mpkern']", params=1000, timing=t)
     sf.add_row(row)
     on_disk = _read_json(path)
     assert on_disk["rows"] == [row] and on_disk["rows"][0]["timing"]["kernel_ms"] == 0.3
-    gpu_stages._mark_ended(str(tmp_path), ["adamw_cuda.json"], "cut off")
+    harness.mark_ended(str(tmp_path), ["adamw_cuda.json"], "cut off")
     assert _read_json(path)["status"] == "interrupted"
     sf.finish("done")
     assert _read_json(path)["status"] == "done"
-    gpu_stages._mark_ended(str(tmp_path), ["adamw_cuda.json"], "late")  # a finished stage stays finished
+    harness.mark_ended(str(tmp_path), ["adamw_cuda.json"], "late")  # a finished stage stays finished
     assert _read_json(path)["status"] == "done"
     with pytest.raises(ValueError):
         sf.finish("maybe")
     with pytest.raises(ValueError):
-        gpu_stages.StageFile(str(tmp_path / "x.txt"), "x")
+        harness.StageFile(str(tmp_path / "x.txt"), "x")
 
 
 def test_rows_refuse_what_would_make_a_rate_meaningless():
     t = {"kernel_ms": 1.0, "wall_ms": 1.0}
     kw = dict(bytes_source="x", params=10, timing=t)
     with pytest.raises(ValueError, match="bytes_per_param"):
-        gpu_stages.mem_row("unscale", "i", "cuda", bytes_per_param=0, **kw)
+        mem_row("unscale", "i", "cuda", bytes_per_param=0, **kw)
     with pytest.raises(ValueError, match="params"):
-        gpu_stages.mem_row("unscale", "i", "cuda", bytes_per_param=6, bytes_source="x", params=0, timing=t)
+        mem_row("unscale", "i", "cuda", bytes_per_param=6, bytes_source="x", params=0, timing=t)
     with pytest.raises(ValueError, match="error"):
-        gpu_stages.mem_row("unscale", "i", "cuda", bytes_per_param=6, bytes_source="x", params=10)
+        mem_row("unscale", "i", "cuda", bytes_per_param=6, bytes_source="x", params=10)
     with pytest.raises(ValueError, match="positive"):
-        gpu_stages.matmul_row("s", 0, 1, 1, "bf16", "bf16", "c", timing=t, peer="p", peer_timing=t)
-    r = gpu_stages.matmul_row("s", 2, 3, 4, "bf16", "fp32", "c", timing=t, peer="p", peer_timing=t)
+        matmul_row("s", 0, 1, 1, "bf16", "bf16", "c", timing=t, peer="p", peer_timing=t)
+    r = matmul_row("s", 2, 3, 4, "bf16", "fp32", "c", timing=t, peer="p", peer_timing=t)
     assert r["flops"] == 2 * 2 * 3 * 4
 
 
@@ -293,7 +296,7 @@ def test_the_byte_counts_the_stages_use_are_the_byte_models():
     modes, from the one per-mode count -- which equals bytemodel's for the fp32 mode."""
     from mpkern import bench, bytemodel
 
-    src = Path(gpu_stages.__file__).read_text()
+    src = Path(stages_kernels.__file__).read_text()
     for name in ("UNSCALE_TRAFFIC[\"mpkern\"]", "UNSCALE_TRAFFIC[\"torch\"]", "STEP_TRAFFIC[\"mpkern\"]",
                  "STEP_TRAFFIC[\"amp_fp32\"]", "step_bytes_per_param(mw, sd)"):
         assert name in src, name
@@ -304,7 +307,7 @@ def test_adamw_stage_plans_every_mode_with_a_kernel_headline_first():
     from mpkern.optim import storage
 
     for backend in ("cuda", "triton"):
-        modes = gpu_stages._ordered_modes(backend)
+        modes = stages_kernels.ordered_modes(backend)
         assert sorted(map(str, modes)) == sorted(map(str, storage.modes(torch.bfloat16, backend=backend)))
         head = [m for m in storage.DEFAULT_MODES if m in modes]
         assert modes[:len(head)] == head
@@ -355,11 +358,11 @@ def test_tests_are_counted_per_file_from_real_junit_xml_and_from_the_verbose_log
     xml, log = _run_sample(tmp_path)
     # 3 passes; the teardown error makes its passing test an error (counted once)
     want = {"passed": 3, "failed": 1, "error": 1, "skipped": 1, "xfailed": 1}
-    files, failures = gpu_summary.parse_junit(xml)
+    files, failures = read.parse_junit(xml)
     assert list(files) == ["test_sample.py"]
     assert {k: files["test_sample.py"][k] for k in want} == want
     assert any("test_fail" in t and "one is not two" in m for t, m in failures)
-    files, failures = gpu_summary.parse_verbose_log(log)
+    files, failures = read.parse_verbose_log(log)
     assert {k: files["test_sample.py"][k] for k in want} == want  # the teardown error counted once, as error
     assert {t.split("::")[1] for t, _ in failures} == {"test_fail", "test_pass_then_teardown_error"}
 
@@ -378,7 +381,7 @@ def test_pytest_stopped_by_timeout_with_sigint_still_writes_its_xml(tmp_path):
     subprocess.run(["timeout", "-s", "INT", "-k", "20", "8", sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
                     "-o", "junit_family=xunit1", f"--junitxml={xml}", "test_slow.py"], cwd=tmp_path,
                    capture_output=True, timeout=60, env=dict(os.environ, PYTHONPATH=""), check=False)
-    files, _ = gpu_summary.parse_junit(str(xml))
+    files, _ = read.parse_junit(str(xml))
     assert files["test_slow.py"]["passed"] >= 1
 
 
@@ -498,10 +501,10 @@ def _num(cell: str) -> float:
 
 def test_summary_of_canned_stages_has_every_number_right(tmp_path):
     out = _canned(tmp_path)
-    text = gpu_summary.summarize(out)
+    text = summary.summarize(out)
     assert f"measured copy bandwidth: {COPY_GBPS:.0f} GB/s" in text
     header, rows = _table(text, "kernel")
-    assert header == gpu_summary.MEMORY_HEADER
+    assert header == tables.MEMORY_HEADER
     by = {(r[0], r[1], r[2]): r for r in rows}
     col = {h: i for i, h in enumerate(header)}
     measured = (CANNED["unscale.json"]["rows"] + CANNED["adamw_cuda.json"]["rows"]
@@ -546,9 +549,9 @@ def test_summary_of_canned_stages_has_every_number_right(tmp_path):
 
 
 def test_summary_matmul_tflops_against_cublas(tmp_path):
-    text = gpu_summary.summarize(_canned(tmp_path))
+    text = summary.summarize(_canned(tmp_path))
     header, rows = _table(text, "shape")
-    assert header == gpu_summary.MATMUL_HEADER
+    assert header == tables.MATMUL_HEADER
     (ok,) = rows
     col = {h: i for i, h in enumerate(header)}
     flops = 2.0 * 4096**3
@@ -565,7 +568,7 @@ def test_summary_matmul_tflops_against_cublas(tmp_path):
 
 
 def test_summary_tests_per_file(tmp_path):
-    text = gpu_summary.summarize(_canned(tmp_path))
+    text = summary.summarize(_canned(tmp_path))
     gpu, rest = text.split("--- tests_gpu")[1].split("--- tests_rest")
     _h, rows = _table(gpu, "file")
     got = {r[0]: r[1:] for r in rows}
@@ -583,14 +586,14 @@ def test_summary_tests_per_file(tmp_path):
 
 
 def test_summary_of_an_empty_or_damaged_folder_says_so(tmp_path):
-    text = gpu_summary.summarize(str(tmp_path))
+    text = summary.summarize(str(tmp_path))
     assert "precheck: not run" in text and "measured copy bandwidth: not run" in text
     assert "unscale: not run" in text and "matmul: not run" in text
     (tmp_path / "unscale.json").write_text("{not json")
     (tmp_path / "device.json").write_text(json.dumps({"stage": "device", "status": "failed",
                                                       "error": "no CUDA GPU visible to torch"}))
     (tmp_path / "tests_gpu.xml").write_text("<testsuites><testsuite>")  # cut off mid-write
-    text = gpu_summary.summarize(str(tmp_path))
+    text = summary.summarize(str(tmp_path))
     assert "unscale: unreadable (JSONDecodeError" in text
     assert "not measured (no CUDA GPU visible to torch)" in text
     assert "--- tests_gpu: tests per file (from nothing" in text
@@ -605,7 +608,7 @@ def test_summary_survives_stage_files_of_the_wrong_shape(tmp_path):
         json.dump({"stage": "matmul", "status": "done", "rows": {"a": 1}}, f)
     with open(os.path.join(good, "precheck.json"), "w") as f:
         json.dump({"gpu": {"name": 7, "arch": 9}}, f)  # an arch that is not a string
-    text = gpu_summary.summarize(good)
+    text = summary.summarize(good)
     assert "adamw ? m: failed: no kernel time" in text  # no backend in the row: said as "?"
     assert "matmul: done, 0 rows" in text
     assert "--- machine: could not be summarised (AttributeError" in text
@@ -613,17 +616,41 @@ def test_summary_survives_stage_files_of_the_wrong_shape(tmp_path):
     assert {r[2] for r in rows} >= {"mpkern.unscale_ (cuda)", "fp32 master + fp32 moments"}  # the rest stands
 
 
+#: a python -c prologue that makes torch, mpkern, numpy and triton unimportable, then runs module argv[1]
+#: as __main__ with the rest of argv: what the script's standard-library-only steps must survive
+WITHOUT_TORCH = """
+import runpy, sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "mpkern", "numpy", "triton"):
+            raise ImportError(f"{name} refused: this step must run on the standard library alone")
+sys.meta_path.insert(0, Refuse())
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
 def test_summary_command_line(tmp_path):
     out = _canned(tmp_path)
-    script = os.path.join(ROOT, "mpkern", "bench", "gpu_summary.py")
-    p = subprocess.run([sys.executable, script, out, "--write"], capture_output=True, text=True, timeout=60,
-                       env=dict(os.environ, PYTHONPATH=""), cwd=str(tmp_path),  # runs without mpkern importable
-                       check=False)
+    cmd = [sys.executable, "-c", WITHOUT_TORCH, "tools.gpu_check.summary"]
+    p = subprocess.run([*cmd, out, "--write"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                       check=False)  # runs with torch and mpkern unimportable
     assert p.returncode == 0, p.stderr
     assert Path(out, "summary.txt").read_text() == p.stdout
-    p = subprocess.run([sys.executable, script, str(tmp_path / "missing")], capture_output=True, text=True, timeout=60,
+    p = subprocess.run([*cmd, str(tmp_path / "missing")], capture_output=True, text=True, timeout=60, cwd=ROOT,
                        check=False)
     assert p.returncode == 2 and "not a folder" in p.stderr
+
+
+def test_precheck_without_torch_says_so(tmp_path):
+    """The precheck runs before anything is built: on the standard library alone it writes its files
+    and reports the torch it could not import (exit status 3: no GPU to check)."""
+    p = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, "tools.gpu_check.precheck", str(tmp_path)],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+    assert p.returncode == 3, p.stdout + p.stderr
+    res = _read_json(str(tmp_path / "precheck.json"))
+    assert res["gpu"] is None and res["problems"][0].startswith("import torch failed: ImportError: torch refused")
+    assert (tmp_path / "arch.txt").read_text() == ""
 
 
 # ---- the stages' plumbing on the CPU, with a stand-in timer ------------------------------------------------
@@ -657,7 +684,7 @@ def test_unscale_stage_rows_on_the_cpu_backend(tmp_path, fake_timer):
     from mpkern import bytemodel
 
     out = str(tmp_path)
-    assert gpu_stages.stage_unscale(out, params=30_000, tensors=4, device="cpu", backends=("cpu", "cuda")) == 0
+    assert stages_kernels.stage_unscale(out, params=30_000, tensors=4, device="cpu", backends=("cpu", "cuda")) == 0
     data = _read_json(os.path.join(out, "unscale.json"))
     assert data["status"] == "done" and data["planned"] == ["mpkern.unscale_ (cpu)", "mpkern.unscale_ (cuda)",
                                                             "torch recipe"]
@@ -667,7 +694,7 @@ def test_unscale_stage_rows_on_the_cpu_backend(tmp_path, fake_timer):
     assert cuda["timing"] is None and cuda["error"].startswith("backend unavailable")
     assert peer["peer"] and peer["bytes_per_param"] == bytemodel.UNSCALE_TRAFFIC["torch"]
     _device_json(out)
-    text = gpu_summary.summarize(out)
+    text = summary.summarize(out)
     want = 6 * 30_000 / 0.5e-3 / 1e9  # 0.36 GB/s
     _h, rows = _table(text, "kernel")
     (row,) = [r for r in rows if r[2] == "mpkern.unscale_ (cpu)"]
@@ -681,7 +708,7 @@ def test_unscale_stage_really_clips_the_grads_it_times(tmp_path, fake_timer):
     keeps repeated in-place calls from decaying the grads during the timing)."""
     import inspect
 
-    gpu_stages.stage_unscale(str(tmp_path), params=30_000, tensors=4, device="cpu", backends=("cpu",))
+    stages_kernels.stage_unscale(str(tmp_path), params=30_000, tensors=4, device="cpu", backends=("cpu",))
     _ours, peer = fake_timer
     grads = [p.grad for p in inspect.getclosurevars(peer).nonlocals["ps"]]  # the bf16 grads both rows timed
     assert len(grads) == 4 and sum(g.numel() for g in grads) == 30_000
@@ -694,7 +721,7 @@ def test_adamw_stage_rows_on_the_cpu_backend(tmp_path, fake_timer):
 
     out = str(tmp_path)
     modes = [(True, "float32"), ("8bit", "8bit")]
-    assert gpu_stages.stage_adamw(out, "cpu", peer=True, params=30_000, tensors=4, modes=modes, device="cpu") == 0
+    assert stages_kernels.stage_adamw(out, "cpu", peer=True, params=30_000, tensors=4, modes=modes, device="cpu") == 0
     data = _read_json(os.path.join(out, "adamw_cpu.json"))
     assert data["status"] == "done" and len(data["planned"]) == 3
     fp32, int8, peer = data["rows"]
@@ -704,7 +731,7 @@ def test_adamw_stage_rows_on_the_cpu_backend(tmp_path, fake_timer):
     assert peer["bytes_per_param"] == bytemodel.STEP_TRAFFIC["amp_fp32"] and peer["peer"]
     assert fp32["mode"] == bench.mode_label(True, "float32") and fp32["first_step_s"] > 0
     _device_json(out)
-    text = gpu_summary.summarize(out)
+    text = summary.summarize(out)
     _h, rows = _table(text, "kernel")
     by = {r[2]: r for r in rows}
     for r in (fp32, int8, peer):
@@ -713,14 +740,14 @@ def test_adamw_stage_rows_on_the_cpu_backend(tmp_path, fake_timer):
         assert cells[10] == "-" and cells[8] == "capture failed"
     assert by[fp32["mode"]][-1] == f"1.00x (limit {48 / 30:.2f}x)"
     with pytest.raises(ValueError, match="backend"):
-        gpu_stages.stage_adamw(out, "tpu", device="cpu")
+        stages_kernels.stage_adamw(out, "tpu", device="cpu")
 
 
 def test_matmul_stage_rows_on_the_cpu(tmp_path, fake_timer, monkeypatch):
     monkeypatch.setenv("MPKERN_MATMUL_CONFIG", "")  # the stage sets it; restored after the test
     out = str(tmp_path)
     cases = [("square 64^3", 64, 64, 64, "square", "bf16"), ("wgrad 48x32 (red. 40)", 48, 32, 40, "wgrad", "bf16")]
-    assert gpu_stages.stage_matmul(out, device="cpu", cases=cases) == 0
+    assert stages_matmul.stage_matmul(out, device="cpu", cases=cases) == 0
     data = _read_json(os.path.join(out, "matmul.json"))
     got = [(r["shape"], r["out"], r["error"]) for r in data["rows"]]
     assert got == [("square 64^3", "bf16", None), ("square 64^3", "fp32", None),
@@ -728,15 +755,34 @@ def test_matmul_stage_rows_on_the_cpu(tmp_path, fake_timer, monkeypatch):
                    ("wgrad 48x32 (red. 40)", "+=main_grad", None)]
     assert data["planned"] == [f"{s} bf16->{o}" for s, o, _ in got]
     assert data["rows"][0]["flops"] == 2 * 64**3 and data["rows"][2]["flops"] == 2 * 48 * 32 * 40
-    text = gpu_summary.summarize(out)
+    text = summary.summarize(out)
     _h, rows = _table(text, "shape")
     assert len(rows) == 5 and _num(rows[0][4]) == pytest.approx(2 * 64**3 / 0.5e-3 / 1e12, rel=5e-3)
     assert "not run (the stage ended first)" not in text
     # the tuned stage: its provisional row (peer timed, tuning pending) is replaced by the finished one
-    assert gpu_stages.stage_matmul(out, tuned=True, device="cpu", cases=cases[:1]) == 0
+    assert stages_matmul.stage_matmul(out, tuned=True, device="cpu", cases=cases[:1]) == 0
     (row,) = _read_json(os.path.join(out, "matmul_tuned.json"))["rows"]
     assert row["error"] is None and row["tuning_s"] >= 0 and row["config"].startswith("tuned")
     assert row["timing"]["kernel_ms"] == 0.5 and row["peer_timing"]["kernel_ms"] == 0.5
+
+
+def test_matmul_routes_stage_writes_bench_matmul_rows(tmp_path, monkeypatch):
+    """The GPU check's matmul_routes stage is bench_matmul's rows (one implementation), in its JSON."""
+    from mpkern.bench import matmul as bench_mm
+
+    seen = {}
+
+    def fake(dev, **kw):
+        seen.update(kw, dev=dev)
+        return [{"kernel": "matmul", "method": "torch.matmul: x", "ms": 1.0}]
+
+    monkeypatch.setattr(bench_mm, "bench_matmul", fake)
+    monkeypatch.setenv("MPKERN_MATMUL_CONFIG", "x")  # recorded, so the stage's setting is undone after the test
+    monkeypatch.delenv("MPKERN_MATMUL_CONFIG")
+    assert stages_matmul.stage_matmul_routes(str(tmp_path), device=torch.device("cpu")) == 0
+    data = json.loads((tmp_path / "matmul_routes.json").read_text())
+    assert data["rows"] == [{"kernel": "matmul", "method": "torch.matmul: x", "ms": 1.0}]
+    assert seen["quick"] and seen["dtypes"] == "bf16" and os.environ["MPKERN_MATMUL_CONFIG"] == "fixed"
 
 
 # ---- on a GPU only ---------------------------------------------------------------------------------------
@@ -762,13 +808,13 @@ def test_cuda_event_time_queues_ahead_and_graph_time_replays_the_call():
 @requires_cuda
 def test_cuda_small_stages_end_to_end(tmp_path):
     out = str(tmp_path)
-    assert gpu_stages.stage_unscale(out, params=2_000_000, tensors=7) == 0
-    assert gpu_stages.stage_adamw(out, "cuda", peer=True, params=2_000_000, tensors=7,
+    assert stages_kernels.stage_unscale(out, params=2_000_000, tensors=7) == 0
+    assert stages_kernels.stage_adamw(out, "cuda", peer=True, params=2_000_000, tensors=7,
                                   modes=[(True, "float32"), ("8bit", "8bit")]) == 0
     data = _read_json(os.path.join(out, "adamw_cuda.json"))
     assert data["status"] == "done" and len(data["rows"]) == 3
     assert [r["error"] for r in data["rows"]] == [None] * 3, data["rows"]
-    text = gpu_summary.summarize(out)
+    text = summary.summarize(out)
     assert "mpkern.unscale_ (cuda)" in text and "(peer)" in text
 
 
@@ -776,7 +822,7 @@ def test_cuda_small_stages_end_to_end(tmp_path):
 def test_release_stage_plumbing_on_cpu(tmp_path):
     """The stage on the CPU with a tiny model: every variant timed, the release runs bitwise equal to the
     regular ones, and the summary prints the table."""
-    from mpkern.bench import gpu_release
+    from tools.gpu_check import release as gpu_release
 
     assert gpu_release.stage_release(str(tmp_path), layers=2, width=16, tokens=8, iters=2, warmup=1,
                                      device="cpu") == 0
@@ -785,7 +831,7 @@ def test_release_stage_plumbing_on_cpu(tmp_path):
     assert [r["variant"] for r in data["rows"]] == [v[0] for v in gpu_release.VARIANTS] + [gpu_release.REFERENCE]
     assert all("error" not in r and len(r["all_ms"]) == 2 for r in data["rows"]), data["rows"]
     assert [r["bitwise"] for r in data["rows"] if r["release"]] == [True, True]
-    text = gpu_summary.summarize(str(tmp_path))
+    text = summary.summarize(str(tmp_path))
     assert "gradient release" in text and "release two passes + clip" in text
 
 
@@ -797,7 +843,7 @@ def test_release_rows_ratios():
              "vs": ["regular + clip", "forward + two backwards"]},
             {"variant": "forward + two backwards", "step_ms": 15.0, "peak_GB": 3.1},
             {"variant": "broken", "error": "RuntimeError: x"}]
-    cells = gpu_summary.release_rows(rows)
+    cells = tables.release_rows(rows)
     assert cells[1] == ["release one pass", "10.50", "1.050x regular", "2.50", "yes"]
     assert cells[3][2] == "1.500x regular + clip; 1.100x forward + two backwards" and cells[3][4] == "NO"
     assert cells[5] == ["broken", "-", "-", "-", "error: RuntimeError: x"]
@@ -828,7 +874,7 @@ def test_stage_dump_after(monkeypatch):
     calls = []
     monkeypatch.setattr(faulthandler, "dump_traceback_later", lambda t, exit: calls.append((t, exit)))
     monkeypatch.setenv("MPKERN_STAGE_DUMP_AFTER", "37")
-    gpu_stages.dump_stacks_later()
+    harness.dump_stacks_later()
     monkeypatch.setenv("MPKERN_STAGE_DUMP_AFTER", "")
-    gpu_stages.dump_stacks_later()
+    harness.dump_stacks_later()
     assert calls == [(37, False)]

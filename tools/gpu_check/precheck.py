@@ -1,8 +1,9 @@
 """The pre-checks of ``scripts/gpu_check.sh``, before anything is built: is ninja there, does torch's
 CUDA version fit the local ``nvcc``, which GPU is this and what is its compute capability.
 
-Run as ``python mpkern/bench/gpu_precheck.py OUTDIR`` (a file path, not ``-m``: it must work before
-mpkern is built or importable; it imports only the standard library and torch). Writes
+Run as ``python -m tools.gpu_check.precheck OUTDIR`` from the repository root. It must work before
+mpkern is built, so it imports the standard library only, and torch inside :func:`precheck` (what
+it checks; a torch that fails to import is a problem it reports). Writes
 ``OUTDIR/precheck.json`` and ``OUTDIR/arch.txt`` (the ``TORCH_CUDA_ARCH_LIST`` value for this GPU
 alone, e.g. ``9.0``; empty without a GPU) and prints one line per check. Exit status 0 when a CUDA
 build can be attempted, 3 when no GPU is visible, 4 when the toolchain cannot build (the script
@@ -139,10 +140,11 @@ def precheck() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``gpu_precheck.py OUTDIR``: write ``precheck.json`` and ``arch.txt`` there, print the checks."""
+    """``python -m tools.gpu_check.precheck OUTDIR``: write ``precheck.json`` and ``arch.txt`` there,
+    print the checks; the exit status of the module docstring (2: a bad command line)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        print("usage: gpu_precheck.py OUTDIR", file=sys.stderr)
+        print("usage: python -m tools.gpu_check.precheck OUTDIR", file=sys.stderr)
         return 2
     out = args[0]
     os.makedirs(out, exist_ok=True)
@@ -161,8 +163,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # run as a file, this folder is sys.path[0]: its modules (common.py, host.py, ...) must not shadow
-    # top-level modules that torch or triton import
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     sys.exit(main())

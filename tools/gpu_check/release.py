@@ -1,6 +1,6 @@
 """The gradient-release stage of ``scripts/gpu_check.sh``: whole training steps, regular beside release.
 
-``python -m mpkern.bench.gpu_release --out DIR`` -> ``DIR/release.json``. One bf16 model (a stack of
+``python -m tools.gpu_check.release --out DIR`` -> ``DIR/release.json``. One bf16 model (a stack of
 ``Linear(width, width)`` + GELU, ``FusedAdamWMP`` with fp32 masters and moments) steps on ``tokens``
 rows per step in each variant, all in one process:
 
@@ -13,7 +13,9 @@ rows per step in each variant, all in one process:
 Per row: the median wall time of a synchronised step (``step_ms``, the forward included in every
 variant alike), the peak allocated memory over the timed steps (``peak_GB``), and -- for the release
 variants -- whether three steps from the same weights and batches equal the matching regular run
-bit for bit (``bitwise``). Raw numbers only; :func:`mpkern.bench.gpu_summary.release_rows` makes the ratios.
+bit for bit (``bitwise``). Raw numbers only; :func:`.tables.release_rows` makes the ratios. The model is
+this stage's own (``mpkern bench release`` times mpkern compare's classifier instead); the step is
+:func:`mpkern.bench.common.backward_step`, the one both benchmarks take.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from .gpu_rows import StageFile, short_error
+from .gpu import log, resolve
+from .harness import StageFile, run_stage, short_error
 
-__all__ = ["VARIANTS", "main", "stage_release"]
+__all__ = ["REFERENCE", "SIZE", "VARIANTS", "main", "stage_release"]
 
 REFERENCE = "forward + two backwards"
 #: (label, max_grad_norm, release_grads, the rows its time is compared with -- in the row as ``vs``)
@@ -52,8 +55,7 @@ def _model(layers: int, width: int, dev: Any) -> Any:
 def _stepper(model: Any, clip: float | None, release: bool) -> tuple[Any, Callable[[Any], None]]:
     """(optimizer, step(x)) of one variant."""
     import mpkern
-
-    from .common import backward_step
+    from mpkern.bench.common import backward_step
 
     opt = mpkern.FusedAdamWMP(model.parameters(), lr=1e-4, max_grad_norm=clip, release_grads=release)
 
@@ -108,12 +110,8 @@ def stage_release(out: str, *, layers: int | None = None, width: int | None = No
     from mpkern.optim.release import DEFAULT_BUCKET_BYTES
 
     layers, width, tokens = layers or SIZE["layers"], width or SIZE["width"], tokens or SIZE["tokens"]
-    if device is None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("no CUDA GPU visible to torch (torch.cuda.is_available() is False)")
-        device = torch.device("cuda", torch.cuda.current_device())
-    dev = torch.device(device)
     sf = StageFile(os.path.join(out, "release.json"), "release", kernel="release")
+    dev = resolve(device)
     sf.set(meta={"layers": layers, "width": width, "tokens": tokens, "params": layers * (width * width + width),
                  "iters": iters, "warmup": warmup, "device": str(dev), "torch": torch.__version__,
                  "bucket_bytes": DEFAULT_BUCKET_BYTES},
@@ -131,7 +129,7 @@ def stage_release(out: str, *, layers: int | None = None, width: int | None = No
             if release:
                 row["bitwise"] = _bitwise(layers, width, clip, xs, dev)
             sf.add_row(row)
-            print(f"[gpu_release] {label}: {row['step_ms']:.2f} ms, peak {peak:.2f} GB", flush=True)
+            log(f"release {label}: {row['step_ms']:.2f} ms, peak {peak:.2f} GB")
         except Exception as e:  # noqa: BLE001 -- the row says why; the next variant still runs
             traceback.print_exc()
             sf.add_row({"variant": label, "clip": clip, "release": release, "error": short_error(e)})
@@ -154,29 +152,22 @@ def stage_release(out: str, *, layers: int | None = None, width: int | None = No
     except Exception as e:  # noqa: BLE001 -- the row says why; the stage's other rows still run
         traceback.print_exc()
         sf.add_row({"variant": REFERENCE, "error": short_error(e)})
-    sf.set(status="done")
+    sf.finish()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mpkern.bench.gpu_release", description=__doc__,
+    """The command line (see the module docstring). Exit status: 0 done, 1 failed, 3 no GPU, 130
+    interrupted (:func:`.harness.run_stage`: ``release.json`` then says how it ended)."""
+    ap = argparse.ArgumentParser(prog="python -m tools.gpu_check.release", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output folder (release.json is written there)")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--width", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=None)
     args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    from .gpu_stages import dump_stacks_later
-
-    dump_stacks_later()
-    try:
-        return stage_release(args.out, layers=args.layers, width=args.width, tokens=args.tokens)
-    except KeyboardInterrupt:
-        return 130
-    except Exception:  # noqa: BLE001 -- a stage process: any failure is printed and becomes its exit code
-        traceback.print_exc()
-        return 1
+    return run_stage(args.out, ["release.json"],
+                     lambda: stage_release(args.out, layers=args.layers, width=args.width, tokens=args.tokens))
 
 
 if __name__ == "__main__":

@@ -1,82 +1,26 @@
-"""The stage files of ``scripts/gpu_check.sh`` and the rows they hold -- pure, no GPU needed.
+"""The rows of the GPU check's benchmark stages, as their JSON files keep them -- pure, standard library only.
 
-:class:`StageFile` is one stage's JSON file, rewritten atomically after every row; :func:`mem_row`
-and :func:`matmul_row` build the rows :mod:`mpkern.bench.gpu_stages` measures and
-:mod:`mpkern.bench.gpu_summary` reads.
+:func:`mem_row` (a memory-bound kernel: bytes per param, params, raw times) and :func:`matmul_row`
+(a GEMM: the problem, mpkern's and the peer's raw times) are what :mod:`.stages_kernels` and
+:mod:`.stages_matmul` write and :mod:`.tables` reads; rates are computed there, never here.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from datetime import datetime, timezone
 from typing import Any
 
-__all__ = ["StageFile", "matmul_row", "mem_row", "now_iso", "short_error"]
+__all__ = ["TIMING_KEYS", "matmul_row", "mem_row"]
+
+#: what a row keeps of a :func:`mpkern.measure.event_time` / :func:`~mpkern.measure.graph_time` result
+TIMING_KEYS = ("kernel_ms", "wall_ms", "calls", "rounds", "queued_ahead", "hold_ms", "kernel_ms_rounds",
+               "wall_ms_rounds")
 
 
-def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def short_error(e: BaseException) -> str:
-    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-    return f"{type(e).__name__}: {first}"
-
-
-class StageFile:
-    """One stage's JSON file, rewritten (atomically: a temporary file, then ``os.replace``) after
-    every change: ``{"stage", "status", "started", "updated", "meta", "planned", "rows", "error", ...}``.
-    ``status``: ``running`` until :meth:`finish` sets ``done``, ``failed`` or ``interrupted``."""
-
-    def __init__(self, path: str, stage: str, **extra: Any) -> None:
-        if not path.endswith(".json"):
-            raise ValueError(f"StageFile: the path must end in .json, got {path!r}")
-        self.path = path
-        self.data: dict[str, Any] = {"stage": stage, "status": "running", "started": now_iso(), "updated": now_iso(),
-                                     "meta": {}, "planned": [], "rows": [], "error": None, **extra}
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.write()
-
-    def write(self) -> None:
-        self.data["updated"] = now_iso()
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.data, f, indent=1, default=str)
-        os.replace(tmp, self.path)
-
-    def set(self, **items: Any) -> None:
-        self.data.update(items)
-        self.write()
-
-    def add_row(self, row: dict[str, Any]) -> int:
-        """Append ``row`` (written at once); returns its index for :meth:`replace_row`."""
-        self.data["rows"].append(row)
-        self.write()
-        return len(self.data["rows"]) - 1
-
-    def replace_row(self, index: int, row: dict[str, Any]) -> None:
-        """Put ``row`` in place of row ``index`` (a provisional row completed) and write."""
-        if not 0 <= index < len(self.data["rows"]):
-            raise IndexError(f"StageFile.replace_row: no row {index} (the stage has {len(self.data['rows'])})")
-        self.data["rows"][index] = row
-        self.write()
-
-    def finish(self, status: str = "done", error: str | None = None) -> None:
-        if status not in ("done", "failed", "interrupted"):
-            raise ValueError(f"StageFile.finish: status must be done, failed or interrupted, got {status!r}")
-        self.data["status"] = status
-        if error is not None:
-            self.data["error"] = error
-        self.write()
-
-
-# ---- rows (pure) ------------------------------------------------------------------------------------
 def _timing(t: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The keys of :data:`TIMING_KEYS` that ``t`` has (None stays None)."""
     if t is None:
         return None
-    keep = ("kernel_ms", "wall_ms", "calls", "rounds", "queued_ahead", "hold_ms", "kernel_ms_rounds", "wall_ms_rounds")
-    return {k: t[k] for k in keep if k in t}
+    return {k: t[k] for k in TIMING_KEYS if k in t}
 
 
 def mem_row(kernel: str, impl: str, backend: str, *, bytes_per_param: float, bytes_source: str, params: int,
@@ -110,6 +54,3 @@ def matmul_row(shape: str, m: int, n: int, k: int, dtype: str, out: str, config:
     return {"kernel": "matmul", "shape": shape, "M": m, "N": n, "K": k, "dtype": dtype, "out": out,
             "config": config, "flops": 2.0 * m * n * k, "timing": _timing(timing), "peer": peer,
             "peer_timing": _timing(peer_timing), "error": error, **extra}
-
-
-# ---- shared GPU pieces --------------------------------------------------------------------------------
