@@ -13,7 +13,7 @@ call first, so the device runs them without gaps and the events see kernel time 
 also carries the wall time of the same calls (what a training loop sees) and says whether the
 queue really stayed ahead of the device (``queued_ahead``). Turning event times into per-call times
 (:func:`per_call_ms`) is pure; rates are computed where they are shown
-(:mod:`mpkern.bench.gpu_summary`).
+(the GPU check's summary, ``tools/gpu_check/tables.py``).
 """
 
 from __future__ import annotations
