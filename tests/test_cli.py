@@ -154,15 +154,6 @@ def test_bench_adamw_limits(tmp_path):
     assert rows[2]["byte_model_limit"] == pytest.approx(52 / 30)
 
 
-def test_benchmark_script_is_a_wrapper_of_the_same_code():
-    """benchmarks/bench_unscale.py runs mpkern.bench (one implementation) and prints its table."""
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_unscale.py"), "--quick", "--params",
-                        "20000", "--tensors", "4", "--reps", "1", "--no-plot"], capture_output=True, text=True,
-                       check=False, cwd=ROOT, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert "mpkern.unscale_" in r.stdout and "byte-model limit" in r.stdout
-
-
 @pytest.mark.parametrize("argv, usage", [
     (["compare", "--memory-budget", "96MiB"], "usage: mpkern compare"),  # an error raised by _cmd_compare
     (["plan"], "usage: mpkern plan"),  # an error raised by _cmd_plan

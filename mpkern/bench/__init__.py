@@ -1,7 +1,6 @@
 """Kernel benchmarks, each against the PyTorch peer a user would otherwise run, in the same process.
 
-One implementation behind ``mpkern bench`` and ``benchmarks/bench_*.py`` (thin wrappers), one
-module per kernel family:
+One implementation behind ``mpkern bench``, one module per kernel family:
 
 * :mod:`.unscale` -- :func:`bench_unscale`: ``mpkern.unscale_`` vs
   ``_amp_foreach_non_finite_check_and_unscale_`` + ``clip_grad_norm_`` on the same bf16 grads.
@@ -14,17 +13,20 @@ module per kernel family:
 * :mod:`.torchao_peers` -- :func:`bench_torchao`: torchao's AdamW8bit, AdamW4bit and bf16
   stochastic-rounding AdamW, state bytes from their tensors.
 * :mod:`.host` -- :func:`host_time` / :func:`bench_host_time`: us per tensor of a step on 1000 tiny
-  tensors vs torch fused AdamW + foreach clip (also ``benchmarks/host_time.py``).
+  tensors vs torch fused AdamW + foreach clip (``benchmarks/host_time.py`` adds the full path's breakdown).
 * :mod:`.matmul` -- :func:`bench_matmul`: ``mpkern.matmul`` vs ``torch.matmul`` (TFLOP/s). On CUDA
   the Triton GEMM against cuBLAS; on CPU what mpkern runs there (ATen in fp32, then a cast) against
-  ATen's own 16-bit GEMM; :func:`check_matmul_interpreter` runs the Triton kernel in the
-  interpreter vs float64.
+  ATen's own 16-bit GEMM; the GEMM problems (:func:`matmul_problems`, their operands
+  :func:`operands`).
 * :mod:`.release` -- :func:`bench_release`: a training step with gradient release
   (``FusedAdamWMP(release_grads=True)``, ``opt.backward``) beside the regular one, one pass and two
   (``max_grad_norm``), and what one extra backward pass costs; tokens/s and the ratios against the goals.
 * :mod:`.report` -- :func:`format_table`, :func:`plot`; :mod:`.runner` -- :func:`run` (all of the
-  above, as ``mpkern bench`` runs them) and the scripts' command line (:func:`script_main`);
-  :mod:`.common` -- sizes, the AdamW problem, the table row, :func:`state_nbytes`.
+  above, as ``mpkern bench`` runs them); :mod:`.common` -- sizes, the unscale and AdamW problems
+  (:func:`unscale_problem`, :func:`adamw_problem`), the table row, :func:`state_nbytes`.
+
+The GPU check (``scripts/gpu_check.sh``) times these problems on a lent GPU with its own tooling,
+``tools/gpu_check/`` (not part of this package).
 
 Timing, bandwidth and machine helpers are :mod:`mpkern.measure`'s (shared with ``mpkern compare``;
 re-exported here). Every row reports time, GB/s by the byte model of :mod:`mpkern.bytemodel`
@@ -48,9 +50,11 @@ from .common import (
     FULL,
     KERNELS,
     QUICK,
+    adamw_problem,
     amp_fp32_recipe,
     state_nbytes,
     tensor_sizes,
+    unscale_problem,
 )
 from .host import bench_host_time, host_time
 from .matmul import (
@@ -60,7 +64,7 @@ from .matmul import (
     MODEL_LAYERS,
     bench_linear_e2e,
     bench_matmul,
-    check_matmul_interpreter,
+    operands,
     problems as matmul_problems,
     wgrad_accumulate_peer,
 )
@@ -74,7 +78,7 @@ from .modes import (
 )
 from .release import RELEASE_GOAL, RELEASE_SIZES, bench_release
 from .report import format_table, plot
-from .runner import adamw_run_kwargs, add_adamw_arguments, run, script_main
+from .runner import adamw_run_kwargs, add_adamw_arguments, run
 from .torchao_peers import TORCHAO_CASES, bench_torchao, torchao_optim
 from .unscale import bench_unscale
 
@@ -95,6 +99,7 @@ __all__ = [
                      "RELEASE_SIZES",
                      "TORCHAO_CASES",
                      "adamw_modes",
+                     "adamw_problem",
                      "adamw_run_kwargs",
                      "add_adamw_arguments",
                      "amp_fp32_recipe",
@@ -105,24 +110,24 @@ __all__ = [
                      "bench_release",
                      "bench_torchao",
                      "bench_unscale",
-                     "check_matmul_interpreter",
                      "cpu_name",
                      "format_table",
                      "host_time",
                      "machine_info",
                      "measure_bandwidth",
                      "mode_label",
+                     "operands",
                      "optimizer_kwargs",
                      "plot",
                      "pyplot",
                      "run",
-                     "script_main",
                      "state_nbytes",
                      "step_bytes_per_param",
                      "sync",
                      "tensor_sizes",
                      "time_fn",
                      "torchao_optim",
+                     "unscale_problem",
                      "wgrad_accumulate_peer",
                      "write_check_host_cost",
                      "write_json",

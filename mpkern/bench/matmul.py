@@ -7,15 +7,14 @@ platform GEMM a PyTorch user runs (``torch.matmul`` in the operand dtype), every
 it chose, timed once and cached). The weight gradients also run as ``main_grad += dY^T X`` into an
 fp32 ``main_grad`` against :func:`wgrad_accumulate_peer`. Each shape's calls are timed in
 alternation (median; the order rotated each round, so no call always follows the cache-cold upcast
-GEMM), so a slow stretch of a shared machine falls on all of them alike. On CPU
-:func:`check_matmul_interpreter` also runs the Triton kernel in the interpreter against float64,
-and :func:`bench_linear_e2e` times a model's forward + backward with ``torch.nn.Linear`` and with
-``mpkern.nn.Linear`` side by side.
+GEMM), so a slow stretch of a shared machine falls on all of them alike. :func:`bench_linear_e2e`
+times a model's forward + backward with ``torch.nn.Linear`` and with ``mpkern.nn.Linear`` side by
+side. (The Triton kernel's accuracy against float64 is ``tests/test_matmul.py``'s, in the
+interpreter on a CPU.)
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -263,45 +262,3 @@ def bench_linear_e2e(device: torch.device | str, *, model: str = "gpt2", dtype: 
                        peer_ratio=None if name == "torch.nn.Linear" else base_t / t))
         log(f"linear-e2e {model} {batch}x{seq} {name}: {t * 1e3:.0f} ms ({base_t / t:.2f}x of torch.nn.Linear)")
     return out
-
-
-def check_matmul_interpreter(dtypes: str = "bf16,fp16", log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """CPU: the Triton GEMM under ``TRITON_INTERPRET=1`` on small shapes in the benchmark's layouts,
-    against float64 (16-bit outputs within 2x PyTorch's own same-dtype error; fp32 within 1e-5)."""
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    from mpkern.triton_kernels import matmul as tk
-
-    rows = []
-    g = torch.Generator().manual_seed(0)
-    m, k, n = 96, 64, 80
-    cases = {
-        "square": lambda dt: (torch.randn(64, 64, generator=g).to(dt), torch.randn(64, 64, generator=g).to(dt)),
-        "fwd": lambda dt: (torch.randn(m, k, generator=g).to(dt), torch.randn(n, k, generator=g).to(dt).t()),
-        "dgrad": lambda dt: (torch.randn(m, n, generator=g).to(dt), torch.randn(n, k, generator=g).to(dt)),
-        "wgrad": lambda dt: (torch.randn(m, n, generator=g).to(dt).t(), torch.randn(m, k, generator=g).to(dt)),
-    }
-    for dname in dtypes.split(","):
-        dt = DTYPES[dname]
-        for name, make in cases.items():
-            a, b = make(dt)
-            ref = a.double() @ b.double()
-            mag = a.double().abs() @ b.double().abs()
-            for out_name, od in ((dname, dt), ("fp32", torch.float32)):
-                y = tk.matmul(a, b, out_dtype=od)
-                err = ((y.double() - ref).abs() / mag).max().item()
-                terr = (((a @ b).double() - ref).abs() / mag).max().item()
-                ok = err <= (1e-5 if od == torch.float32 else 2 * terr + 1e-6)
-                rows.append({"problem": f"{name} {tuple(a.shape)}@{tuple(b.shape)}", "dtype": dname, "out": out_name,
-                             "max_rel_err": err, "torch_same_dtype_rel_err": terr, "ok": ok})
-                log(f"{rows[-1]['problem']:<28} {dname} -> {out_name:<5} rel err {err:.2e} "
-                    f"(torch {dname}: {terr:.2e})  {'ok' if ok else 'FAIL'}")
-            if name == "wgrad":
-                c = torch.randn(a.shape[0], b.shape[1], generator=g)
-                want = c.double() + ref
-                tk.matmul_into(a, b, c, accumulate=True)
-                err = ((c.double() - want).abs() / (mag + 1)).max().item()
-                rows.append({"problem": "wgrad +=main_grad", "dtype": dname, "out": "fp32 acc", "max_rel_err": err,
-                             "torch_same_dtype_rel_err": float("nan"), "ok": err <= 1e-5})
-                verdict = "ok" if err <= 1e-5 else "FAIL"
-                log(f"{'wgrad +=main_grad':<28} {dname} -> fp32 acc rel err {err:.2e}  {verdict}")
-    return rows

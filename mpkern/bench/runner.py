@@ -1,23 +1,21 @@
-"""Running the benchmarks: :func:`run` (what ``mpkern bench`` and ``benchmarks/bench_*.py`` call),
-the AdamW options both command lines share, and the scripts' own command line."""
+"""Running the benchmarks: :func:`run` (what ``mpkern bench`` calls) and the AdamW benchmark's
+options on its command line."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..measure import machine_info, measure_bandwidth, write_json
+from ..measure import machine_info, measure_bandwidth
 from .adamw import bench_adamw
 from .common import FULL, KERNELS, QUICK
 from .host import bench_host_time
-from .matmul import bench_linear_e2e, bench_matmul, check_matmul_interpreter
+from .matmul import bench_linear_e2e, bench_matmul
 from .modes import adamw_modes, bench_adamw_modes
 from .release import bench_release
-from .report import format_table, plot
 from .torchao_peers import bench_torchao, torchao_optim
 from .unscale import bench_unscale
 
@@ -103,8 +101,8 @@ def run(which: str = "all", *, device: str | torch.device | None = None, quick: 
 
 
 def add_adamw_arguments(ap: Any) -> None:
-    """The AdamW benchmark's own options on an ``argparse`` parser (``benchmarks/bench_adamw.py``;
-    ``mpkern bench`` can take the same); :func:`adamw_run_kwargs` turns them into :func:`run`'s."""
+    """The AdamW benchmark's own options on an ``argparse`` parser (``mpkern bench``'s);
+    :func:`adamw_run_kwargs` turns them into :func:`run`'s."""
     ap.add_argument("--modes", default="default", metavar="default|all|none|MASTER:MOMENTS,...",
                     help="FusedAdamWMP storage modes on bf16 params: 'default' (fp32+fp32, remainder+bf16, "
                          "8bit+bf16, 8bit+8bit, remainder+8bit, 8bit+4bit_m, remainder+4bit_m), 'all' (every "
@@ -121,38 +119,3 @@ def adamw_run_kwargs(args: Any) -> dict[str, Any]:
     tp = getattr(args, "torchao_params", None)
     return {"modes": getattr(args, "modes", "default"), "torchao": not getattr(args, "no_torchao", False),
             "torchao_params": None if tp is None else int(tp), "host": not getattr(args, "no_host_time", False)}
-
-
-def script_main(kernel: str, argv: list[str] | None = None, *, out_dir: str | None = None,
-                doc: str | None = None) -> int:
-    """The command line of ``benchmarks/bench_<kernel>.py``: same code as ``mpkern bench <kernel>``,
-    results also written to ``out_dir/<kernel>_<device>.json`` / ``.md`` (and ``.png``)."""
-    import argparse
-
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true", help="small sizes (as mpkern bench --quick)")
-    ap.add_argument("--params", type=float, default=None, help=f"total parameters (default {FULL['params']:.0e})")
-    ap.add_argument("--tensors", type=int, default=None, help=f"number of tensors (default {FULL['tensors']})")
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (median reported)")
-    ap.add_argument("--no-plot", action="store_true")
-    if kernel in ("adamw", "all"):
-        add_adamw_arguments(ap)
-    args = ap.parse_args(argv)
-    res = run(kernel, device=args.device, quick=args.quick, params=None if args.params is None else int(args.params),
-              tensors=args.tensors, reps=args.reps, **adamw_run_kwargs(args))
-    md = format_table(res["rows"])
-    print(f"\n{res['meta']['device']}, {res['meta']['threads']} threads\n\n{md}")
-    ok = True
-    if kernel == "matmul" and torch.device(args.device).type == "cpu" and not args.quick:
-        checks = check_matmul_interpreter()
-        res["interpreter_check"] = checks
-        ok = all(c["ok"] for c in checks)
-    if out_dir:
-        tag = f"{kernel}_{torch.device(args.device).type}"
-        write_json(res, os.path.join(out_dir, f"{tag}.json"))
-        with open(os.path.join(out_dir, f"{tag}.md"), "w") as f:
-            f.write(f"{res['meta']}\n\n{md}\n")
-        if not args.no_plot:
-            plot(res, os.path.join(out_dir, f"{tag}.png"))
-    return 0 if ok else 1
