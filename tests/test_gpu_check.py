@@ -822,13 +822,13 @@ def test_cuda_small_stages_end_to_end(tmp_path):
 def test_release_stage_plumbing_on_cpu(tmp_path):
     """The stage on the CPU with a tiny model: every variant timed, the release runs bitwise equal to the
     regular ones, and the summary prints the table."""
-    from tools.gpu_check import release as gpu_release
+    from tools.gpu_check import release as release_stage
 
-    assert gpu_release.stage_release(str(tmp_path), layers=2, width=16, tokens=8, iters=2, warmup=1,
+    assert release_stage.stage_release(str(tmp_path), layers=2, width=16, tokens=8, iters=2, warmup=1,
                                      device="cpu") == 0
     data = json.loads((tmp_path / "release.json").read_text())
     assert data["status"] == "done"
-    assert [r["variant"] for r in data["rows"]] == [v[0] for v in gpu_release.VARIANTS] + [gpu_release.REFERENCE]
+    assert [r["variant"] for r in data["rows"]] == [v[0] for v in release_stage.VARIANTS] + [release_stage.REFERENCE]
     assert all("error" not in r and len(r["all_ms"]) == 2 for r in data["rows"]), data["rows"]
     assert [r["bitwise"] for r in data["rows"] if r["release"]] == [True, True]
     text = summary.summarize(str(tmp_path))
