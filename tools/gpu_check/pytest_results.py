@@ -35,12 +35,16 @@ from typing import Any
 __all__ = ["CRASH_RE", "OUTCOMES", "START_MARK", "file_results", "read_collected", "read_log", "read_xml",
            "render", "run_results"]
 
+#: at most this many failed tests are named by :func:`render`
+MAX_FAILURES = 25
 #: the per-file counts, in the order they are shown
 OUTCOMES = ("passed", "failed", "crashed", "errors", "skipped", "interrupted", "not_run")
 #: what tools.gpu_check.crashproof writes to the log before each test, followed by the node id
 START_MARK = "[crashproof start]"
 #: xdist's report of a test whose worker died (dsession.py's handle_crashitem), in the XML and the log
 CRASH_RE = re.compile(r"worker '(?P<worker>[^']+)' crashed while running (?P<q>['\"])(?P<nodeid>.+?)(?P=q)")
+#: how many of the slowest tests :func:`run_results` names (for planning what fits in the next run)
+SLOWEST = 8
 _WORST = {"crashed": 5, "failed": 4, "errors": 3, "interrupted": 2, "skipped": 1, "passed": 0}
 _WORD = {"PASSED": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped", "XFAIL": "skipped",
          "XPASS": "passed"}
@@ -205,7 +209,9 @@ def _clean_output(nodeid: str, lines: list[str], keep: int, frames: int = 4) -> 
 def run_results(xml_path: str | Path | None, log_path: str | Path | None = None,
                 collected_path: str | Path | None = None, keep_lines: int = 40) -> dict[str, Any]:
     """Everything the summary shows about one pytest run: ``{"source": "xml"|"log"|"none", "files":
-    {file: {outcome: count, ..., "seconds"}}, "crashed": [{"nodeid", "worker", "output"}],
+    {file: {outcome: count, ..., "seconds"}}, "failures": [{"nodeid", "outcome", "message"}] (failed
+    and errors; the message is the XML's first 300 characters, empty from a log), "slowest":
+    [(nodeid, seconds)] (:data:`SLOWEST` of them), "crashed": [{"nodeid", "worker", "output"}],
     "interrupted": [...], "not_run": [nodeid], "notes": [str]}``. Files keep the collection's order
     (the command line's), else the XML's. Any of the three sources may be missing."""
     if keep_lines < 1:
@@ -259,7 +265,11 @@ def run_results(xml_path: str | Path | None, log_path: str | Path | None = None,
         seg = log["segments"].get(c["nodeid"], []) if log is not None else []
         return {"nodeid": c["nodeid"], "worker": c.get("worker"), "output": _clean_output(c["nodeid"], seg, keep_lines)}
 
+    timed = sorted((c for c in merged.values() if c["seconds"]), key=lambda c: -c["seconds"])
     return {"source": source, "files": files, "not_run": not_run, "notes": notes,
+            "failures": [{"nodeid": c["nodeid"], "outcome": c["outcome"], "message": c.get("message", "")}
+                         for c in merged.values() if c["outcome"] in ("failed", "errors")],
+            "slowest": [(c["nodeid"], c["seconds"]) for c in timed[:SLOWEST]],
             "crashed": [detail(c) for c in merged.values() if c["outcome"] == "crashed"],
             "interrupted": [detail(c) for c in merged.values() if c["outcome"] == "interrupted"]}
 
@@ -289,6 +299,13 @@ def render(results: dict[str, Any], output_lines: int = 14) -> list[str]:
             out = c["output"][-output_lines:]
             lines.append(f"{kind}: {c['nodeid']}{who}; " + ("its last output:" if out else "no output in the log"))
             lines += [f"    | {ln}" for ln in out]
+    if results.get("slowest"):
+        lines.append("slowest: " + ", ".join(f"{n} {sec:.1f} s" for n, sec in results["slowest"]))
+    for f in results.get("failures", [])[:MAX_FAILURES]:
+        first = f["message"].strip().splitlines()[0][:160] if f["message"].strip() else ""
+        lines.append(f"{f['outcome'].upper()} {f['nodeid']}: {first}")
+    if len(results.get("failures", [])) > MAX_FAILURES:
+        lines.append(f"... and {len(results['failures']) - MAX_FAILURES} more failures (see the XML / log)")
     if results.get("not_run"):
         nr = results["not_run"]
         lines.append(f"not run: {len(nr)} test(s): " + ", ".join(nr[:5]) + (" ..." if len(nr) > 5 else ""))
