@@ -2,8 +2,10 @@
 subprocesses: a test that kills its pytest worker (``os.abort()``) is reported crashed by name with its
 last output and the tests after it still run (in a new worker); the files run in their command-line
 order across a crash; spent restarts and a SIGINT leave the rest "not run" by name; the plain fallback
-names the test that killed its one process; and ``tools.gpu_check.plugins`` finds pytest-xdist or
-installs it offline from the tree's wheels into a fresh venv.
+names the test that killed its one process; a test that poisons the CUDA context (simulated) costs
+one worker restart, stays "failed" and the tests after it pass in the new worker, none lost; and
+``tools.gpu_check.plugins`` finds pytest-xdist or installs it offline from the tree's wheels into a
+fresh venv.
 
 Each run's facts are checked against what the tests themselves recorded (their process ids, a file
 they append their names to), not only against what ``tools.gpu_check.pytest_results`` reads."""
@@ -22,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from tools.gpu_check import plugins
-from tools.gpu_check.pytest_results import START_MARK, render, run_results
+from tools.gpu_check.crashproof import poisons_cuda
+from tools.gpu_check.pytest_results import POISON_MARK, START_MARK, render, run_results
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,6 +48,37 @@ def test_abort():
 def test_after():
     Path("pid_after").write_text(str(os.getpid()))
 """
+
+#: what torch raises on an illegal address (the words of cudaErrorIllegalAddress)
+ILLEGAL = "CUDA error: an illegal memory access was encountered"
+
+
+def _poison_file(names: list[str], poison: set[str], fail: set[str] = frozenset()) -> str:
+    """A test file simulating a poisoned CUDA context: each test appends ``name pid`` to ``ran.txt``,
+    then fails with :data:`ILLEGAL` if an earlier test poisoned this very process (``poisoned_pid``
+    holds its pid), as every CUDA call does after a sticky error. Those in ``poison`` then poison it and
+    raise :data:`ILLEGAL`; those in ``fail`` raise an ordinary AssertionError (whose source line, not its
+    message, names the CUDA error)."""
+    body = ["import os", "from pathlib import Path", "",
+            "def _run(name):",
+            "    with open('ran.txt', 'a') as f:",
+            "        f.write(f'{name} {os.getpid()}\\n')",
+            "    p = Path('poisoned_pid')",
+            "    if p.exists() and p.read_text() == str(os.getpid()):",
+            f"        raise RuntimeError({ILLEGAL!r})", ""]
+    for n in names:
+        body += [f"def {n}():", f"    _run({n!r})"]
+        if n in poison:
+            body += ["    Path('poisoned_pid').write_text(str(os.getpid()))", f"    raise RuntimeError({ILLEGAL!r})"]
+        if n in fail:
+            body.append(f"    assert len(Path('ran.txt').read_text()) == -1  # not {ILLEGAL!r}")
+        body.append("")
+    return "\n".join(body)
+
+
+def _ran(tmp: Path) -> list[tuple[str, str]]:
+    """``(name, pid)`` for each test start the poison files recorded, in order."""
+    return [tuple(ln.split()) for ln in (tmp / "ran.txt").read_text().splitlines()]
 
 
 def _recording_file(names: list[str], crash: set[str]) -> str:
@@ -186,6 +220,86 @@ def test_plain_fallback_names_the_test_that_killed_the_process(tmp_path):
     assert [c["nodeid"] for c in res["crashed"]] == ["test_crash.py::test_abort"]
     assert "Fatal Python error: Aborted" in res["crashed"][0]["output"]
     assert res["not_run"] == ["test_crash.py::test_after"]
+
+
+def test_poisoned_cuda_context_costs_one_restart_and_no_test(tmp_path):
+    (tmp_path / "test_p.py").write_text(_poison_file(["test_a", "test_b", "test_c", "test_d"], {"test_b"}))
+    # the last test of the run poisons too: nothing left to run, so no restart
+    (tmp_path / "test_q.py").write_text(_poison_file(["test_e", "test_f"], {"test_f"}))
+    rc = _run(tmp_path, plugins.xdist_args(collected_out=tmp_path / "collected.txt"), ["test_p.py", "test_q.py"])
+    log = (tmp_path / "run.log").read_text()
+    assert rc == 1, log
+    ran = _ran(tmp_path)
+    assert [n for n, _ in ran] == ["test_a", "test_b", "test_c", "test_d", "test_e", "test_f"]  # once each, in order
+    pid = dict(ran)
+    assert pid["test_a"] == pid["test_b"] != pid["test_c"]  # test_c ran in a new worker ...
+    assert pid["test_c"] == pid["test_d"] == pid["test_e"] == pid["test_f"]  # ... and no other restart
+    assert log.count(POISON_MARK) == 1 and f"{POISON_MARK} test_p.py::test_b: worker restarted" in log
+    assert "crashed while running" not in log + (tmp_path / "run.xml").read_text()
+    res = run_results(tmp_path / "run.xml", tmp_path / "run.log", tmp_path / "collected.txt")
+    assert _counts(res["files"], "test_p.py") == _zero(passed=3, failed=1)
+    assert _counts(res["files"], "test_q.py") == _zero(passed=1, failed=1)
+    assert res["crashed"] == [] and res["not_run"] == []
+    assert [(f["nodeid"], f["message"]) for f in res["failures"]] == [
+        ("test_p.py::test_b", f"RuntimeError: {ILLEGAL}"), ("test_q.py::test_f", f"RuntimeError: {ILLEGAL}")]
+    assert res["poisoned"] == ["test_p.py::test_b"]
+    assert res["notes"] == ["CUDA context poisoned by test_p.py::test_b (counted failed): worker restarted"]
+
+
+def test_poisoned_context_with_no_restarts_left_leaves_the_rest_not_run(tmp_path):
+    (tmp_path / "test_p.py").write_text(_poison_file(["test_a", "test_b", "test_c", "test_d"], {"test_b"}))
+    rc = _run(tmp_path, plugins.xdist_args(restarts=0, collected_out=tmp_path / "collected.txt"), ["test_p.py"])
+    log = (tmp_path / "run.log").read_text()
+    assert rc == 1, log
+    assert [n for n, _ in _ran(tmp_path)] == ["test_a", "test_b"]
+    assert f"{POISON_MARK} test_p.py::test_b: worker ended, no restarts left" in log
+    res = run_results(tmp_path / "run.xml", tmp_path / "run.log", tmp_path / "collected.txt")
+    assert _counts(res["files"], "test_p.py") == _zero(passed=1, failed=1, not_run=2)  # not "crashed"
+    assert res["not_run"] == ["test_p.py::test_c", "test_p.py::test_d"]
+    assert "CUDA context poisoned by test_p.py::test_b (counted failed): worker ended, no restarts left" in res["notes"]
+
+
+def test_an_ordinary_failure_keeps_the_worker(tmp_path):
+    (tmp_path / "test_p.py").write_text(_poison_file(["test_a", "test_b", "test_c"], set(), fail={"test_b"}))
+    rc = _run(tmp_path, plugins.xdist_args(collected_out=tmp_path / "collected.txt"), ["test_p.py"])
+    log = (tmp_path / "run.log").read_text()
+    assert rc == 1, log
+    ran = _ran(tmp_path)
+    assert [n for n, _ in ran] == ["test_a", "test_b", "test_c"]
+    assert len({p for _, p in ran}) == 1  # one worker throughout
+    assert ILLEGAL in log  # the failing test's source line, shown in its report, names the error ...
+    assert POISON_MARK not in log and "replacing crashed worker" not in log  # ... but its exception does not
+    res = run_results(tmp_path / "run.xml", tmp_path / "run.log", tmp_path / "collected.txt")
+    assert _counts(res["files"], "test_p.py") == _zero(passed=2, failed=1)
+    assert res["poisoned"] == [] and res["notes"] == []
+
+
+@pytest.mark.parametrize(("text", "poisoned"), [
+    (f"E       RuntimeError: {ILLEGAL}\nE       CUDA kernel errors might be asynchronously reported", True),
+    ("E   RuntimeError: CUDA error: device-side assert triggered", True),
+    ("E   RuntimeError: Triton Error [CUDA]: an illegal memory access was encountered", True),
+    ("E   RuntimeError: CUDA error: unspecified launch failure", True),
+    ("E   RuntimeError: CUDA error: misaligned address", True),
+    ("E   RuntimeError: CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx( handle, ...)`", True),
+    ("E   cupy.cuda.runtime.CUDARuntimeError: cudaErrorIllegalAddress: an illegal memory access", True),
+    ("E   CUDA_ERROR_LAUNCH_FAILED", True),
+    # a chain: the CUDA error is the cause, the test's own exception comes last
+    (f"E   RuntimeError: {ILLEGAL}\n\nThe above exception was the direct cause\nE   AssertionError: bad", True),
+    # no "E" lines (--tb=native, or a plugin's string): the whole text
+    (f'Traceback (most recent call last):\n  File "t.py", line 3\nRuntimeError: {ILLEGAL}', True),
+    ("E   torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", False),
+    ("E   RuntimeError: CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasGemmEx(...)`", False),
+    ("E   AssertionError: misaligned address path not taken", False),
+    (f">       assert x == 2  # {ILLEGAL}\nE       assert 1 == 2", False),  # in the source only
+    ("", False),
+])
+def test_poisons_cuda_reads_the_exception_lines(text, poisoned):
+    assert poisons_cuda(text) is poisoned
+
+
+def test_poisons_cuda_wants_a_str():
+    with pytest.raises(TypeError, match="text"):
+        poisons_cuda(None)
 
 
 def test_xdist_args_and_their_command_line():

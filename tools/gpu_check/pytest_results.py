@@ -18,6 +18,10 @@ What each source gives (pytest 9.2 + pytest-xdist 3.8.0, ``-o junit_family=xunit
   <nodeid>``, ``replacing crashed worker gw0`` -- or, once the restarts are spent, ``maximum crashed
   workers reached: N``. The crashed test's last output is the log from its mark to ``node down``. Where
   the XML is missing (the run was killed), outcomes come from the log's result lines (no seconds).
+  A worker that ended itself because a test poisoned its CUDA context (the test stays "failed") is
+  followed by ``[crashproof] CUDA context poisoned by <nodeid>: worker restarted`` (:data:`POISON_MARK`)
+  before xdist's ``replacing crashed worker``: a note, not a crash (the test it was about to start ran
+  in the new worker; its XML entry is an empty ``<testcase>``, skipped like SIGINT's).
 * **The collection** (``--collected-out``): every test the run meant to run; those in neither the XML
   nor the log's crash were "not run" (restarts spent, or the run stopped).
 """
@@ -32,8 +36,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CRASH_RE", "OUTCOMES", "START_MARK", "file_results", "read_collected", "read_log", "read_xml",
-           "render", "run_results"]
+__all__ = ["CRASH_RE", "OUTCOMES", "POISON_MARK", "START_MARK", "file_results", "read_collected", "read_log",
+           "read_xml", "render", "run_results"]
 
 #: at most this many failed tests are named by :func:`render`
 MAX_FAILURES = 25
@@ -41,6 +45,9 @@ MAX_FAILURES = 25
 OUTCOMES = ("passed", "failed", "crashed", "errors", "skipped", "interrupted", "not_run")
 #: what tools.gpu_check.crashproof writes to the log before each test, followed by the node id
 START_MARK = "[crashproof start]"
+#: what tools.gpu_check.crashproof's controller writes when a worker ended itself over a poisoned CUDA
+#: context: ``POISON_MARK <nodeid>: worker restarted`` (or ``: worker ended, no restarts left ...``)
+POISON_MARK = "[crashproof] CUDA context poisoned by"
 #: xdist's report of a test whose worker died (dsession.py's handle_crashitem), in the XML and the log
 CRASH_RE = re.compile(r"worker '(?P<worker>[^']+)' crashed while running (?P<q>['\"])(?P<nodeid>.+?)(?P=q)")
 #: how many of the slowest tests :func:`run_results` names (for planning what fits in the next run)
@@ -50,8 +57,9 @@ _WORD = {"PASSED": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "
          "XPASS": "passed"}
 # the node id ends at the first space: a worker's output may follow on the same line
 _XDIST_LINE = re.compile(r"^\[(gw\d+)\] (?:\[\s*\d+%\] )?(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+)")
-_PLAIN_LINE = re.compile(r"^(\S+::\S.*?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+\[\s*\d+%\]\s*$")
-_WORD_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+\[\s*\d+%\]\s*$")
+# a plain run's -v line; a skip or xfail adds its reason: "t.py::test_x SKIPPED (needs a CUDA GPU)   [ 71%]"
+_PLAIN_LINE = re.compile(r"^(\S+::\S.*?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)(?: \(.*\))?\s+\[\s*\d+%\]\s*$")
+_WORD_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)(?: \(.*\))?\s+\[\s*\d+%\]\s*$")
 _NODE_DOWN = re.compile(r"^\[(gw\d+)\] node down:")
 _NOTE_RES = (re.compile(r"maximum crashed workers reached: \d+"),
              re.compile(r"worker \S+ crashed and worker restarting disabled"),
@@ -100,7 +108,7 @@ def read_xml(xml_path: str | Path, collected: list[str] | None = None) -> list[d
     cases = []
     for tc in ET.parse(xml_path).getroot().iter("testcase"):
         name = tc.get("name")
-        if name is None:  # the empty testcase junitxml writes for a test cut off by SIGINT
+        if name is None:  # the empty testcase junitxml writes for a test cut off by SIGINT or re-queued (crashproof)
             continue
         outcome, message, worker = "passed", "", None
         nodeid = _case_nodeid(tc.get("file"), tc.get("classname", ""), name, known)
@@ -123,10 +131,12 @@ def read_log(log_path: str | Path) -> dict[str, Any]:
     """What a ``-v`` log says: ``starts`` (node ids in the order their tests began, from
     :data:`START_MARK`), ``segments`` (node id -> the lines from its last start to the next start or
     to xdist's ``node down``), ``results`` (node id -> outcome, from the result lines), ``crashes``
-    (``{"nodeid", "worker"}`` from xdist's crash report), ``replaced`` (workers replaced) and
-    ``notes`` (restarts spent, KeyboardInterrupt, faulthandler's timeout)."""
+    (``{"nodeid", "worker"}`` from xdist's crash report), ``replaced`` (workers replaced), ``poisoned``
+    (``{"nodeid", "restarted"}`` from :data:`POISON_MARK` lines) and ``notes`` (restarts spent,
+    KeyboardInterrupt, faulthandler's timeout)."""
     lines = Path(log_path).read_text(encoding="utf-8", errors="replace").splitlines()
-    out: dict[str, Any] = {"starts": [], "segments": {}, "results": {}, "crashes": [], "replaced": 0, "notes": []}
+    out: dict[str, Any] = {"starts": [], "segments": {}, "results": {}, "crashes": [], "replaced": 0,
+                           "poisoned": [], "notes": []}
     current: str | None = None
     seen_crash: set[str] = set()
 
@@ -151,6 +161,9 @@ def read_log(log_path: str | Path) -> dict[str, Any]:
             seen_crash.add(crash.group("nodeid"))
             out["crashes"].append({"nodeid": crash.group("nodeid"), "worker": crash.group("worker")})
         out["replaced"] += line.startswith("replacing crashed worker")
+        if line.startswith(POISON_MARK + " "):
+            nodeid, _, what = line[len(POISON_MARK) + 1:].rstrip().rpartition(": worker ")
+            out["poisoned"].append({"nodeid": nodeid, "restarted": what == "restarted"})
         out["notes"] += [n.group().strip("! ") for n in (r.search(line) for r in _NOTE_RES) if n]
         if _SECTION.match(line) or _NODE_DOWN.match(line):  # pytest's closing sections; xdist's crash
             if current is not None and _NODE_DOWN.match(line):
@@ -212,7 +225,8 @@ def run_results(xml_path: str | Path | None, log_path: str | Path | None = None,
     {file: {outcome: count, ..., "seconds"}}, "failures": [{"nodeid", "outcome", "message"}] (failed
     and errors; the message is the XML's first 300 characters, empty from a log), "slowest":
     [(nodeid, seconds)] (:data:`SLOWEST` of them), "crashed": [{"nodeid", "worker", "output"}],
-    "interrupted": [...], "not_run": [nodeid], "notes": [str]}``. Files keep the collection's order
+    "interrupted": [...], "not_run": [nodeid], "poisoned": [nodeid] (tests that poisoned their
+    worker's CUDA context, each a worker restart), "notes": [str]}``. Files keep the collection's order
     (the command line's), else the XML's. Any of the three sources may be missing."""
     if keep_lines < 1:
         raise ValueError(f"keep_lines must be >= 1, got {keep_lines!r}")
@@ -241,8 +255,12 @@ def run_results(xml_path: str | Path | None, log_path: str | Path | None = None,
             m = merged.setdefault(c["nodeid"], {"nodeid": c["nodeid"], "seconds": None})
             m.update(outcome="crashed", worker=c["worker"])
         notes += [n for i, n in enumerate(log["notes"]) if n not in log["notes"][:i]]
-        if log["replaced"]:
-            notes.append(f"{log['replaced']} crashed worker(s) replaced")
+        for p in log["poisoned"]:
+            what = "worker restarted" if p["restarted"] else "worker ended, no restarts left"
+            notes.append(f"CUDA context poisoned by {p['nodeid']} (counted failed): {what}")
+        crashed_replaced = log["replaced"] - sum(p["restarted"] for p in log["poisoned"])
+        if crashed_replaced > 0:
+            notes.append(f"{crashed_replaced} crashed worker(s) replaced")
         last = log["starts"][-1] if log["starts"] else None
         if last is not None and last not in merged:  # began, never reported: stopped, or the one process died
             stopped = any("KeyboardInterrupt" in n or n.startswith("Timeout") for n in log["notes"])
@@ -267,6 +285,7 @@ def run_results(xml_path: str | Path | None, log_path: str | Path | None = None,
 
     timed = sorted((c for c in merged.values() if c["seconds"]), key=lambda c: -c["seconds"])
     return {"source": source, "files": files, "not_run": not_run, "notes": notes,
+            "poisoned": [p["nodeid"] for p in log["poisoned"]] if log is not None else [],
             "failures": [{"nodeid": c["nodeid"], "outcome": c["outcome"], "message": c.get("message", "")}
                          for c in merged.values() if c["outcome"] in ("failed", "errors")],
             "slowest": [(c["nodeid"], c["seconds"]) for c in timed[:SLOWEST]],
