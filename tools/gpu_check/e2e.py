@@ -45,6 +45,7 @@ import sys
 import time
 from typing import Any
 
+from . import harness
 from .harness import DUMP_AFTER_ENV, StageFile, run_stage
 
 __all__ = ["main", "parse_bytes", "RECIPES", "DEFAULTS", "MIN_START_S"]
@@ -59,7 +60,7 @@ RECIPES = {
 DEFAULTS = {("gpt2", "full"): (8, 20, 3), ("gpt2", "tiny"): (2, 20, 2),
             ("llama7b", "full"): (1, 8, 2), ("llama7b", "tiny"): (1, 8, 2)}
 #: size -> seconds a worker needs at least (imports, build, a few steps); reserved for each later recipe
-MIN_START_S = {"full": 30.0, "tiny": 5.0}
+MIN_START_S = {"full": 15.0, "tiny": 5.0}
 #: seconds between a worker's SIGINT and its SIGKILL
 GRACE_S = 5.0
 #: the most seconds stopping a worker takes (its stack dump, then the SIGINT's grace): kept out of its time
@@ -162,8 +163,14 @@ def run_recipe(args: argparse.Namespace, recipe: str, timeout: float, work: str)
     return row
 
 
+def stage_name(args: argparse.Namespace) -> str:
+    """The stage file's name (without ``.json``): ``e2e_<stage>``, ``e2e_<stage>_batch`` with --find-batch
+    (so the batch search and the fixed-batch run of one profile or folder keep their own files)."""
+    return f"e2e_{args.stage}" + ("_batch" if args.find_batch else "")
+
+
 def _body(args: argparse.Namespace) -> int:
-    sf = StageFile(os.path.join(args.out, f"e2e_{args.stage}.json"), f"e2e_{args.stage}")
+    sf = StageFile(os.path.join(args.out, f"{stage_name(args)}.json"), stage_name(args))
     work = os.path.join(args.out, "e2e_work")
     os.makedirs(work, exist_ok=True)
     sf.set(meta={"size": args.size, "device": args.device, "batch": args.batch, "timed_steps": args.steps,
@@ -216,7 +223,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--linear", choices=("torch", "mpkern", "auto"), default="torch",
                     help="the 16-bit recipes' Linear layers (mpkern compare --linear); default torch: no route "
                          "timing or Triton compile inside the stage")
-    ap.add_argument("--limit", type=float, default=420.0, help="seconds for the whole stage (default 420)")
+    ap.add_argument("--limit", type=float, default=harness.stage_limit(420.0),
+                    help="seconds for the whole stage (default: MPKERN_STAGE_LIMIT, set by gpu_check.sh, else 420)")
     args = ap.parse_args(argv)
     batch, steps, warmup = DEFAULTS[(args.stage, args.size)]
     args.batch = batch if args.batch is None else args.batch
@@ -246,7 +254,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run one end-to-end stage -> its exit status (see the module's docstring)."""
     args = parse_args(argv)
-    return run_stage(args.out, [f"e2e_{args.stage}.json"], lambda: _body(args))
+    return run_stage(args.out, [f"{stage_name(args)}.json"], lambda: _body(args))
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ __all__ = ["fmt_bytes", "ratio", "render", "gpt2_table", "llama7b_table", "find_
            "main", "AMP", "REFERENCE"]
 
 #: each stage's AMP recipe and its first reference (the lessons' FP32 baseline, where the stage has one)
-AMP = {"e2e_gpt2": "amp-bf16", "e2e_llama7b": "amp"}
-REFERENCE = {"e2e_gpt2": "fp32", "e2e_llama7b": "amp"}
+AMP = {"e2e_gpt2": "amp-bf16", "e2e_gpt2_batch": "amp-bf16", "e2e_llama7b": "amp"}
+REFERENCE = {"e2e_gpt2": "fp32", "e2e_gpt2_batch": "fp32", "e2e_llama7b": "amp"}
 #: the issue's goals
 GOAL_SPEED, GOAL_PEAK_B1, GOAL_BATCH, GOAL_PLAN = 1.0, 0.6, 1.5, 0.10
 
@@ -199,11 +199,11 @@ def llama7b_table(data: dict[str, Any]) -> str:
 def render(data: dict[str, Any]) -> str:
     """The markdown of one end-to-end stage file; ValueError for another stage's file."""
     stage = data.get("stage")
-    if stage == "e2e_gpt2":
+    if stage in ("e2e_gpt2", "e2e_gpt2_batch"):  # the fixed batch; the batch search (--find-batch)
         return gpt2_table(data)
     if stage == "e2e_llama7b":
         return llama7b_table(data)
-    raise ValueError(f"render: expected an e2e_gpt2 or e2e_llama7b stage file, got stage {stage!r}")
+    raise ValueError(f"render: expected an e2e_gpt2(_batch) or e2e_llama7b stage file, got stage {stage!r}")
 
 
 def main(argv: list[str] | None = None) -> int:

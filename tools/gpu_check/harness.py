@@ -17,10 +17,20 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-__all__ = ["StageFile", "dump_stacks_later", "mark_ended", "now_iso", "run_stage", "short_error"]
+__all__ = ["StageFile", "dump_stacks_later", "mark_ended", "now_iso", "run_stage", "short_error", "stage_limit"]
 
 #: the environment variable gpu_check.sh sets: seconds after which a stage dumps its stacks
 DUMP_AFTER_ENV = "MPKERN_STAGE_DUMP_AFTER"
+#: the environment variable gpu_check.sh sets: the seconds the stage has before its SIGINT
+LIMIT_ENV = "MPKERN_STAGE_LIMIT"
+
+
+def stage_limit(default: float) -> float:
+    """The seconds this stage process has (``MPKERN_STAGE_LIMIT``, set by gpu_check.sh for each stage,
+    the profile's deadline and the time earlier stages left included), else ``default``: what a stage
+    that plans its own work by time (one recipe after another) divides."""
+    value = os.environ.get(LIMIT_ENV, "")
+    return float(value) if value.isdigit() and int(value) > 0 else default
 
 
 def now_iso() -> str:
@@ -82,13 +92,21 @@ class StageFile:
 
 
 def dump_stacks_later() -> None:
-    """With ``MPKERN_STAGE_DUMP_AFTER=SECONDS`` (set by gpu_check.sh), dump every thread's Python stack
-    to stderr after that long: a stage stuck in native code (a compile, a kernel) shows where."""
+    """With ``MPKERN_STAGE_DUMP_AFTER=SECONDS`` (set by gpu_check.sh), dump the main thread's Python
+    stack to stderr after that long: a stage stuck in native code (a compile, a kernel) shows where.
+
+    The dump is faulthandler's SIGUSR1 handler, raised by a timer thread: it runs on the main thread
+    and reads that thread's own frames. (``faulthandler.dump_traceback_later`` reads every thread's
+    frames from its watchdog thread while they run, and crashed a stage process in 2 of 3 tries here.)"""
     import faulthandler
+    import threading
 
     after = os.environ.get(DUMP_AFTER_ENV, "")
     if after.isdigit() and int(after) > 0:
-        faulthandler.dump_traceback_later(int(after), exit=False)
+        faulthandler.register(signal.SIGUSR1, all_threads=False)
+        timer = threading.Timer(int(after), os.kill, (os.getpid(), signal.SIGUSR1))
+        timer.daemon = True
+        timer.start()
 
 
 def _sigterm_as_interrupt(signum: int, frame: Any) -> None:

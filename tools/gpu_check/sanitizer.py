@@ -36,6 +36,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from . import harness
 from .harness import StageFile, run_stage
 from .sanitizer_report import parse_report, scan_source_tree
 
@@ -250,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m tools.gpu_check.sanitizer --out DIR --limit SECONDS`` (see the module doc)."""
     ap = argparse.ArgumentParser(prog="python -m tools.gpu_check.sanitizer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output folder (sanitizer.json and the tools' logs)")
-    ap.add_argument("--limit", type=float, default=30.0, help="seconds for the whole stage (default 30)")
+    ap.add_argument("--limit", type=float, default=harness.stage_limit(30.0),
+                    help="seconds for the whole stage (default: MPKERN_STAGE_LIMIT, set by gpu_check.sh, else 30)")
     ap.add_argument("--tools", default=",".join(TOOLS), help=f"comma list of {', '.join(TOOLS)}")
     ap.add_argument("--quick", action="store_true", help="memcheck's workload at a few sizes (racecheck's always)")
     args = ap.parse_args(argv)

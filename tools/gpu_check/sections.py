@@ -11,17 +11,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .pytest_results import render, run_results
 from .read import (
-    OUTCOMES,
     load_json,
     log_tail,
     read_list,
     read_plan,
-    slowest_tests,
     stage_files,
     stage_rows,
     stage_word,
-    test_counts,
 )
 from .tables import (
     HOST_BOUND_RATIO,
@@ -201,28 +199,17 @@ def release_section(out: str, stages: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def tests_section(out: str, stages: dict[str, dict[str, Any]], stage: str) -> list[str]:
-    """One pytest stage: tests per file and outcome (:func:`.read.test_counts`), the slowest, the failures."""
-    res = test_counts(out, stage)
+    """One pytest stage: tests per file and outcome, each crashed test by name with its last output,
+    the failures, the slowest tests, the files planned but never collected (:mod:`.pytest_results`)."""
+    res = run_results(os.path.join(out, f"{stage}.xml"), os.path.join(out, f"{stage}.log"),
+                      os.path.join(out, f"{stage}.collected"))
     kexpr = read_list(os.path.join(out, f"{stage}.k"))
-    extra = f", -k {kexpr[0]!r}" if kexpr else ""
-    lines = [f"--- {stage}: tests per file (from {res['source'] or 'nothing: no XML, no log'}{extra}; "
-             f"stage: {stage_word(stages, stage)}) ---"]
-    if res["source"] is None:
-        return lines + [f"  no results; {len(res['planned'])} files were planned ({stage}.list)"]
-    rows, tot = [], dict.fromkeys(OUTCOMES, 0)
-    for f, c in res["files"].items():
-        for k in OUTCOMES:
-            tot[k] += c[k]
-        secs = "-" if c.get("seconds") is None else f"{c['seconds']:.1f}"
-        rows.append([f, *(str(c[k]) for k in OUTCOMES), secs, c["status"]])
-    if rows:
-        rows.append(["total", *(str(tot[k]) for k in OUTCOMES), "", ""])
-        lines += text_table(["file", *OUTCOMES, "seconds", "status"], rows)
-    slow = slowest_tests(os.path.join(out, f"{stage}.xml"))
-    if slow:
-        lines.append("  slowest: " + ", ".join(f"{t} {sec:.1f} s" for t, sec in slow))
-    for test, msg in res["failures"][:25]:
-        lines.append(f"  FAILED {test}: {msg}")
-    if len(res["failures"]) > 25:
-        lines.append(f"  ... and {len(res['failures']) - 25} more (see {stage}.xml / {stage}.log)")
+    plugin, _ = load_json(os.path.join(out, "plugins.json"))
+    how = f"; {plugin['line']}" if plugin and plugin.get("line") else ""
+    lines = [f"--- {stage}: tests per file (-k {kexpr[0] if kexpr else '-'!r}; stage: {stage_word(stages, stage)}"
+             f"{how}) ---"]
+    lines += [f"  {ln}" for ln in render(res)]
+    never = [f for f in read_list(os.path.join(out, f"{stage}.list")) if f not in res["files"]]
+    if never:
+        lines.append(f"  not collected (the stage ended first, or -k left nothing): {', '.join(never)}")
     return lines
