@@ -9,10 +9,10 @@ fp32 + bias outputs, the fp32 ACCUMULATE epilogue, the training layouts) with
 spill bytes (ptxas' report; ``STL`` instructions as a cross-check), registers per thread and shared
 memory per program.
 
-The kernel arguments are built by the launcher's own helpers (``kernel_args`` / ``tma_kernel_args``) on
-meta tensors of a representative problem, and typed the way Triton's JIT specialises them (pointers and
-integers divisible by 16 get ``tt.divisibility``, a unit stride becomes a constant), so the code is the
-code the GPU would compile for that problem.
+The launch is the launcher's own (``plan_launch``, what ``matmul_into`` runs, with the config given) on meta
+tensors of a representative problem, specialised by Triton's own JIT binder (``benchmarks/triton_spec.py``:
+pointers and integers divisible by 16 get ``tt.divisibility``, a unit stride becomes a constant), so the
+code is the code the GPU would compile for that problem.
 
 Exit status 1, with the reason, when a main sm_90 config has no HGMMA, no UTMALDG, spills, needs more
 shared memory than an H100 program may have, or does not compile; also when a main sm_80 config has no
@@ -144,35 +144,14 @@ def _tool(name: str) -> str:
     return found
 
 
-def _type_of(value: Any, specialize: bool) -> tuple[str, bool, Any]:
-    """(Triton signature type, divisible by 16, constant value or None) of one launch argument, as the JIT
-    specialises it: tensors -> typed pointers, descriptors -> ``tensordesc<dtype[block]>``, integers ->
-    i32/i64 (1 becomes a constant, multiples of 16 get the divisibility hint, unless not specialised)."""
-    import torch
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int16: "i16"}
-    if isinstance(value, TensorDescriptor):
-        block = ", ".join(str(b) for b in value.block_shape)
-        return f"tensordesc<{names[value.base.dtype]}[{block}]>", False, None
-    if isinstance(value, torch.Tensor):
-        return "*" + names[value.dtype], value.data_ptr() % 16 == 0, None
-    if isinstance(value, bool):
-        return "u1", False, None
-    if isinstance(value, int):
-        if specialize and value == 1:
-            return "constexpr", False, 1
-        ty = "i32" if -2**31 <= value < 2**31 else "i64"
-        return ty, specialize and value % 16 == 0, None
-    raise TypeError(f"no signature type for {type(value).__name__}")
-
-
 def _source(case: Case) -> tuple[Any, dict]:
-    """The ``ASTSource`` of ``case`` and its compile options."""
+    """The ``ASTSource`` of ``case`` and its compile options: the launch ``matmul_into`` would make on that GPU
+    with that config (``plan_launch``), specialised by Triton's own JIT binder (``triton_spec.specialise``)."""
     import torch
     import triton
 
     from triton_kernels import matmul as tk
+    from triton_spec import specialise
 
     m, n, k = PROBLEM
     dt = getattr(torch, _DTYPES[case.dtype])
@@ -180,40 +159,17 @@ def _source(case: Case) -> tuple[Any, dict]:
     a = torch.empty(k, m, **meta).t() if case.a_t else torch.empty(m, k, **meta)
     b = torch.empty(n, k, **meta).t() if case.b_t else torch.empty(k, n, **meta)
     out = torch.empty(m, n, device="meta", dtype=getattr(torch, _DTYPES[case.out]))
-    c = out.view(torch.int16) if case.out == "bf16" else out
     bias = torch.empty(n, device="meta", dtype=torch.float32) if case.bias else None
     bm, bn, bk = case.block
-    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}
-    kind = "tma" if case.arch >= 90 else "pointer"
-    flags = tk.launch_flags(kind, case.bias, case.accumulate, case.out == "bf16", False, case.a_t, case.b_t)
-    if kind == "tma":
-        fn = tk.tma_kernel
-        assert (tk.tma_layout(a), tk.tma_layout(b)) == (case.a_t, case.b_t)
-        args = tk.tma_kernel_args(a, b, c, bias, case.a_t, case.b_t, 132, cfg)
-    else:
-        fn = tk.pointer_kernel
-        args = tk.kernel_args(a, b, c, bias)
-    names = list(fn.arg_names)
-    no_spec = set(fn.do_not_specialize) | {names[i] for i in fn.do_not_specialize if isinstance(i, int)}
-    signature: dict[str, str] = {}
-    constexprs: dict[str, Any] = {}
-    attrs: dict[tuple[int, ...], list] = {}
-    for i, (name, value) in enumerate(zip(names, args)):
-        ty, div16, const = _type_of(value, specialize=name not in no_spec)
-        signature[name] = ty
-        if ty == "constexpr":
-            constexprs[name] = const
-        elif div16:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    for name, value in {**flags, **cfg}.items():
-        signature[name] = "constexpr"
-        constexprs[name] = value
-    missing = [p for p in names if p not in signature]
-    if missing:
-        raise RuntimeError(f"{fn.__name__}: no value for {missing}")
-    signature = {p: signature[p] for p in names}
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return src, {"num_warps": case.warps, "num_stages": case.stages}
+    cfg = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=case.warps,
+                        num_stages=case.stages)
+    gpu = ((case.arch // 10, case.arch % 10), 132 if case.arch >= 90 else 108)
+    launch = tk.plan_launch(a, b, out, bias, case.accumulate, gpu=gpu, config=cfg)
+    expected = tk.tma_kernel if case.arch >= 90 else tk.pointer_kernel
+    if launch.kernel is not expected:
+        raise RuntimeError(f"{case.name}: the launcher picks {launch.kernel.__name__}, not {expected.__name__}")
+    spec = specialise(launch.kernel, launch.args, launch.kwargs, case.arch, {})
+    return spec.src, spec.options.__dict__
 
 
 def _ptxas_report(ptx: str, arch: int) -> str:

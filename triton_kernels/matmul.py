@@ -71,13 +71,14 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import f32_to_bf16_bits
+from ._common import device_guard, f32_to_bf16_bits
 
 _IN_DTYPES = (torch.float16, torch.bfloat16)
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -293,7 +294,10 @@ def _matmul_kernel(
     _epilogue(acc, c_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, HAS_BIAS, ACCUMULATE, OUT_BF16)
 
 
-@triton.jit(do_not_specialize=["M_BUCKET", "N_BUCKET", "K_BUCKET", "LAYOUT", "NUM_SMS"])
+# M and K: not specialised (their divisibility by 16, M == 1): TMA zero-fills past the edges, so neither
+# changes this kernel's code (the same SASS, benchmarks/triton_aot.py) -- only the number of compiles, as
+# the token count (M in fwd/dgrad, K in wgrad) changes with the batch. N keeps it: C's column mask.
+@triton.jit(do_not_specialize=["M", "K", "M_BUCKET", "N_BUCKET", "K_BUCKET", "LAYOUT", "NUM_SMS"])
 def _matmul_tma_kernel(
     a_desc, b_desc, c_ptr, bias_ptr,
     M, N, K,
@@ -464,35 +468,41 @@ def _cuda_info(index: int) -> tuple[tuple[int, int], int]:
     return torch.cuda.get_device_capability(index), props.multi_processor_count
 
 
-def _has_tma(device: torch.device) -> bool:
+def _gpu(device: torch.device, gpu: tuple[tuple[int, int], int] | None) -> tuple[tuple[int, int], int]:
+    """``gpu`` when given (a GPU planned for, not present), else (capability, SMs) of CUDA ``device``."""
+    return gpu if gpu is not None else _cuda_info(_device_index(device))
+
+
+def _has_tma(capability: tuple[int, int]) -> bool:
     """Hopper (sm_90) and datacenter Blackwell (sm_100): TMA and >= 228 KB of shared memory per SM for the
     sm_90 configs (consumer Blackwell, sm_120, has TMA but about 100 KB)."""
-    return _cuda_info(_device_index(device))[0][0] in (9, 10)
+    return capability[0] in (9, 10)
 
 
 def fixed_config(device: torch.device | str) -> dict:
     """The tile config ``MPKERN_MATMUL_CONFIG=fixed`` runs on ``device`` (TMA-capable operands on a
     Hopper / datacenter Blackwell GPU: :data:`FIXED_CONFIG_SM90`; else :data:`FIXED_CONFIG`)."""
     device = torch.device(device)
-    if device.type == "cuda" and _kernel_request() != "pointer" and _has_tma(device):
+    if device.type == "cuda" and _kernel_request() != "pointer" and _has_tma(_gpu(device, None)[0]):
         return FIXED_CONFIG_SM90
     return FIXED_CONFIG
 
 
-def kernel_for(a: torch.Tensor, b: torch.Tensor) -> tuple[str, bool, bool]:
+def kernel_for(a: torch.Tensor, b: torch.Tensor, gpu: tuple[tuple[int, int], int] | None = None
+               ) -> tuple[str, bool, bool]:
     """``("tma", a_t, b_t)`` when the TMA kernel runs ``a @ b``, ``("pointer", False, False)`` otherwise.
 
-    TMA: on Hopper / datacenter Blackwell GPUs (capability 9.x / 10.x, read once per device) unless
-    ``MPKERN_MATMUL_KERNEL=pointer``; under the interpreter only with ``MPKERN_MATMUL_KERNEL=tma``; and
-    only when K > 0 and both operands pass :func:`tma_layout` (else the pointer kernel, which takes any
-    strides)."""
+    TMA: on Hopper / datacenter Blackwell GPUs (capability 9.x / 10.x, read once per device, or that of
+    ``gpu`` = (capability, SMs) when given) unless ``MPKERN_MATMUL_KERNEL=pointer``; under the interpreter
+    only with ``MPKERN_MATMUL_KERNEL=tma``; and only when K > 0 and both operands pass :func:`tma_layout`
+    (else the pointer kernel, which takes any strides)."""
     request = _kernel_request()
     if request == "pointer" or a.shape[1] == 0:
         return "pointer", False, False
-    if _interpreting() or a.device.type == "cpu":
+    if gpu is None and (_interpreting() or a.device.type == "cpu"):
         if request != "tma":
             return "pointer", False, False
-    elif not _has_tma(a.device):
+    elif not _has_tma(_gpu(a.device, gpu)[0]):
         return "pointer", False, False
     a_t, b_t = tma_layout(a), tma_layout(b)
     if a_t is None or b_t is None:
@@ -522,49 +532,77 @@ def last_tuned_config() -> triton.Config | None:
     return _last_tuned[0]
 
 
-def _launch_pointer(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, M: int, N: int,
-                    flags: dict, interp: bool) -> None:
-    args = kernel_args(a, b, c, bias)
-    if interp:
-        cfg = INTERPRET_CONFIG
-        _matmul_kernel[(triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)](*args, **flags, **cfg)
-    elif _fixed_config():
-        cfg = FIXED_CONFIG
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-        with torch.cuda.device(a.device):
-            _matmul_kernel[grid](*args, **flags, **cfg, **FIXED_LAUNCH)
+class Launch(NamedTuple):
+    """One kernel launch: the raw JIT function, its grid and its positional and keyword arguments (the
+    constexprs and compile options) -- ``kernel[grid](*args, **kwargs)``."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple
+    kwargs: dict
+
+
+def _prepare(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, accumulate: bool,
+             gpu: tuple[tuple[int, int], int] | None) -> tuple[torch.Tensor, torch.Tensor | None, str, bool, bool, dict,
+                                                              bool]:
+    """``(c, bias, kind, a_t, b_t, flags, interp)`` of a launch: C as the kernel stores it (bf16 as int16
+    bits), the fp32 contiguous bias, the kernel (:func:`kernel_for`) and its constexpr flags."""
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    out_bf16 = out.dtype == torch.bfloat16
+    c = out.view(torch.int16) if out_bf16 else out
+    interp = gpu is None and (_interpreting() or a.device.type == "cpu")
+    kind, a_t, b_t = kernel_for(a, b, gpu)
+    return c, bias, kind, a_t, b_t, launch_flags(kind, bias is not None, bool(accumulate), out_bf16, interp, a_t,
+                                                 b_t), interp
+
+
+def plan_launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
+                accumulate: bool = False, *, gpu: tuple[tuple[int, int], int] | None = None,
+                config: triton.Config | None = None) -> Launch:
+    """The untuned launch of :func:`matmul_into` for checked 2-D operands with M, N > 0: the interpreter's
+    (CPU tensors, :data:`INTERPRET_CONFIG`) or, with ``MPKERN_MATMUL_CONFIG=fixed`` on a GPU, the fixed config
+    of the kernel :func:`kernel_for` picks (:data:`FIXED_CONFIG_SM90` / :data:`FIXED_CONFIG`); ``config``: one
+    of the autotuner's configs instead. ``gpu``: ``(compute capability, number of SMs)`` to plan for instead
+    of reading ``a``'s device (ahead-of-time compilation -- ``benchmarks/triton_aot.py``,
+    ``benchmarks/matmul_sass.py`` -- plans GPU launches on meta tensors)."""
+    M, N = a.shape[0], b.shape[1]
+    c, bias, kind, a_t, b_t, flags, interp = _prepare(a, b, out, bias, accumulate, gpu)
+    tma = kind == "tma"
+    if config is not None:
+        cfg, options = config.kwargs, {"num_warps": config.num_warps, "num_stages": config.num_stages}
     else:
+        cfg = INTERPRET_CONFIG if interp else (FIXED_CONFIG_SM90 if tma else FIXED_CONFIG)
+        options = {} if interp else (FIXED_LAUNCH_SM90 if tma else FIXED_LAUNCH)
+    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    if not tma:
+        return Launch(_matmul_kernel, (tiles,), kernel_args(a, b, c, bias), {**flags, **cfg, **options})
+    sms = min(INTERPRET_SMS, tiles) if interp else _gpu(a.device, gpu)[1]
+    return Launch(_matmul_tma_kernel, (min(sms, tiles),), tma_kernel_args(a, b, c, bias, a_t, b_t, sms, cfg),
+                  {**flags, **cfg, **options})
+
+
+def _launch_tuned(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
+                  accumulate: bool) -> None:
+    M, N = a.shape[0], b.shape[1]
+    c, bias, kind, a_t, b_t, flags, _ = _prepare(a, b, out, bias, accumulate, None)
+    if kind == "tma":
+        num_sms = _gpu(a.device, None)[1]
+
         def grid(meta):
-            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+            return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
         with torch.cuda.device(a.device):
-            _matmul_kernel_tuned[grid](*args, **flags)
-        _last_tuned[0] = getattr(_matmul_kernel_tuned, "best_config", None)
-
-
-def _launch_tma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, M: int, N: int,
-                flags: dict, interp: bool, a_t: bool, b_t: bool) -> None:
-    if interp:
-        cfg = INTERPRET_CONFIG
-        tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
-        sms = min(INTERPRET_SMS, tiles)
-        _matmul_tma_kernel[(sms,)](*tma_kernel_args(a, b, c, bias, a_t, b_t, sms, cfg), **flags, **cfg)
-        return
-    num_sms = _cuda_info(_device_index(a.device))[1]
-    if _fixed_config():
-        cfg = FIXED_CONFIG_SM90
-        tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
-        with torch.cuda.device(a.device):
-            _matmul_tma_kernel[(min(num_sms, tiles),)](*tma_kernel_args(a, b, c, bias, a_t, b_t, num_sms, cfg),
-                                                       **flags, **cfg, **FIXED_LAUNCH_SM90)
+            _matmul_tma_kernel_tuned[grid](*tma_kernel_args(a, b, c, bias, a_t, b_t, num_sms), **flags)
+        _last_tuned[0] = getattr(_matmul_tma_kernel_tuned, "best_config", None)
         return
 
-    def grid(meta):
-        return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+    def grid_ptr(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
     with torch.cuda.device(a.device):
-        _matmul_tma_kernel_tuned[grid](*tma_kernel_args(a, b, c, bias, a_t, b_t, num_sms), **flags)
-    _last_tuned[0] = getattr(_matmul_tma_kernel_tuned, "best_config", None)
+        _matmul_kernel_tuned[grid_ptr](*kernel_args(a, b, c, bias), **flags)
+    _last_tuned[0] = getattr(_matmul_kernel_tuned, "best_config", None)
 
 
 def matmul_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
@@ -578,21 +616,14 @@ def matmul_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch
     _check(a, b, out, bias)
     if accumulate and out.dtype != torch.float32:
         raise TypeError(f"matmul kernel: accumulating needs an fp32 output, got {out.dtype}")
-    M = a.shape[0]
-    N = b.shape[1]
-    if M == 0 or N == 0:
+    if a.shape[0] == 0 or b.shape[1] == 0:
         return out
-    if bias is not None:
-        bias = bias.to(torch.float32).contiguous()
-    out_bf16 = out.dtype == torch.bfloat16
-    c = out.view(torch.int16) if out_bf16 else out
-    interp = _interpreting() or a.device.type == "cpu"
-    kind, a_t, b_t = kernel_for(a, b)
-    flags = launch_flags(kind, bias is not None, bool(accumulate), out_bf16, interp, a_t, b_t)
-    if kind == "tma":
-        _launch_tma(a, b, c, bias, M, N, flags, interp, a_t, b_t)
+    if _interpreting() or a.device.type == "cpu" or _fixed_config():
+        launch = plan_launch(a, b, out, bias, accumulate)
+        with device_guard(a.device):
+            launch.kernel[launch.grid](*launch.args, **launch.kwargs)
     else:
-        _launch_pointer(a, b, c, bias, M, N, flags, interp)
+        _launch_tuned(a, b, out, bias, accumulate)
     return out
 
 
