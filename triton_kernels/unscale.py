@@ -5,15 +5,19 @@ Multi-tensor: a device table with one row per (tensor, range) work item --
 list and cached on the device (``tables.py``): no per-call host work beyond the cache key. One
 table holds the rows of both kernels (one cached entry per tensor list):
 
-* ``scale_``: at most two launches per element dtype: an *aligned* launch whose rows start at a
-  16-byte-aligned address, at a multiple of CHUNK, and end at a multiple of 8 elements (the
-  compiler is told so and uses 16-byte accesses), and an unaligned launch for the few head
-  elements before a tensor's first aligned address and its last ``numel % 8``.
+* ``scale_``: one launch per element dtype. Its first ``n_aligned`` rows are *aligned*: they start
+  at a 16-byte-aligned address, at a multiple of CHUNK, and end at a multiple of 8 elements (the
+  compiler is told so and uses 16-byte accesses); the others hold the few head elements before a
+  tensor's first aligned address and its last ``numel % 8``.
 * ``grad_stats``: one row per norm chunk (16384 elements from the tensor's first element, as the
-  reduction order needs -- see below); rows of a 16-byte-aligned tensor are aligned launches
-  (all but a last chunk that ends off a multiple of 8 elements). Each row writes its fp64 chunk
-  partial at a slot that keeps each tensor's partials contiguous and in chunk order, and a second
-  kernel combines each tensor's partials.
+  reduction order needs -- see below), one launch per element dtype, the rows of a 16-byte-aligned
+  tensor aligned (all but a last chunk that ends off a multiple of 8 elements) and first. Each row
+  writes its fp64 chunk partial at a slot that keeps each tensor's partials contiguous and in chunk
+  order, and a second kernel combines each tensor's partials.
+
+Aligned or not is a run-time choice (``program_id < n_aligned``, a uniform branch at the start of a
+program, not a constexpr): both loops are in one compiled kernel, so a dtype costs one compile and
+one launch, not two (``benchmarks/triton_aot.py`` counts the compiles).
 
 The sum of squares follows ``csrc/include/mpkern/norm.h`` bit for bit, as the CPU kernel and
 ``mpkern.reference.grad_stats`` do: squares exact in fp64; per chunk 64 blocks x 16 rows x 16
@@ -105,16 +109,8 @@ def _tree_1d(v, N: tl.constexpr):
 
 
 @triton.jit
-def _grad_stats_kernel(
-    table_ptr,  # int64 [items, 4]: address, begin, end, slot -- one norm chunk per row
-    part_sum_ptr,  # float64 [slots]: the chunk partials P[c]
-    part_max_ptr,  # int32 [slots] (float bits of max |x|)
-    DT: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    BLOCKS: tl.constexpr,  # 64 blocks of
-    ROWS: tl.constexpr,  # 16 rows of
-    LANES: tl.constexpr,  # 16 lanes
-):
+def _grad_stats_row(table_ptr, part_sum_ptr, part_max_ptr, DT: tl.constexpr, ALIGNED: tl.constexpr,
+                    BLOCKS: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr):
     """One norm chunk (elements [begin, end), begin a multiple of 16384, zero-padded) -> its fp64
     partial: the [BLOCKS, LANES] lane sums accumulated row by row (element
     begin + k*256 + r*16 + l goes to lane (k, l) at step r), then the halves-trees over the 16
@@ -140,7 +136,25 @@ def _grad_stats_kernel(
     tl.store(part_max_ptr + slot, tl.max(tl.max(mx, axis=1), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_aligned"])  # a count: never a constant, nor a divisibility variant
+def _grad_stats_kernel(
+    table_ptr,  # int64 [items, 4]: address, begin, end, slot -- one norm chunk per row
+    part_sum_ptr,  # float64 [slots]: the chunk partials P[c]
+    part_max_ptr,  # int32 [slots] (float bits of max |x|)
+    n_aligned,  # rows [0, n_aligned) are aligned (see _work_item)
+    DT: tl.constexpr,
+    BLOCKS: tl.constexpr,  # 64 blocks of
+    ROWS: tl.constexpr,  # 16 rows of
+    LANES: tl.constexpr,  # 16 lanes
+):
+    if tl.program_id(0) < n_aligned:
+        _grad_stats_row(table_ptr, part_sum_ptr, part_max_ptr, DT, True, BLOCKS, ROWS, LANES)
+    else:
+        _grad_stats_row(table_ptr, part_sum_ptr, part_max_ptr, DT, False, BLOCKS, ROWS, LANES)
+
+
+# inv_scale_ptr: the caller's scalar, read once: its alignment must not make a variant of its own
+@triton.jit(do_not_specialize=["inv_scale_ptr"])
 def _grad_stats_finalize_kernel(
     offsets_ptr,  # int64 [tensors + 1]: tensor t owns slots [offsets[t], offsets[t + 1]), in chunk order
     part_sum_ptr,  # float64 [slots]
@@ -172,22 +186,30 @@ def _grad_stats_finalize_kernel(
 
 
 @triton.jit
+def _scale_row(table_ptr, s, DT: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    ptr, begin, end, _ = _work_item(table_ptr, DT, ALIGNED)
+    for off in range(0, CHUNK, BLOCK):
+        idx = block_index(begin, off, ALIGNED, BLOCK)
+        mask = idx < end
+        x = load_f32(ptr, idx, mask, DT)
+        store_f32(ptr, idx, x * s, mask, DT)
+
+
+@triton.jit(do_not_specialize=["scale_ptr", "n_aligned"])  # scale_ptr: a scalar, as inv_scale_ptr above
 def _scale_kernel(
     table_ptr,  # int64 [items, 4]: address, begin, end, slot
     scale_ptr,  # float32 [1]
+    n_aligned,  # rows [0, n_aligned) are aligned (see _work_item)
     DT: tl.constexpr,
-    ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    ptr, begin, end, _ = _work_item(table_ptr, DT, ALIGNED)
     s = tl.load(scale_ptr)
     if s != 1.0:
-        for off in range(0, CHUNK, BLOCK):
-            idx = block_index(begin, off, ALIGNED, BLOCK)
-            mask = idx < end
-            x = load_f32(ptr, idx, mask, DT)
-            store_f32(ptr, idx, x * s, mask, DT)
+        if tl.program_id(0) < n_aligned:
+            _scale_row(table_ptr, s, DT, True, CHUNK, BLOCK)
+        else:
+            _scale_row(table_ptr, s, DT, False, CHUNK, BLOCK)
 
 
 _ELEM_BYTES = {0: 4, 1: 2, 2: 2}
@@ -199,19 +221,21 @@ class _Plan:
     and the launches of each kernel over it."""
 
     table: torch.Tensor  # int64 [rows, ROW] on the device
-    launches: list[tuple[int, bool, int, int]]  # scale_: (dtype code, aligned, first row, rows)
-    stats_launches: list[tuple[int, bool, int, int]]  # grad_stats: one row per norm chunk
+    launches: list[tuple[int, int, int, int]]  # scale_: (dtype code, first row, rows, aligned rows)
+    stats_launches: list[tuple[int, int, int, int]]  # grad_stats: the same, one row per norm chunk
     offsets: torch.Tensor  # int64 [tensors + 1] on the device: grad_stats slot range of each tensor
     slots: int
 
 
 def _launches(groups: dict[tuple[int, bool], list[list[int]]], table_rows: list[list[int]]
-              ) -> list[tuple[int, bool, int, int]]:
-    """Append each (dtype, aligned) group's rows to ``table_rows``; its launch (dtype, aligned, first, count)."""
+              ) -> list[tuple[int, int, int, int]]:
+    """Append the rows of each dtype to ``table_rows``, its aligned group first; one launch per dtype:
+    (dtype, first row, rows, aligned rows)."""
     launches = []
-    for (dt, al), rows in sorted(groups.items()):
-        launches.append((dt, al, len(table_rows), len(rows)))
-        table_rows += rows
+    for dt in sorted({dt for dt, _ in groups}):
+        aligned, other = groups.get((dt, True), []), groups.get((dt, False), [])
+        launches.append((dt, len(table_rows), len(aligned) + len(other), len(aligned)))
+        table_rows += aligned + other
     return launches
 
 
@@ -260,8 +284,8 @@ def grad_stats(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor) -> tuple[
     part_sum = torch.zeros(max(plan.slots, 1), dtype=torch.float64, device=device)
     part_max = torch.zeros(max(plan.slots, 1), dtype=torch.int32, device=device)
     with device_guard(device):
-        for dt, al, first, rows in plan.stats_launches:
-            _grad_stats_kernel[(rows,)](plan.table[first:], part_sum, part_max, DT=dt, ALIGNED=al,
+        for dt, first, rows, n_aligned in plan.stats_launches:
+            _grad_stats_kernel[(rows,)](plan.table[first:], part_sum, part_max, n_aligned, DT=dt,
                                         BLOCKS=NORM_BLOCKS, ROWS=NORM_ROWS, LANES=NORM_LANES,
                                         enable_fp_fusion=False)
         _grad_stats_finalize_kernel[(n,)](plan.offsets, part_sum, part_max, inv_scale, sumsq, amax_bits,
@@ -275,6 +299,6 @@ def scale_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
         return
     plan = _plan(tensors, scale.device)
     with device_guard(scale.device):
-        for dt, al, first, rows in plan.launches:
-            _scale_kernel[(rows,)](plan.table[first:], scale, DT=dt, ALIGNED=al, CHUNK=CHUNK, BLOCK=BLOCK,
+        for dt, first, rows, n_aligned in plan.launches:
+            _scale_kernel[(rows,)](plan.table[first:], scale, n_aligned, DT=dt, CHUNK=CHUNK, BLOCK=BLOCK,
                                    enable_fp_fusion=False)
