@@ -23,7 +23,7 @@ from . import (
     reference,
     versions,
 )
-from ._backend import use_backend
+from ._backend import BACKENDS, use_backend
 from .amp import UnscaleResult, clip_grad_norm_, unscale_
 from .doctor import Diagnosis, NonfiniteEntry, NonfiniteReport, diagnose, nonfinite_report
 from .matmul import linear, matmul, matmul_accumulate_, routes as matmul_routes_for, use_route
@@ -50,6 +50,7 @@ __all__ = [
     "reference",
     "unscale_",
     "use_backend",
+    "BACKENDS",
     "use_route",
     "UnscaleResult",
 ]
@@ -82,7 +83,10 @@ def info() -> dict[str, Any]:
     or None), ``bf16``/``fp16`` support, ``forced_backend``, ``backends``:
     ``{name: {"available": bool, "reason": str}}``, ``torch_tested`` (the torch range mpkern is
     tested on, :mod:`mpkern.versions`) and ``torch_warning`` (a line when torch lies outside it,
-    else None).
+    else None), ``native``: the compiled extension (``imported``, ``error`` when it is not,
+    ``cuda_built``, ``cuda_archs``, ``cuda_problem``: why its CUDA kernels cannot run on this GPU, ""
+    when they can), ``selected_backend``: the backend an op on this device takes now (``"error: ..."``
+    when a forced one cannot run here).
     """
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda") if cuda else torch.device("cpu")
@@ -102,6 +106,15 @@ def info() -> dict[str, Any]:
         forced = _backend.forced()
     except ValueError as e:
         forced = f"invalid: {e}"
+    cuda_built = bool(getattr(ext, "cuda_built", False))
+    native = {"imported": ext is not None, "error": "" if ext is not None else _backend.native_error(),
+              "cuda_built": cuda_built, "cuda_archs": getattr(ext, "cuda_archs", None),
+              "cuda_problem": (_backend.cuda_device_problem(dev.index or 0) if cuda_built else "not built")
+              if cuda else "no CUDA GPU"}
+    try:
+        selected = _backend.select(dev)
+    except (RuntimeError, ValueError) as e:
+        selected = f"error: {e}"
     return {
         "version": __version__,
         "torch": torch.__version__,
@@ -114,6 +127,8 @@ def info() -> dict[str, Any]:
         "torch_tested": versions.tested_torch_label(),
         "torch_warning": versions.torch_warning(torch.__version__),
         "forced_backend": forced,
+        "native": native,
+        "selected_backend": selected,
         "backends": {b: {"available": s.available, "reason": s.reason}
                      for b, s in ((b, _backend.status(b)) for b in _backend.BACKENDS)},
         "matmul": dict(_matmul_notes()),

@@ -39,15 +39,13 @@ def resolve(device: Any) -> Any:
 
 
 def backend_ok(name: str, dev: Any) -> str:
-    """Empty if mpkern's backend ``name`` runs on ``dev``, else why not."""
-    from mpkern import _backend
+    """Empty if mpkern's backend ``name`` runs on ``dev``, else why not (``mpkern.info()`` with the
+    backend forced: the one it selects, or why it cannot)."""
+    import mpkern
 
-    try:
-        with _backend.use_backend(name):
-            _backend.select(dev)
-    except RuntimeError as e:
-        return str(e)
-    return ""
+    with mpkern.use_backend(name):
+        selected = mpkern.info()["selected_backend"]
+    return "" if selected == name else str(selected).removeprefix("error: ")
 
 
 def times(fn: Callable[[], object], dev: Any, graph: bool = True) -> tuple[dict, dict | None, str | None]:

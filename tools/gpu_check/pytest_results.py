@@ -245,10 +245,13 @@ def run_results(xml_path: str | Path | None, log_path: str | Path | None = None,
         source = "log"
     merged: dict[str, dict[str, Any]] = {}
     for c in cases:
-        m = merged.setdefault(c["nodeid"], {**c, "seconds": c["seconds"]})
-        if m is not c and _WORST[c["outcome"]] > _WORST[m["outcome"]]:
-            m.update(outcome=c["outcome"], worker=c.get("worker"))
-        if m is not c and c["seconds"] is not None:
+        if c["nodeid"] not in merged:  # the first report of a test
+            merged[c["nodeid"]] = dict(c)
+            continue
+        m = merged[c["nodeid"]]  # a second one (a teardown error after a pass): the worse outcome, both times
+        if _WORST[c["outcome"]] > _WORST[m["outcome"]]:
+            m.update(outcome=c["outcome"], worker=c.get("worker"), message=c.get("message", ""))
+        if c["seconds"] is not None:
             m["seconds"] = (m["seconds"] or 0.0) + c["seconds"]
     if log is not None:
         for c in log["crashes"]:  # xdist's crash sentence beats its "FAILED" line for the same test

@@ -51,21 +51,18 @@ def stage_device(out: str) -> int:
     Exit status 1 when the CUDA kernels are not built, cannot run here or are not selected (the
     bandwidth is measured anyway)."""
     import mpkern
-    from mpkern import _backend
     from mpkern.measure import copy_bandwidth
 
     sf = StageFile(os.path.join(out, "device.json"), "device")
     dev = resolve(None)
     sf.set(meta=meta(dev))
-    checks: dict[str, Any] = {}
-    ext = _backend.native()
-    checks["native"] = "imported" if ext is not None else f"not importable: {_backend.native_error()}"
-    checks["cuda_built"] = bool(ext is not None and getattr(ext, "cuda_built", False))
-    checks["cuda_archs"] = getattr(ext, "cuda_archs", None) if ext is not None else None
-    checks["problem"] = _backend.cuda_device_problem(dev.index) if checks["cuda_built"] else "not built"
-    checks["selected"] = _backend.select(dev)
-    checks["triton"] = backend_ok("triton", dev) or "runs"
-    sf.set(checks=checks, info=mpkern.info())
+    info = mpkern.info()
+    native = info["native"]
+    checks: dict[str, Any] = {
+        "native": "imported" if native["imported"] else f"not importable: {native['error']}",
+        "cuda_built": native["cuda_built"], "cuda_archs": native["cuda_archs"], "problem": native["cuda_problem"],
+        "selected": info["selected_backend"], "triton": backend_ok("triton", dev) or "runs"}
+    sf.set(checks=checks, info=info)
     log(f"checks: {checks}")
     bw = copy_bandwidth(dev, 1 << 30)
     sf.set(bandwidth=bw)
@@ -157,14 +154,14 @@ def stage_adamw(out: str, backend: str, *, peer: bool = False, params: int | Non
     import torch
 
     import mpkern
-    from mpkern import _backend, bytemodel
+    from mpkern import BACKENDS, bytemodel
     from mpkern.bench.common import ADAMW_LR, ADAMW_MAX_NORM, adamw_problem, amp_fp32_recipe, tensor_sizes
     from mpkern.bench.modes import adamw_modes, mode_label, optimizer_kwargs, step_bytes_per_param
     from mpkern.measure import sync
     from mpkern.optim import storage
 
-    if backend not in _backend.BACKENDS:
-        raise ValueError(f"stage_adamw: backend must be one of {_backend.BACKENDS}, got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"stage_adamw: backend must be one of {BACKENDS}, got {backend!r}")
     total, count = params or SIZES["adamw"][0], tensors or SIZES["adamw"][1]
     sf = StageFile(os.path.join(out, f"adamw_{backend}.json"), f"adamw_{backend}", kernel="adamw", backend=backend)
     dev = resolve(device)
