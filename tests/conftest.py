@@ -56,6 +56,20 @@ def backend(request, monkeypatch):
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
+def triton_cuda_compiler_missing() -> str | None:
+    """Why Triton cannot compile for CUDA ahead of time here, no GPU needed (None when it can): the
+    ahead-of-time tests (SASS of the GEMM, compile times) skip with this reason."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget  # noqa: F401 -- the ahead-of-time compile needs it
+    except ImportError as e:
+        return f"triton's compiler cannot be imported: {e}"
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not os.path.isfile(os.path.join(bindir, "ptxas")) and not os.environ.get("TRITON_PTXAS_PATH"):
+        return f"Triton's CUDA backend has no ptxas ({bindir})"
+    return None
+
+
 _MASTER_CODECS = {mode: name for name, mode in _ops.MASTER_MODES.items()}
 _MOMENT_CODECS = {dtype: name for name, dtype in _ops.MOMENT_CODECS.items()}
 

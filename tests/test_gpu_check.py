@@ -847,6 +847,33 @@ def test_matmul_routes_stage_writes_bench_matmul_rows(tmp_path, monkeypatch):
     assert seen["quick"] and seen["dtypes"] == "bf16" and os.environ["MPKERN_MATMUL_CONFIG"] == "fixed"
 
 
+def test_summary_of_the_routes_and_compare_stages(tmp_path):
+    """The routes stage's rows (bench_matmul's, built with mpkern.bench.common.row) and compare's report
+    in the summary: ms, TFLOP/s and the speed over cuBLAS computed here; a default route slower than
+    the platform GEMM is said to be."""
+    from mpkern.bench.common import row
+
+    flops = 2.0 * 4096**3
+    rows = [row("matmul", "torch.matmul: square bf16", 1e-3, flops=flops, bound=flops / 1e-3 / 1e12),
+            row("matmul", "default -> cublas: square bf16", 1.1e-3, flops=flops, vs="torch.matmul", peer_ratio=1 / 1.1)]
+    (tmp_path / "plan.tsv").write_text("matmul_routes\t25\tx\ncompare\t50\tx\n")
+    (tmp_path / "stages.tsv").write_text("matmul_routes\t25\t0\t20\tok\ncompare\t50\t0\t44\tok\n")
+    (tmp_path / "matmul_routes.json").write_text(json.dumps({"stage": "matmul_routes", "status": "done", "rows": rows}))
+    (tmp_path / "compare").mkdir()
+    (tmp_path / "compare" / "results.md").write_text("# mpkern compare\n" + "".join(f"line {i}\n" for i in range(60)))
+    text = summary.summarize(str(tmp_path))
+    routes = text.split("--- matmul routes vs cuBLAS (torch.matmul): done, 2 rows ---")[1].split("\n\n")[0]
+    cells = [re.split(r"\s{2,}", ln.strip()) for ln in routes.splitlines()
+             if ln.strip().startswith(("torch", "default"))]
+    # TFLOP/s = 2 * 4096^3 / seconds / 1e12: 137 at 1 ms, 125 at 1.1 ms (3 significant digits)
+    assert cells[0] == ["torch.matmul: square bf16", "1", f"{flops / 1e-3 / 1e12:.3g}", "-"]
+    assert cells[1] == ["default -> cublas: square bf16", "1.1", f"{flops / 1.1e-3 / 1e12:.3g}", f"{1 / 1.1:.2f}x"]
+    assert "the default route is slower than the platform GEMM (< 0.95x) in 1 rows" in routes
+    comp = text.split("--- mpkern compare --device cuda (stage: ok")[1]
+    assert "  # mpkern compare" in comp and "  line 38" in comp and "  line 39" not in comp
+    assert "... 21 more lines in compare/results.md" in comp
+
+
 # ---- on a GPU only ---------------------------------------------------------------------------------------
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 

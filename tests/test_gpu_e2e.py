@@ -244,3 +244,20 @@ def test_the_tables_render_the_rows_and_their_ratios(runs):
     assert "amp does not fit: planned" in lt
     with pytest.raises(ValueError, match="stage"):
         e2e_table.render({"stage": "unscale", "rows": []})
+
+
+def test_the_gpu_checks_summary_shows_the_stage_files_and_the_oom_rows_are_no_failure(runs):
+    """The summary (tools.gpu_check.summary) over the stage folders these runs left: the end-to-end
+    section holds each stage's table; an OOM row is a result, not something that failed."""
+    from tools.gpu_check import summary
+
+    for name, file in (("gpt2", "e2e_gpt2_batch.json"), ("llama7b", "e2e_llama7b.json")):
+        out = runs[name][4]
+        text = summary.summarize(str(out))
+        section = text.split(f"--- end to end, {file}: done, ")[1]
+        rows = _rows(runs[name][2])
+        assert section.startswith(f"{len(rows)} rows ---"), section[:200]
+        for recipe in rows:
+            assert f"| {recipe} |" in section
+        top = text.split("--- what failed and where to look")[1].split("\n\n")[0]
+        assert "e2e_" not in top, top  # no stage file failed, no row with an error (oom rows are results)

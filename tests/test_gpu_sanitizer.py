@@ -435,3 +435,17 @@ def test_table_lines():
     assert sanitizer_table.lines(failed) == [
         "memcheck: FAILED (exit 1) after 0 calls in 3 s: no summary from the tool -- "
         "Error: No attachable process found."]
+
+
+def test_the_gpu_checks_summary_puts_a_finding_at_its_top(tmp_path):
+    """A memory-checker error is listed under 'what failed and where to look' and in its section."""
+    from tools.gpu_check import summary
+
+    env = _fake_sanitizer(tmp_path)
+    r, data = _stage(tmp_path, env, "--limit", "100", "--quick")
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = summary.summarize(str(tmp_path / "out"))
+    top = text.split("--- what failed and where to look")[1].split("\n\n")[0]
+    assert "sanitizer.json: memcheck found 1 errors -> the sanitizer section and sanitizer_memcheck.log" in top
+    section = text.split("--- memory checker (compute-sanitizer) ---")[1]
+    assert section.splitlines()[1].strip() == sanitizer_table.lines(data)[0]

@@ -188,9 +188,12 @@ def test_sigint_names_the_running_test_and_leaves_the_rest_not_run(tmp_path):
         "def test_later():\n    pass\n")
     cmd = _pytest_cmd(tmp_path, plugins.xdist_args(collected_out=tmp_path / "collected.txt"), ["test_s.py"])
     with open(tmp_path / "run.log", "w") as log:
-        # a session of its own, signalled as a whole -- what `timeout -s INT` does to a stage
+        # a session of its own, signalled as a whole -- what `timeout -s INT` does to a stage -- with SIGINT
+        # at its default, as `timeout` leaves it (a suite started in the background of a non-interactive
+        # shell runs with SIGINT ignored, and a child would inherit that)
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             deadline = time.monotonic() + 120
             while f"{START_MARK} test_s.py::test_slow" not in (tmp_path / "run.log").read_text():

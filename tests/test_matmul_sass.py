@@ -20,27 +20,14 @@ import sys
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, triton_cuda_compiler_missing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "matmul_sass.py")
 
 
-def _cuda_backend_missing() -> str | None:
-    """Why Triton cannot compile for CUDA here (None when it can)."""
-    try:
-        import triton
-        from triton.backends.compiler import GPUTarget  # noqa: F401 -- the AOT compile needs it
-    except ImportError as e:
-        return f"triton's compiler cannot be imported: {e}"
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not os.path.isfile(os.path.join(bindir, "ptxas")) and not os.environ.get("TRITON_PTXAS_PATH"):
-        return f"Triton's CUDA backend has no ptxas ({bindir})"
-    return None
-
-
 def test_sm90_smoke_config_has_wgmma_and_tma_and_no_spills(tmp_path):
-    why = _cuda_backend_missing()
+    why = triton_cuda_compiler_missing()
     if why:
         pytest.skip(why)
     out = tmp_path / "sass.json"

@@ -18,21 +18,10 @@ import sys
 import pytest
 import torch
 
+from conftest import triton_cuda_compiler_missing
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "triton_aot.py")
-
-
-def _cuda_backend_missing() -> str | None:
-    """Why Triton cannot compile for CUDA here (None when it can)."""
-    try:
-        import triton
-        from triton.backends.compiler import GPUTarget  # noqa: F401 -- the ahead-of-time compile needs it
-    except ImportError as e:
-        return f"triton's compiler cannot be imported: {e}"
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not os.path.isfile(os.path.join(bindir, "ptxas")) and not os.environ.get("TRITON_PTXAS_PATH"):
-        return f"Triton's CUDA backend has no ptxas ({bindir})"
-    return None
 
 
 def _smoke_tensors() -> list[tuple[str, int]]:
@@ -66,7 +55,7 @@ def _launches_here(monkeypatch) -> list[tuple[tuple, dict]]:
 
 
 def test_smoke_counts_the_launchers_specialisations_and_times_them(tmp_path, monkeypatch):
-    why = _cuda_backend_missing()
+    why = triton_cuda_compiler_missing()
     if why:
         pytest.skip(why)
     out = tmp_path / "aot.json"
