@@ -1,0 +1,457 @@
+// CPU AdamW, the AVX2 path (8 lanes): the scalar path's arithmetic in the same order (no fma
+// contraction), bit-identical to it.
+#include <cstdint>
+
+#include "../kernels.h"
+#include "adamw_cpu_impl.h"
+
+#if MPK_X86
+namespace mpkern {
+namespace cpu {
+namespace adamw_impl {
+
+namespace {
+
+// ---- AVX2 path: same arithmetic, same order of operations (no fma contraction) ------------------
+// The random words are computed 8 lanes at a time (one key per call: the caller splits ranges at
+// multiples of 2^32 of the global element index, so the high index half is the same in a call).
+template <int PDT>
+MPK_AVX2 __attribute__((always_inline)) inline void decode8(const TensorPtrs& t, int64_t i, __m256& p) {
+  // master8_decode: bf16 (bits(p) << 16) + 256 c; fp16 p + c * 2^(max(e, 1) - 33)
+  const __m128i h16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(t.p) + i));
+  const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(t.master) + i));
+  if constexpr (PDT == kBF16) {
+    const __m256i hs = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h16), 16);
+    p = _mm256_castsi256_ps(_mm256_add_epi32(hs, _mm256_slli_epi32(_mm256_cvtepi8_epi32(c8), 8)));
+  } else {
+    const __m256i h = _mm256_cvtepu16_epi32(h16);
+    const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c8));
+    const __m256 pv = _mm256_cvtph_ps(h16);
+    __m256i b = _mm256_max_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 10), _mm256_set1_epi32(0x1f)),
+                                 _mm256_set1_epi32(1));
+    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(94)), 23));
+    p = _mm256_add_ps(pv, _mm256_mul_ps(c, scale));  // 2^(b - 33)
+  }
+}
+
+// Byte B of each of 8 int32 lanes -> 8 bytes at dst: one byte shuffle to the low 4 bytes of each
+// 128-bit half, then the two halves together.
+template <int B>
+MPK_AVX2 __attribute__((always_inline)) inline void store_byte8(void* dst, __m256i v) {
+  const __m256i bytes = _mm256_shuffle_epi8(v, _mm256_setr_epi8(B, B + 4, B + 8, B + 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                -1, -1, -1, -1, B, B + 4, B + 8, B + 12, -1, -1, -1, -1,
+                                                                -1, -1, -1, -1, -1, -1, -1, -1));
+  const __m256i packed = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
+}
+
+template <int PDT>
+MPK_AVX2 __attribute__((always_inline)) inline void encode8(const TensorPtrs& t, int64_t i, __m256 w, __m256i rw) {
+  int8_t* cdst = static_cast<int8_t*>(t.master) + i;
+  uint16_t* hdst = static_cast<uint16_t*>(t.p) + i;
+  if constexpr (PDT == kBF16) {
+    // master8_encode, bf16: t = bits(w) + (word & 0xff); param = (t + 0x8000) >> 16 (a NaN: its
+    // quiet NaN); c = byte 1 of t
+    const __m256i u = _mm256_castps_si256(w);
+    const __m256i tt = _mm256_add_epi32(u, _mm256_and_si256(rw, _mm256_set1_epi32(0xff)));
+    const __m256i h = bf16_keep_nan32(_mm256_srli_epi32(_mm256_add_epi32(tt, _mm256_set1_epi32(0x8000)), 16), w);
+    store_byte8<1>(cdst, tt);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hdst), pack_u16x8(h));
+    return;
+  }
+  // fp16: param = RNE(w); c = clamp(floor(x + r / 2^16)), x = (w - param) * 2^(33 - max(e, 1))
+  const __m128i h16 = _mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256i h = _mm256_cvtepu16_epi32(h16);
+  const __m256 p = _mm256_cvtph_ps(h16);
+  const __m256i b = _mm256_max_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 10), _mm256_set1_epi32(0x1f)),
+                                     _mm256_set1_epi32(1));
+  const __m256 x = _mm256_mul_ps(_mm256_sub_ps(w, p),
+                                 _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(160), b), 23)));
+  const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(rand_a16x8(rw)), _mm256_set1_ps(1.0f / 65536.0f));
+  __m256 y = _mm256_floor_ps(_mm256_add_ps(x, u));
+  y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-128.0f)), _mm256_set1_ps(127.0f));
+  const __m256i pu = _mm256_castps_si256(p);
+  const __m256i expo = _mm256_set1_epi32(0x7f800000);
+  const __m256i nonfinite = _mm256_cmpeq_epi32(_mm256_and_si256(pu, expo), expo);
+  store_byte8<0>(cdst, _mm256_andnot_si256(nonfinite, _mm256_cvttps_epi32(y)));  // in [-128, 127]
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(hdst), h16);
+}
+
+// The fp32 master of elements [i, i + 8) (the param itself in mode 0).
+template <int PDT>
+MPK_AVX2 __attribute__((always_inline)) inline __m256 load_w8(const TensorPtrs& t, const Flags& f, int64_t i) {
+  __m256 p;
+  if (f.mode == kMasterF32) {
+    p = _mm256_loadu_ps(static_cast<const float*>(t.master) + i);
+  } else if (f.mode == kMasterRemainder) {
+    const auto* hp = reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(t.p) + i);
+    const auto* lp = reinterpret_cast<const __m128i*>(static_cast<const int16_t*>(t.master) + i);
+    const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128(hp));
+    const __m256i lo = _mm256_cvtepi16_epi32(_mm_loadu_si128(lp));
+    p = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(hi, 16), lo));
+  } else if (PDT != kF32 && f.mode == kMaster8bit) {
+    if constexpr (PDT != kF32) decode8<PDT>(t, i, p);
+  } else {
+    p = load8<PDT>(t.p, i);
+  }
+  return p;
+}
+
+// Store the updated masters p of elements [i, i + 8) and the params; rw = the elements' random
+// words (field A used in mode 3 and for param SR).
+template <int PDT>
+MPK_AVX2 __attribute__((always_inline)) inline void store_w8(const TensorPtrs& t, const Flags& f, int64_t i, __m256 p,
+                                                             bool need0, __m256i rw) {
+  if (f.mode == kMasterF32) {
+    _mm256_storeu_ps(static_cast<float*>(t.master) + i, p);
+    store8<PDT>(t.p, i, p);
+  } else if (f.mode == kMasterRemainder) {
+    const __m256i u = _mm256_castps_si256(p);
+    const __m256i hi = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x8000)), 16);
+    const __m256i lo = _mm256_and_si256(u, _mm256_set1_epi32(0xffff));
+    const __m256i hp = _mm256_permute4x64_epi64(_mm256_packus_epi32(hi, hi), 0x08);
+    const __m256i lp = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, lo), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.p) + i), _mm256_castsi256_si128(hp));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<int16_t*>(t.master) + i), _mm256_castsi256_si128(lp));
+  } else if (PDT != kF32 && f.mode == kMaster8bit) {
+    if constexpr (PDT != kF32) encode8<PDT>(t, i, p, rw);
+  } else if (PDT == kBF16 && need0) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.p) + i),
+                     pack_u16x8(bf16_sr_bits32(p, rand_a16x8(rw))));
+  } else {
+    store8<PDT>(t.p, i, p);
+  }
+}
+
+template <int PDT, int GDT, int SDT>
+MPK_AVX2 void adamw_avx2(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f) {
+  // g = -(grad * factor) when maximizing, as the scalar code: a sign flip after the multiply
+  // (g * (-factor) differs from it in the sign of a NaN)
+  const __m256 factor = _mm256_set1_ps(f.factor);
+  const __m256 gsign = _mm256_castsi256_ps(_mm256_set1_epi32(f.maximize ? static_cast<int>(0x80000000u) : 0));
+  const __m256 decay = _mm256_set1_ps(t.c.decay), omb1 = _mm256_set1_ps(t.c.one_m_b1);
+  const __m256 b2 = _mm256_set1_ps(t.c.beta2), omb2 = _mm256_set1_ps(t.c.one_m_b2);
+  const __m256 ss = _mm256_set1_ps(t.c.step_size), ibc2 = _mm256_set1_ps(t.c.inv_bc2);
+  const __m256 eps = _mm256_set1_ps(t.c.eps);
+  const bool need0 = needs_word0(t, f), needw = need0 || SDT == kBF16;
+  const RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));
+  const __m256i key = _mm256_set1_epi32(static_cast<int>(keys.key));
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  int64_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    const uint32_t elo0 = static_cast<uint32_t>(t.offset + static_cast<uint64_t>(i));  // low index half
+    const __m256i elo = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(elo0)), lanes);
+    const __m256i rw = needw ? mix32x8(_mm256_xor_si256(key, elo)) : elo;  // the one random word
+    const __m256 g = _mm256_xor_ps(_mm256_mul_ps(load8<GDT>(t.g, i), factor), gsign);
+    __m256 p = load_w8<PDT>(t, f, i);
+    __m256 m = load8<SDT>(t.m, i);
+    __m256 v = load8<SDT>(t.v, i);
+    p = _mm256_mul_ps(p, decay);
+    m = _mm256_add_ps(m, _mm256_mul_ps(omb1, _mm256_sub_ps(g, m)));
+    v = _mm256_add_ps(_mm256_mul_ps(v, b2), _mm256_mul_ps(_mm256_mul_ps(omb2, g), g));
+    __m256 vv = v;
+    if (t.vmax != nullptr) {
+      // max(vmax, v) with the scalar's tie/NaN rule: vmax > v ? vmax : v
+      const __m256 old = _mm256_loadu_ps(t.vmax + i);
+      vv = _mm256_blendv_ps(v, old, _mm256_cmp_ps(old, v, _CMP_GT_OQ));
+      _mm256_storeu_ps(t.vmax + i, vv);
+    }
+    const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vv), ibc2), eps);
+    p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(ss, m), denom));
+    if constexpr (SDT == kBF16) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.m) + i),
+                       pack_u16x8(bf16_sr_bits32(m, rand_b16x8(rw))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.v) + i),
+                       pack_u16x8(bf16_sr_bits32(v, rand_c16x8(rw))));
+    } else {
+      _mm256_storeu_ps(static_cast<float*>(t.m) + i, m);
+      _mm256_storeu_ps(static_cast<float*>(t.v) + i, v);
+    }
+    store_w8<PDT>(t, f, i, p, need0, rw);
+  }
+  if (i < end) adamw_scalar(t, i, end, f);
+}
+
+// ---- 8-bit moments, AVX2: one group of 32 = 4 x 8 lanes in registers -----------------------------
+
+// The codecs' random value r16 / 2^16 of a field as a float (see rand_unit16 in the AVX-512 part):
+// the 11 field bits at mantissa bits 12..22, 1.0's exponent and the cell-centre bit 11 set, minus 1.
+MPK_AVX2 __attribute__((always_inline)) inline __m256 rand_unit8(__m256i field_at12) {
+  const __m256i bits = _mm256_or_si256(_mm256_and_si256(field_at12, _mm256_set1_epi32(0x7ff000)),
+                                       _mm256_set1_epi32(0x3f800800));
+  return _mm256_sub_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(1.0f));
+}
+
+
+// An estimate e of a root lowered by 2^-10 .. 2^-9 of itself with an integer op instead of a
+// multiply (2^14 subtracted from its bit pattern; see lower16).
+MPK_AVX2 __attribute__((always_inline)) inline __m256 lower8(__m256 e) {
+  return _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_castps_si256(e), _mm256_set1_epi32(0x4000)));
+}
+
+// mom8_encode_m on 8 lanes; returns int32 codes, bit-identical to the scalar code (the operations
+// of enc_m16, with blends for the masks):
+// * y = min(|m| * inv, 127^2) (min keeps a NaN y: inv 0 with a NaN m): a y >= 127^2 then gives
+//   k = 127, d = 0, so the code 127 of the scalar's y >= 16129 branch without a select;
+// * k, the integer with k^2 <= y < (k + 1)^2, from the estimate y * rsqrt(y) (rsqrt's relative
+//   error is below 1.5 * 2^-12) lowered by >= 2^-10 (lower8): never above sqrt(y), at most 0.3
+//   below it (sqrt(y) <= 127), so floor(estimate) is k or k - 1 and ONE fix-up (k + 1 when
+//   (k + 1)^2 = k^2 + 2k + 1 <= y, exact integers) gives k; y < 1 (and a NaN, zero or subnormal
+//   y, where rsqrt is inf) gives k = 0;
+// * the scalar's r16 * w < d * 2^16 decision as rf * w < d (rand_unit8), added as an integer (the
+//   compare mask is -1);
+// * the sign of m with vpsignd (a negative m negates the code; a code 0 stays 0).
+// (TOP = 7: the 4-bit exp_avg of mom4_encode_m, y clamped to 49 the same way.)
+template <int TOP = 127>
+MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_m8(__m256 m, __m256 inv, __m256 rf) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 absm = _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(m), _mm256_set1_epi32(0x7fffffff)));
+  const __m256 y = _mm256_min_ps(_mm256_set1_ps(static_cast<float>(TOP * TOP)), _mm256_mul_ps(absm, inv));
+  const __m256 est = lower8(_mm256_mul_ps(y, _mm256_rsqrt_ps(y)));
+  const __m256 k0 = _mm256_and_ps(_mm256_floor_ps(est), _mm256_cmp_ps(y, one, _CMP_GE_OQ));
+  const __m256 s0 = _mm256_mul_ps(k0, k0);
+  const __m256 w0 = _mm256_add_ps(_mm256_add_ps(k0, k0), one);  // 2k + 1 (k + k == 2 * k exactly)
+  const __m256 s1 = _mm256_add_ps(s0, w0);                       // (k + 1)^2
+  const __m256 fix = _mm256_cmp_ps(s1, y, _CMP_LE_OQ);
+  const __m256 k = _mm256_add_ps(k0, _mm256_and_ps(fix, one));
+  const __m256 d = _mm256_sub_ps(y, _mm256_blendv_ps(s0, s1, fix));
+  const __m256 w = _mm256_add_ps(w0, _mm256_and_ps(fix, _mm256_set1_ps(2.0f)));
+  const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(rf, w), d, _CMP_LT_OQ);
+  const __m256i c = _mm256_sub_epi32(_mm256_cvttps_epi32(k), _mm256_castps_si256(up));
+  return _mm256_sign_epi32(c, _mm256_castps_si256(m));
+}
+
+// mom8_encode_v on 8 lanes; returns int32 codes, bit-identical to the scalar code:
+// * y = min(v * inv, q4(255)) (a NaN y stays NaN): y >= q4(255) gives k = 255, d = 0, code 255;
+// * k from the estimate rsqrt(rsqrt(y)) of y^(1/4) (relative error below 2.25 * 2^-12) lowered by
+//   >= 2^-10 (lower8): never above y^(1/4), at most 0.64 below it (y^(1/4) <= 255), so one fix-up
+//   (k + 1 when q4(k + 1) <= y) gives the scalar k;
+// * q4 of k0, k0 + 1, k0 + 2 from one multiply k0 * k0, adds and three squares (see enc_v16);
+// * codes >= 1 for y > 0, 0 for y == 0 or NaN (the scalar's early return).
+MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_v8(__m256 v, __m256 inv, __m256 rf) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 y = _mm256_min_ps(_mm256_set1_ps(mom8_q4(255.0f)), _mm256_mul_ps(v, inv));
+  const __m256 est = lower8(_mm256_rsqrt_ps(_mm256_rsqrt_ps(y)));
+  const __m256 k0 = _mm256_and_ps(_mm256_floor_ps(est), _mm256_cmp_ps(y, one, _CMP_GE_OQ));
+  const __m256 s0 = _mm256_mul_ps(k0, k0);
+  const __m256 a = _mm256_add_ps(_mm256_add_ps(k0, k0), one);  // 2k0 + 1
+  const __m256 s1 = _mm256_add_ps(s0, a);
+  const __m256 s2 = _mm256_add_ps(_mm256_add_ps(s1, a), _mm256_set1_ps(2.0f));
+  const __m256 q0 = _mm256_mul_ps(s0, s0), q1 = _mm256_mul_ps(s1, s1), q2 = _mm256_mul_ps(s2, s2);
+  const __m256 fix = _mm256_cmp_ps(q1, y, _CMP_LE_OQ);
+  const __m256 k = _mm256_add_ps(k0, _mm256_and_ps(fix, one));
+  const __m256 q = _mm256_blendv_ps(q0, q1, fix);
+  const __m256 d = _mm256_sub_ps(y, q);
+  const __m256 w = _mm256_sub_ps(_mm256_blendv_ps(q1, q2, fix), q);
+  const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(rf, w), d, _CMP_LT_OQ);
+  const __m256i c = _mm256_max_epi32(_mm256_sub_epi32(_mm256_cvttps_epi32(k), _mm256_castps_si256(up)),
+                                     _mm256_set1_epi32(1));
+  return _mm256_and_si256(c, _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ)));
+}
+
+// The unsigned maxima of the 8 lanes of each of 8 vectors x[0..7], lane g of the result = the
+// maximum of x[g]: unpacks and one 128-bit permute (21 operations for 8 vectors).
+MPK_AVX2 __attribute__((always_inline)) inline __m256i hmax8x8(const __m256i* x) {
+  __m256i r[4], s[2];
+  for (int i = 0; i < 4; ++i)  // per 128-bit half: [a0|a2, b0|b2, a1|a3, b1|b3]
+    r[i] = _mm256_max_epu32(_mm256_unpacklo_epi32(x[2 * i], x[2 * i + 1]),
+                            _mm256_unpackhi_epi32(x[2 * i], x[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)  // per 128-bit half: the half maxima of 4 consecutive vectors, in order
+    s[i] = _mm256_max_epu32(_mm256_unpacklo_epi64(r[2 * i], r[2 * i + 1]),
+                            _mm256_unpackhi_epi64(r[2 * i], r[2 * i + 1]));
+  return _mm256_max_epu32(_mm256_permute2x128_si256(s[0], s[1], 0x20), _mm256_permute2x128_si256(s[0], s[1], 0x31));
+}
+
+// mom8_scale_bits and mom8_inv_scale of 8 groups at once: x = the groups' |x| maxima as bits;
+// returns the scales' bf16 bits and 1 / s (inv, 0 for a zero or NaN scale).
+MPK_AVX2 __attribute__((always_inline)) inline __m256i scale_bits8(__m256i x, __m256 k, __m256& inv) {
+  const __m256i zero = _mm256_setzero_si256();
+  __m256i b = _mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(x), k));
+  const __m256i low_zero = _mm256_cmpeq_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0xffff)), zero);
+  b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_andnot_si256(low_zero, _mm256_set1_epi32(0x10000))), 16);
+  const __m256i nonfinite = _mm256_cmpgt_epi32(x, _mm256_set1_epi32(0x7f7fffff));  // x < 2^31: signed is fine
+  b = _mm256_blendv_epi8(b, _mm256_set1_epi32(static_cast<int>(kMom8NaNScale)), nonfinite);
+  const __m256i none = _mm256_or_si256(nonfinite, _mm256_cmpeq_epi32(b, zero));  // codes 0
+  const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+  inv = _mm256_andnot_ps(_mm256_castsi256_ps(none), _mm256_div_ps(_mm256_set1_ps(1.0f), s));
+  return b;
+}
+
+// One master mode's loop, blocks of up to 8 groups of 32. AVX2 has 16 vector registers: the
+// updated moments and random words go through an L1-resident buffer between the update pass and
+// the encode pass (keeping a group's in registers made the compiler spill and rebuild constants:
+// ~1050 instructions per group, measured with callgrind), and the update pass is a loop of 8 lanes,
+// so its constants stay in registers across iterations. Each group's 8-lane |x| maxima are kept,
+// one unpack tree gives the 8 group maxima and one vector pass the 8 scales and 1 / s.
+// M4: the 4-bit exp_avg (kMom4: two codes per byte, top code 7, scale amax / 49).
+template <int PDT, int GDT, int MODE, bool M4>
+MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f_in) {
+  Flags f = f_in;
+  f.mode = MODE;  // a compile-time constant in load_w8 / store_w8
+  // g = -(grad * factor) when maximizing, as the scalar code: a sign flip after the multiply
+  // (g * (-factor) differs from it in the sign of a NaN)
+  const __m256 factor = _mm256_set1_ps(f.factor);
+  const __m256 gsign = _mm256_castsi256_ps(_mm256_set1_epi32(f.maximize ? static_cast<int>(0x80000000u) : 0));
+  const __m256 decay = _mm256_set1_ps(t.c.decay), omb1 = _mm256_set1_ps(t.c.one_m_b1);
+  const __m256 b2 = _mm256_set1_ps(t.c.beta2), omb2 = _mm256_set1_ps(t.c.one_m_b2);
+  const __m256 ss = _mm256_set1_ps(t.c.step_size), ibc2 = _mm256_set1_ps(t.c.inv_bc2);
+  const __m256 eps = _mm256_set1_ps(t.c.eps);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const bool need0 = needs_word0(t, f);
+  int8_t* cmp = static_cast<int8_t*>(t.m);
+  uint8_t* cm4 = static_cast<uint8_t*>(t.m);
+  uint8_t* cvp = static_cast<uint8_t*>(t.v);
+  constexpr int kG = 8;  // groups per block
+  alignas(32) float mb[kG * kMom8Group], vb[kG * kMom8Group];
+  alignas(32) uint32_t rb[kG * kMom8Group];
+  alignas(32) __m256i am[kG], av[kG];
+  alignas(32) float ims[kG], ivs[kG];
+  alignas(32) uint32_t bms[kG], bvs[kG];
+  RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));
+  int64_t gb = begin;
+  while (gb + kMom8Group <= end) {
+    const uint64_t e0 = t.offset + static_cast<uint64_t>(gb);
+    const uint32_t hi0 = static_cast<uint32_t>(e0 >> 32);
+    if (static_cast<uint32_t>((e0 + kMom8Group - 1) >> 32) != hi0) {  // the group crosses 2^32: scalar
+      adamw_scalar_mom8(t, gb, gb + kMom8Group, f);
+      gb += kMom8Group;
+      continue;
+    }
+    if (hi0 != keys.hi) keys = rng_keys(f.seed, t.stream, t.step, e0);
+    int n = static_cast<int>(std::min<int64_t>(kG, (end - gb) / kMom8Group));
+    while (n > 1 && static_cast<uint32_t>((e0 + static_cast<uint64_t>(kMom8Group) * n - 1) >> 32) != hi0) --n;
+    const __m256i key = _mm256_set1_epi32(static_cast<int>(keys.key));
+    const int64_t j0 = gb / kMom8Group;
+    for (int g = 0; g < kG; ++g) {
+      if (g >= n) {
+        am[g] = av[g] = _mm256_setzero_si256();
+        continue;
+      }
+      const __m256 sm = _mm256_set1_ps(bf16_to_f32(t.sm[j0 + g])), sv = _mm256_set1_ps(bf16_to_f32(t.sv[j0 + g]));
+      __m256i gm = _mm256_setzero_si256(), gv = _mm256_setzero_si256();
+      alignas(16) int8_t sq4[kMom8Group];  // M4: c |c| of the group's m codes
+      if constexpr (M4) nibble_sq32(cm4 + ((gb + g * kMom8Group) >> 1), sq4);
+#pragma GCC unroll 1
+      for (int q = 0; q < 4; ++q) {
+        const int o = g * kMom8Group + 8 * q;
+        const int64_t i = gb + o;
+        const __m256i elo = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(e0) +
+                                                                                static_cast<uint32_t>(o))),
+                                             lanes);
+        const __m256 gr = _mm256_xor_ps(_mm256_mul_ps(load8<GDT>(t.g, i), factor), gsign);
+        __m256 p = load_w8<PDT>(t, f, i);
+        __m256 fm2;  // c |c| of the m codes
+        if constexpr (M4) {
+          fm2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sq4 + 8 * q))));
+        } else {
+          const __m256 fm = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cmp + i))));
+          fm2 = _mm256_mul_ps(fm, _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(fm), abs_mask)));
+        }
+        const __m256 fv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cvp + i))));
+        __m256 mm = _mm256_mul_ps(sm, fm2);
+        const __m256 f2 = _mm256_mul_ps(fv, fv);
+        __m256 vv = _mm256_mul_ps(_mm256_mul_ps(sv, f2), f2);
+        p = _mm256_mul_ps(p, decay);
+        mm = _mm256_add_ps(mm, _mm256_mul_ps(omb1, _mm256_sub_ps(gr, mm)));
+        vv = _mm256_add_ps(_mm256_mul_ps(vv, b2), _mm256_mul_ps(_mm256_mul_ps(omb2, gr), gr));
+        const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vv), ibc2), eps);
+        p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(ss, mm), denom));
+        const __m256i rw = mix32x8(_mm256_xor_si256(key, elo));  // the one random word of each element
+        store_w8<PDT>(t, f, i, p, need0, rw);
+        _mm256_store_ps(mb + o, mm);
+        _mm256_store_ps(vb + o, vv);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(rb + o), rw);
+        gm = _mm256_max_epu32(gm, _mm256_and_si256(_mm256_castps_si256(mm), abs_mask));
+        gv = _mm256_max_epu32(gv, _mm256_and_si256(_mm256_castps_si256(vv), abs_mask));
+      }
+      am[g] = gm;
+      av[g] = gv;
+    }
+    __m256 im, iv;
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bms), scale_bits8(hmax8x8(am), _mm256_set1_ps(M4 ? kMom4KM : kMom8KM), im));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bvs), scale_bits8(hmax8x8(av), _mm256_set1_ps(kMom8KV), iv));
+    _mm256_store_ps(ims, im);
+    _mm256_store_ps(ivs, iv);
+    for (int g = 0; g < n; ++g) {
+      t.sm[j0 + g] = static_cast<uint16_t>(bms[g]);
+      t.sv[j0 + g] = static_cast<uint16_t>(bvs[g]);
+      const __m256 img = _mm256_set1_ps(ims[g]), ivg = _mm256_set1_ps(ivs[g]);
+      const float* mg = mb + g * kMom8Group;
+      const float* vg = vb + g * kMom8Group;
+      const uint32_t* rg = rb + g * kMom8Group;
+      // codes, two vectors of 8 at a time packed to int16 (packs: exact, |codes| <= 255)
+      __m256i pm[2], pv[2];
+#pragma GCC unroll 1
+      for (int h = 0; h < 2; ++h) {
+        const __m256i r0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(rg + 16 * h));
+        const __m256i r1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(rg + 16 * h + 8));
+        // fields B (bits 10..20) and C (bits 21..31) moved to mantissa bits 12..22
+        constexpr int kTop = M4 ? 7 : 127;
+        const __m256i c0 = enc_m8<kTop>(_mm256_load_ps(mg + 16 * h), img, rand_unit8(_mm256_slli_epi32(r0, 2)));
+        const __m256i c1 = enc_m8<kTop>(_mm256_load_ps(mg + 16 * h + 8), img, rand_unit8(_mm256_slli_epi32(r1, 2)));
+        pm[h] = _mm256_packs_epi32(c0, c1);
+        const __m256i d0 = enc_v8(_mm256_load_ps(vg + 16 * h), ivg, rand_unit8(_mm256_srli_epi32(r0, 9)));
+        const __m256i d1 = enc_v8(_mm256_load_ps(vg + 16 * h + 8), ivg, rand_unit8(_mm256_srli_epi32(r1, 9)));
+        pv[h] = _mm256_packs_epi32(d0, d1);
+      }
+      const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+      const int64_t i0 = gb + g * kMom8Group;
+      const __m256i mcodes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(pm[0], pm[1]), order);
+      if constexpr (M4) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(cm4 + (i0 >> 1)),
+                         pack_nibbles16x2(_mm256_castsi256_si128(mcodes), _mm256_extracti128_si256(mcodes, 1)));
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(cmp + i0), mcodes);
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(cvp + i0),
+                          _mm256_permutevar8x32_epi32(_mm256_packus_epi16(pv[0], pv[1]), order));
+    }
+    gb += static_cast<int64_t>(kMom8Group) * n;
+  }
+  if (gb < end) adamw_scalar_mom8(t, gb, end, f);
+}
+
+template <int PDT, int GDT, bool M4>
+MPK_AVX2 void adamw_avx2_mom8(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f) {
+  switch (f.mode) {
+    case kMasterF32: return adamw_avx2_mom8_mode<PDT, GDT, kMasterF32, M4>(t, begin, end, f);
+    case kMasterRemainder: return adamw_avx2_mom8_mode<PDT, GDT, kMasterRemainder, M4>(t, begin, end, f);
+    case kMaster8bit:
+      if constexpr (PDT != kF32) return adamw_avx2_mom8_mode<PDT, GDT, kMaster8bit, M4>(t, begin, end, f);
+      [[fallthrough]];
+    default: return adamw_avx2_mom8_mode<PDT, GDT, kMasterNone, M4>(t, begin, end, f);
+  }
+}
+
+
+
+template <int PDT, int GDT>
+AvxFn pick_s(int32_t sdt) {
+  if (sdt == kMom8) return &adamw_avx2_mom8<PDT, GDT, false>;
+  if (sdt == kMom4) return &adamw_avx2_mom8<PDT, GDT, true>;
+  return sdt == kF32 ? &adamw_avx2<PDT, GDT, kF32> : &adamw_avx2<PDT, GDT, kBF16>;
+}
+template <int PDT>
+AvxFn pick_g(int32_t gdt, int32_t sdt) {
+  switch (gdt) {
+    case kF32: return pick_s<PDT, kF32>(sdt);
+    case kF16: return pick_s<PDT, kF16>(sdt);
+    default: return pick_s<PDT, kBF16>(sdt);
+  }
+}
+
+}  // namespace
+
+AvxFn pick_avx2(int32_t pdt, int32_t gdt, int32_t sdt) {
+  switch (pdt) {
+    case kF32: return pick_g<kF32>(gdt, sdt);
+    case kF16: return pick_g<kF16>(gdt, sdt);
+    default: return pick_g<kBF16>(gdt, sdt);
+  }
+}
+
+}  // namespace adamw_impl
+}  // namespace cpu
+}  // namespace mpkern
+#endif  // MPK_X86
