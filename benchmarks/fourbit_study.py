@@ -4,7 +4,7 @@ Every formulation is a :class:`mpkern.optim.storage.MomentKind` defined and regi
 script only (nothing is added to the package). It has no kernel variant: on the ``torch`` backend
 the step decodes its moments to fp32, runs the reference AdamW step and encodes them back
 (:meth:`FourBit.write_back`), with every code stochastically rounded from the element's one
-32-bit random word of the step (``mpkern.reference.rand_word``; the field each moment reads and
+32-bit random word of the step (``mpkern.reference_codecs.rand_word``; the field each moment reads and
 its width are parameters of the kind, see ``--m-bits`` / ``--v-bits``).
 
 A moment is stored as 4-bit indices into a 16-entry codebook of normalised values (two codes per
@@ -23,7 +23,7 @@ byte) plus bf16 scales (rounded up, so every normalised value is <= 1). Codebook
 Normalisation: a bf16 scale per group of G consecutive elements of the buffer (``gG``), or rank-1
 (``r1``: ``min(row max, column max)`` of a 2-D tensor, bf16 row and column maxima; other tensors fall
 back to groups of 128, as in Li et al.). ``v8`` keeps ``exp_avg_sq`` in the shipped 8-bit codec
-(``mpkern.reference.moment8_encode``) -- the fallback of the issue.
+(``mpkern.reference_codecs.moment8_encode``) -- the fallback of the issue.
 
     python benchmarks/fourbit_study.py tests            # spike-then-decay, small-update, mixed-scale, bias
     python benchmarks/fourbit_study.py fidelity --steps 300 --finetune-steps 200
@@ -49,7 +49,7 @@ os.environ["MPKERN_BACKEND"] = "torch"
 
 import torch
 
-from mpkern import FusedAdamWMP, reference
+from mpkern import FusedAdamWMP, reference_codecs
 from mpkern.optim import storage
 
 Tensor = torch.Tensor
@@ -161,7 +161,7 @@ class Codec:
         n = x.numel()
         if self.book == "v8":
             r16 = None if not isinstance(r, Tensor) else (r * 65536.0).floor().to(torch.int64)
-            codes, scales = reference.moment8_encode(x.reshape(-1), "exp_avg_sq", r16)
+            codes, scales = reference_codecs.moment8_encode(x.reshape(-1), "exp_avg_sq", r16)
             return {"codes": codes, "scale": scales}
         book = _book(self.book)
         ax = x.abs()
@@ -184,7 +184,7 @@ class Codec:
     def decode(self, st: dict[str, Tensor], shape: torch.Size) -> Tensor:
         n = math.prod(shape)
         if self.book == "v8":
-            return reference.moment8_decode(st["codes"], st["scale"]).reshape(shape)
+            return reference_codecs.moment8_decode(st["codes"], st["scale"]).reshape(shape)
         vals = _book(self.book)[unpack4(st["codes"], n)]
         if self.rank1(shape):
             s = torch.minimum(st["row"].float()[:, None], st["col"].float()[None, :]).reshape(-1)
@@ -256,7 +256,7 @@ class FourBit(storage.MomentKind):
         step = int(st["step"])  # already incremented by the step
         stream = self._streams.setdefault(id(p), len(self._streams))
         elem = torch.arange(p.numel(), dtype=torch.int64)
-        word = reference.rand_word(SEED, stream, elem, step)
+        word = reference_codecs.rand_word(SEED, stream, elem, step)
 
         def field(sh_w):
             sh, w = sh_w

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, HAS_CUDA, available_backends, call_adamw_op, kernel_path
-from mpkern import _backend, _ops, reference
+from mpkern import _backend, _ops, reference, reference_codecs
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 SIZES = (1, 31, 33, 1000, 65537)
@@ -125,7 +125,7 @@ def test_kernel_paths_bit_identical(mode, pdt, sr):
 def _master_of(state, mode):
     params, masters = state[0], state[5]
     if mode == reference.MASTER_8BIT:
-        return [reference.master8_decode(p, c) for p, c in zip(params, masters)]
+        return [reference_codecs.master8_decode(p, c) for p, c in zip(params, masters)]
     if mode == reference.MASTER_F32:
         return list(masters)
     if mode == reference.MASTER_REMAINDER:
@@ -189,7 +189,7 @@ def test_master8_small_updates_unbiased():
     for _ in range(steps_n):
         call_adamw_op(torch.ops.mpkern.adamw_step_, [p], [g], [m], [v], [], [c], [step], one, zero, None, lr, B1, B2,
                       EPS, 0.0, False, 3, False, 99)
-    moved = 1.0 - reference.master8_decode(p, c).double().mean().item()
+    moved = 1.0 - reference_codecs.master8_decode(p, c).double().mean().item()
     exact = 1.0 - _adamw64_constant_grad(1.0, gval, lr, steps_n)
     assert exact == pytest.approx(1e-2, rel=1e-3)
     assert moved == pytest.approx(exact, rel=0.05), (moved, exact)
@@ -371,7 +371,7 @@ def test_master8_edge_values_all_paths():
             _run(b, state, 3, False, [], [])
             outs.append((p.clone(), c.clone()))
             finite = torch.isfinite(p.float())
-            dec = reference.master8_decode(p, c)
+            dec = reference_codecs.master8_decode(p, c)
             assert bool(torch.isfinite(dec[finite]).all())
             assert bool(torch.isnan(dec[torch.isnan(p.float())]).all())  # a NaN param decodes to NaN
             inf = torch.isinf(p.float())
@@ -391,10 +391,10 @@ def test_master8_encode_decode_roundtrip_exact():
     for pdt in (BF16, F16):
         p = (torch.randn(4000, generator=gen) * 3).to(pdt)
         c = torch.randint(-128, 128, (4000,), generator=gen, dtype=torch.int8)
-        w = reference.master8_decode(p, c)
-        r = reference.rand_word(1, 2, torch.arange(4000), 3)
-        p2, c2 = reference.master8_encode(w, pdt, r)
-        w2 = reference.master8_decode(p2, c2)
+        w = reference_codecs.master8_decode(p, c)
+        r = reference_codecs.rand_word(1, 2, torch.arange(4000), 3)
+        p2, c2 = reference_codecs.master8_encode(w, pdt, r)
+        w2 = reference_codecs.master8_decode(p2, c2)
         if pdt == BF16:
             assert torch.equal(p2.view(torch.int16), p.view(torch.int16)) and torch.equal(c2, c)
             continue
@@ -402,7 +402,7 @@ def test_master8_encode_decode_roundtrip_exact():
         # below, whose correction would be +128, clamped to 127 (1/256 ulp off). Everything else is exact.
         tie = c == -128
         assert torch.equal(w2[~tie], w[~tie])
-        ulp256 = (reference.master8_decode(p, torch.ones_like(c)) - p.float()).abs()
+        ulp256 = (reference_codecs.master8_decode(p, torch.ones_like(c)) - p.float()).abs()
         assert bool(((w2 - w)[tie].abs() <= ulp256[tie]).all())
         # a correction at a power of two decodes into the binade below; elsewhere the bits come back
         same = (p2.view(torch.int16) == p.view(torch.int16)) & ~tie
@@ -425,8 +425,8 @@ def test_master8_bf16_rounding_is_exactly_unbiased():
     ulp32 = (torch.nextafter(w.abs(), torch.full(w.shape, float("inf"))) - w.abs()).double()
     acc = torch.zeros(w.shape, dtype=torch.float64)
     for u8 in range(256):
-        p, c = reference.master8_encode(w, BF16, torch.full(w.shape, u8))
-        dec = reference.master8_decode(p, c).double()
+        p, c = reference_codecs.master8_encode(w, BF16, torch.full(w.shape, u8))
+        dec = reference_codecs.master8_decode(p, c).double()
         assert bool(((dec - wd).abs() <= 256 * ulp32).all())
         # the param: the bf16 nearest to the stored master (float64 distances; ties either way)
         pb = p.view(torch.int16)
@@ -436,8 +436,8 @@ def test_master8_bf16_rounding_is_exactly_unbiased():
         assert bool(near[nz].all())
         acc += dec
     assert torch.equal(acc / 256, wd)
-    p, c = reference.master8_encode(w, BF16)
-    assert bool(((reference.master8_decode(p, c).double() - wd).abs() <= 128 * ulp32).all())
+    p, c = reference_codecs.master8_encode(w, BF16)
+    assert bool(((reference_codecs.master8_decode(p, c).double() - wd).abs() <= 128 * ulp32).all())
 
 
 def test_master8_on_fp32_params_refused_everywhere():
@@ -767,7 +767,7 @@ def test_mom8_master8_small_updates():
     for _ in range(steps_n):
         call_adamw_op(torch.ops.mpkern.adamw_step_, [p], [g], [cm], [cv], [], [c], [step], one, zero, None, lr, B1, B2,
                       EPS, 0.0, False, 3, False, 99, [], [], [sm], [sv])
-    moved = 1.0 - reference.master8_decode(p, c).double().mean().item()
+    moved = 1.0 - reference_codecs.master8_decode(p, c).double().mean().item()
     exact = 1.0 - _adamw64_constant_grad(1.0, gval, lr, steps_n)
     assert moved == pytest.approx(exact, rel=0.05), (moved, exact)
 
@@ -851,10 +851,10 @@ def test_mom8_reference_helpers_roundtrip():
     x = torch.randn(5, 13, generator=gen) * 1e-3
     for kind in ("exp_avg", "exp_avg_sq"):
         vals = x if kind == "exp_avg" else x * x
-        codes, scales = reference.moment8_encode(vals, kind)
+        codes, scales = reference_codecs.moment8_encode(vals, kind)
         assert codes.shape == vals.shape and scales.shape == (_ngroups(vals.numel()),)
         assert codes.dtype == (torch.int8 if kind == "exp_avg" else torch.uint8) and scales.dtype == BF16
-        dec = reference.moment8_decode(codes, scales)
+        dec = reference_codecs.moment8_decode(codes, scales)
         assert dec.shape == vals.shape and dec.dtype == F32
         d64 = _decode64(codes, scales).reshape(vals.shape)
         assert torch.equal(dec.double(), d64) if kind == "exp_avg" else torch.allclose(dec.double(), d64, rtol=1e-6)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, available_backends, call_adamw_op
-from mpkern import _ops, reference
+from mpkern import _ops, reference, reference_codecs
 from test_kernels_compact import (
     BF16,
     CPU_PATHS,
@@ -209,10 +209,10 @@ def test_m4_reference_helpers_roundtrip():
     step of its value (float64 bound here), the packed layout as documented."""
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(65, generator=gen) * 1e-3
-    packed, scales = reference.moment4_encode(x)
+    packed, scales = reference_codecs.moment4_encode(x)
     assert packed.dtype == torch.uint8 and packed.numel() == 33 and scales.numel() == 3
     assert int(packed[-1]) >> 4 == 0
-    dec = reference.moment4_decode(packed, scales, 65).double()
+    dec = reference_codecs.moment4_decode(packed, scales, 65).double()
     assert torch.equal(dec, _decode_m64(packed, scales, 65))
     s = scales.double().repeat_interleave(G32)[:65]
     y = x.double().abs() / s
@@ -220,4 +220,4 @@ def test_m4_reference_helpers_roundtrip():
     half = 0.5 * ((k + 1) ** 2 - k**2) * s
     assert bool(((dec - x.double()).abs() <= half * (1 + 1e-6)).all())
     with pytest.raises(ValueError, match="ceil"):
-        reference.moment4_decode(packed[:-1], scales, 65)
+        reference_codecs.moment4_decode(packed[:-1], scales, 65)

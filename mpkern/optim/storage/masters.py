@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import distributed, reference
+from ... import distributed, reference, reference_codecs
 from ...distributed import local as _local
 from .base import MasterKind, State, Tensor, like, master_to_remainder, remainder_to_master
 
@@ -107,11 +107,11 @@ class Int8Master(MasterKind):
         pl, c = _local(p.detach()), _local(st[self.key])
         if pl.dtype == torch.float32:  # the param became fp32 holding its 16-bit value: take it as it is
             return distributed.wrap_like(p, pl.clone())
-        return distributed.wrap_like(p, reference.master8_decode(pl, c))
+        return distributed.wrap_like(p, reference_codecs.master8_decode(pl, c))
 
     def from_fp32(self, p: Tensor, st: State, master: Tensor, *, write_param: bool = True) -> None:
         pl, m = _local(p), _local(master)
-        hi, c = reference.master8_encode(m, pl.dtype)  # no random word: to nearest
+        hi, c = reference_codecs.master8_encode(m, pl.dtype)  # no random word: to nearest
         if write_param:
             pl.copy_(hi)
         st[self.key] = like(p, torch.int8).copy_(distributed.wrap_like(p, c))

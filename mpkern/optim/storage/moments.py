@@ -7,14 +7,14 @@ from typing import ClassVar
 
 import torch
 
-from ... import distributed, reference
+from ... import distributed, reference_codecs
 from ...distributed import local as _local
 from .base import ALL_BACKENDS, KernelMoments, MomentKind, State, Tensor, flat_view, laid, like
 
 #: elements per scale of the 8-bit moments: consecutive elements of a tensor's buffer
 _PLAIN = (torch.nn.Parameter, torch.Tensor)
-MOMENT8_GROUP = reference.MOM8_GROUP
-moment8_groups = reference.moment8_groups
+MOMENT8_GROUP = reference_codecs.MOM8_GROUP
+moment8_groups = reference_codecs.moment8_groups
 
 
 def _local_numel(p: Tensor) -> int:
@@ -220,10 +220,10 @@ class Int4Moments(Int8Moments):
         return torch.empty((_local_numel(p) + 1) // 2, dtype=torch.uint8, device=p.device)
 
     def _encode_m(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        return reference.moment4_encode(x)
+        return reference_codecs.moment4_encode(x)
 
     def _decode_m(self, codes: Tensor, scales: Tensor, numel: int) -> Tensor:
-        return reference.moment4_decode(codes, scales, numel)
+        return reference_codecs.moment4_decode(codes, scales, numel)
 
 
 def check_moment8(p: Tensor, st: State, whose: str, kind: Int8Moments | None = None) -> None:
@@ -253,10 +253,10 @@ INT8 = Int8Moments()
 
 def moment8_encode(values: Tensor, key: str) -> tuple[Tensor, Tensor]:
     """(codes, scales) of the 1-D fp32 ``values`` (a buffer in memory order), to the nearest code."""
-    return reference.moment8_encode(values, key)
+    return reference_codecs.moment8_encode(values, key)
 
 
 def moment8_decode(codes: Tensor, scales: Tensor, key: str) -> Tensor:
     """The fp32 values of 1-D ``codes`` (memory order) and their group scales (the codes' dtype says
     which moment: int8 ``exp_avg``, uint8 ``exp_avg_sq``)."""
-    return reference.moment8_decode(codes, scales)
+    return reference_codecs.moment8_decode(codes, scales)

@@ -1,0 +1,300 @@
+"""The codecs of mpkern's kernels in pure PyTorch, mirroring ``csrc/include/mpkern/math.h`` function by
+function: the per-element random word and its fields, bf16 stochastic rounding, the 8-bit master
+correction of a 16-bit param, the 8-bit companded moments (``exp_avg`` int8 and ``exp_avg_sq`` uint8
+codes, a bf16 scale per 32 elements) and the packed 4-bit ``exp_avg``. :mod:`mpkern.reference` (the
+``torch`` backend) decodes and encodes the optimizer state through these; tests check every backend's
+codes against them and their own float64 computations.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+# Purposes of the random bits (math.h RandPurpose): which field of the element's one 32-bit word.
+RAND_PARAM, RAND_EXP_AVG, RAND_EXP_AVG_SQ, RAND_MASTER8 = 0, 1, 2, 3
+# (lowest bit, width) of each purpose's field (math.h rand_shift / rand_width).
+RAND_FIELDS = {RAND_PARAM: (0, 10), RAND_MASTER8: (0, 10), RAND_EXP_AVG: (10, 11), RAND_EXP_AVG_SQ: (21, 11)}
+
+_M32 = 0xFFFFFFFF
+
+
+def sqrt32(x: Tensor) -> Tensor:
+    """Correctly rounded float32 sqrt, as the kernels' ``sqrtf``: via fp64 (53 >= 2*24 + 2 bits, so
+    rounding the fp64 root to float32 is the correctly rounded float32 root). torch 2.14's
+    vectorised CPU float32 ``sqrt`` is off by one ulp on some inputs (e.g. 0.004358131904155016)."""
+    return x.double().sqrt().float()
+
+
+def _bf16_rne_bits(x: Tensor) -> Tensor:
+    return x.to(torch.bfloat16).view(torch.int16)
+
+
+def _mul32(x, c: int):
+    """(x * c) mod 2^32 for x in [0, 2^32) (int64 tensor or int), without int64 overflow."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def mix32(x):
+    """mix32 of math.h on int64 tensors (or ints) holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def rand_word(seed: int, stream: int, elem: Tensor, step) -> Tensor:
+    """The element's one random word of a step (math.h ``rng_key`` / ``rng_bits``): int64 tensor of
+    values in [0, 2^32). ``elem``: int64 tensor of global element indices (elem_offset + i);
+    ``step``: the step after the increment (an int or an int64 tensor). A pure function of
+    (seed, stream, element, step), identical on every backend."""
+    h = mix32((int(seed) & _M32) ^ mix32((_mul32(int(stream) & _M32, 0x9E3779B9) + step) & _M32))
+    key = mix32(h ^ mix32((_mul32(elem >> 32, 0x85EBCA6B) + 0x632BE5AB) & _M32))
+    return mix32(key ^ (elem & _M32))
+
+
+def rand_field16(word: Tensor, purpose: int) -> Tensor:
+    """math.h ``rand_field16``: the purpose's w-bit field f of the word as the 16-bit value
+    (f << (16 - w)) | (1 << (15 - w)) the codecs take (the centre of the f-th of 2^w cells)."""
+    shift, width = RAND_FIELDS[purpose]
+    return (((word >> shift) & ((1 << width) - 1)) << (16 - width)) | (1 << (15 - width))
+
+
+def rand16(seed: int, stream: int, elem: Tensor, step, purpose: int) -> Tensor:
+    """The 16-bit codec input of math.h's ``rand16``: int64 tensor of values in [0, 2^16), the
+    purpose's field of :func:`rand_word` (see :func:`rand_field16`)."""
+    return rand_field16(rand_word(seed, stream, elem, step), purpose)
+
+
+def bf16_sr(x: Tensor, r16: Tensor) -> Tensor:
+    """f32_to_bf16_sr of math.h: add 16 random bits below the kept half, truncate (unbiased)."""
+    u = x.view(torch.int32).to(torch.int64) & _M32
+    bits = ((u + r16) >> 16).to(torch.int16)  # int64 -> int16 keeps the low bits
+    return torch.where(torch.isfinite(x), bits.view(torch.bfloat16), x.to(torch.bfloat16))
+
+
+def _pow2n(k: Tensor) -> Tensor:
+    """pow2n of math.h: 2^k (int32 k in [-126, 127]) as float32."""
+    return ((k + 127) << 23).view(torch.float32)
+
+
+def _f16_binade(bits: Tensor) -> Tensor:
+    """max(e, 1) of fp16 param bit patterns (int32 tensor of values in [0, 2^16))."""
+    return ((bits >> 10) & 0x1F).clamp(min=1)
+
+
+def _bits16(p: Tensor) -> Tensor:
+    """The 16-bit patterns of a bf16/fp16 tensor as int64 values in [0, 2^16)."""
+    return p.view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def master8_decode(p: Tensor, c: Tensor) -> Tensor:
+    """The fp32 master of a bf16/fp16 param and its int8 correction (math.h ``master8_decode``):
+    bf16: the bit pattern (bits(p) << 16) + 256 c; fp16: p + c * ulp(p) / 256."""
+    if p.dtype == torch.bfloat16:
+        bits = (_bits16(p) << 16) + c.to(torch.int64) * 256
+        return _as_f32(bits)
+    b = _f16_binade(_bits16(p).to(torch.int32))
+    return p.float() + c.float() * _pow2n(b - 33)
+
+
+def _as_f32(bits: Tensor) -> Tensor:
+    """float32 of int64 tensors holding bit patterns (taken mod 2^32)."""
+    return (bits & _M32).to(torch.int32).view(torch.float32)  # int64 -> int32 keeps the low bits
+
+
+def master8_encode(w: Tensor, dtype: torch.dtype, word: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(param, int8 correction) of fp32 master ``w`` (math.h ``master8_encode``). ``word``: the
+    elements' random words (int tensor of values in [0, 2^32)); ``None`` rounds to nearest.
+
+    bf16: t = bits(w) + (word & 0xff); param = (t + 0x8000) >> 16 (a NaN keeps its quiet NaN),
+    correction = the signed byte of t's bits 8..15 -- the master's bits rounded stochastically to a
+    multiple of 256. fp16: param = w rounded to nearest even; correction = floor(x + r16 / 2^16)
+    clamped to [-128, 127], x the remaining error in 1/256 of the param's ulp, r16 = rand_a16(word);
+    0 for a non-finite param."""
+    if dtype == torch.bfloat16:
+        u = w.view(torch.int32).to(torch.int64) & _M32
+        u8 = torch.full_like(u, 0x80) if word is None else word.to(torch.int64) & 0xFF
+        t = (u + u8) & _M32
+        h = (((t + 0x8000) & _M32) >> 16).to(torch.int32).to(torch.int16)  # int32 -> int16 keeps the low bits
+        h = torch.where(torch.isnan(w), ((u >> 16) | 0x40).to(torch.int32).to(torch.int16), h)
+        c = ((t >> 8) & 0xFF).to(torch.uint8).view(torch.int8)
+        return h.view(torch.bfloat16), c
+    p = w.to(dtype)
+    pf = p.float()
+    r16 = (torch.full(w.shape, 0x8000, dtype=torch.int64) if word is None
+           else rand_field16(word.to(torch.int64), RAND_MASTER8))
+    x = (w - pf) * _pow2n(33 - _f16_binade(_bits16(p).to(torch.int32)))
+    c = torch.floor(x + r16.to(device=w.device, dtype=torch.float32) * (1.0 / 65536.0)).clamp(-128.0, 127.0)
+    c = torch.where(torch.isfinite(pf), c, torch.zeros_like(c))
+    return p, c.to(torch.int8)
+
+
+# ---- 8-bit companded moments (math.h mom8_*) --------------------------------------------------------
+MOM8_GROUP = 32
+MOM8_KM = float.fromhex("0x1.040c2p-14")  # fp32(1 / 127^2): exp_avg scale per unit of the group max
+MOM8_KV = float.fromhex("0x1.040a14p-32")  # fp32(1 / 255^4): exp_avg_sq scale per unit of the group max
+MOM8_NAN_SCALE = 0x7FC0
+_Q255 = float(torch.tensor(65025.0) * torch.tensor(65025.0))  # fp32(255^4)
+
+
+def moment8_groups(numel: int) -> int:
+    """Number of scales of an 8-bit moment of ``numel`` elements: ceil(numel / 32)."""
+    return (int(numel) + MOM8_GROUP - 1) // MOM8_GROUP
+
+
+def _grouped(x: Tensor) -> Tensor:
+    """Flat ``x`` as ``[groups, 32]``, the last group padded with zeros."""
+    x = x.reshape(-1)
+    pad = (-x.numel()) % MOM8_GROUP
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad)])
+    return x.reshape(-1, MOM8_GROUP)
+
+
+def _scale_bits(x: Tensor, k: float) -> Tensor:
+    """int32 bf16 bits of the scales of grouped fp32 ``x`` [G, 32] (mom8_scale_bits)."""
+    amax = (x.view(torch.int32) & 0x7FFFFFFF).amax(dim=1)  # NaN > inf > finite, as bits
+    b = (amax.view(torch.float32) * k).view(torch.int32).to(torch.int64)  # >= 0: no sign bit
+    b = torch.where((b & 0xFFFF) != 0, b + 0x10000, b) >> 16
+    return torch.where(amax >= 0x7F800000, torch.full_like(b, MOM8_NAN_SCALE), b).to(torch.int32)
+
+
+def _bits_to_bf16(b: Tensor) -> Tensor:
+    return b.to(torch.int16).view(torch.bfloat16)  # int32 -> int16 keeps the low bits
+
+
+def _inv_scale(b: Tensor) -> Tensor:
+    """mom8_inv_scale: 1 / s, or 0 for a zero or NaN scale."""
+    s = (b << 16).view(torch.float32)
+    inv = torch.div(torch.ones_like(s), s)
+    return torch.where((b == 0) | (b == MOM8_NAN_SCALE), torch.zeros_like(s), inv)
+
+
+def _q4(k: Tensor) -> Tensor:
+    k2 = k * k
+    return k2 * k2
+
+
+def _encode_m(m: Tensor, inv: Tensor, r16: Tensor, top: float = 127.0) -> Tensor:
+    """mom_encode_sq on grouped m [G, 32], inv [G, 1], r16 int [G, 32] -> int8 codes in [-top, top]
+    (top 127: the 8-bit exp_avg, 7: the 4-bit one)."""
+    y = m.abs() * inv
+    k = torch.floor(torch.sqrt(y))
+    k = torch.where(k * k > y, k - 1.0, k)
+    kp = k + 1.0
+    k = torch.where(kp * kp <= y, k + 1.0, k)
+    d = y - k * k
+    w = 2.0 * k + 1.0
+    c = torch.where(r16.to(torch.float32) * w < d * 65536.0, k + 1.0, k)
+    c = torch.where(y >= top * top, torch.full_like(c, top), c)
+    c = torch.where(y > 0, c, torch.zeros_like(c))
+    c = torch.where(m < 0, -c, c)
+    return c.to(torch.int8)
+
+
+def _encode_v(v: Tensor, inv: Tensor, r16: Tensor) -> Tensor:
+    """mom8_encode_v on grouped v [G, 32] -> uint8 codes (a positive v gets at least code 1)."""
+    y = v * inv
+    k = torch.floor(torch.sqrt(torch.sqrt(y)))
+    k = torch.where(_q4(k) > y, k - 1.0, k)
+    k = torch.where(_q4(k + 1.0) <= y, k + 1.0, k)
+    q = _q4(k)
+    d = y - q
+    w = _q4(k + 1.0) - q
+    c = torch.where(r16.to(torch.float32) * w < d * 65536.0, k + 1.0, k)
+    c = torch.clamp(c, min=1.0)
+    c = torch.where(y >= _Q255, torch.full_like(c, 255.0), c)
+    c = torch.where(y > 0, c, torch.zeros_like(c))
+    return c.to(torch.uint8)
+
+
+def moment8_decode(codes: Tensor, scales: Tensor) -> Tensor:
+    """The fp32 moment of 8-bit codes and their bf16 scales (one per 32 consecutive elements of the
+    flattened codes, from element 0): float32 tensor of ``codes.shape`` on ``codes``' device.
+
+    * ``codes.dtype == torch.int8`` (exp_avg):   ``sign(c) * s * c^2``  (exact in fp32);
+    * ``codes.dtype == torch.uint8`` (exp_avg_sq): ``(s * c^2) * c^2``.
+    A group whose scale is NaN decodes as NaN."""
+    if codes.dtype not in (torch.int8, torch.uint8):
+        raise TypeError(f"moment8_decode: codes must be int8 (exp_avg) or uint8 (exp_avg_sq), got {codes.dtype}")
+    if scales.dtype != torch.bfloat16 or scales.numel() != moment8_groups(codes.numel()):
+        raise ValueError(f"moment8_decode: scales must be bfloat16 with ceil(numel / 32) = "
+                         f"{moment8_groups(codes.numel())} elements, got {scales.dtype} with {scales.numel()}")
+    n = codes.numel()
+    s = scales.reshape(-1, 1).float()
+    f = _grouped(codes.reshape(-1).to(torch.float32))
+    if codes.dtype == torch.int8:
+        x = s * (f * f.abs())
+    else:
+        f2 = f * f
+        x = (s * f2) * f2
+    return x.reshape(-1)[:n].reshape(codes.shape)
+
+
+def moment8_encode(values: Tensor, kind: str, r16: Tensor | int | None = None) -> tuple[Tensor, Tensor]:
+    """Quantize an fp32 moment to 8-bit codes and bf16 scales, exactly as the kernels store it.
+
+    ``kind``: ``"exp_avg"`` (int8 codes, signed values) or ``"exp_avg_sq"`` (uint8 codes, values >= 0).
+    ``r16``: the 16 random bits per element (an int64 tensor of ``values.shape`` with values in
+    [0, 2^16), or one int for all); None = 32768, which rounds to the nearest code value (ties
+    down) -- the deterministic choice for checkpoint conversion. Random bits give the kernels'
+    unbiased stochastic rounding. Returns ``(codes of values.shape, scales [ceil(numel / 32)])``."""
+    if kind not in ("exp_avg", "exp_avg_sq"):
+        raise ValueError(f"moment8_encode: kind must be 'exp_avg' or 'exp_avg_sq', got {kind!r}")
+    n = values.numel()
+    x = _grouped(values.detach().reshape(-1).to(torch.float32))
+    r = _r16_grouped(r16, x)
+    if kind == "exp_avg":
+        b = _scale_bits(x, MOM8_KM)
+        codes = _encode_m(x, _inv_scale(b)[:, None], r)
+    else:
+        b = _scale_bits(x, MOM8_KV)
+        codes = _encode_v(x, _inv_scale(b)[:, None], r)
+    return codes.reshape(-1)[:n].reshape(values.shape), _bits_to_bf16(b)
+
+
+MOM4_KM = float.fromhex("0x1.4e5e0ap-6")  # fp32(1 / 49): 4-bit exp_avg scale per unit of the group max
+
+
+def _r16_grouped(r16: Tensor | int | None, like: Tensor) -> Tensor:
+    """The encoders' 16 random bits per element as fp32 ``[G, 32]`` (None: 32768, round to nearest)."""
+    if r16 is None or isinstance(r16, int):
+        return torch.full_like(like, 32768.0 if r16 is None else float(int(r16) & 0xFFFF))
+    return _grouped(r16.reshape(-1).to(torch.float32))
+
+
+def moment4_decode(packed: Tensor, scales: Tensor, numel: int) -> Tensor:
+    """The fp32 ``exp_avg`` of ``numel`` elements from 4-bit codes (uint8 ``packed``, two per byte:
+    element 2j in the low nibble of byte j, 2j + 1 in the high one, each a signed 4-bit code c in
+    [-7, 7]) and their bf16 scales (one per 32 elements): ``sign(c) * s * c^2`` (exact in fp32), 1-D."""
+    numel = int(numel)
+    if packed.dtype != torch.uint8 or packed.numel() != (numel + 1) // 2:
+        raise ValueError(f"moment4_decode: packed must be uint8 with ceil(numel / 2) = {(numel + 1) // 2} bytes, "
+                         f"got {packed.dtype} with {packed.numel()}")
+    if scales.dtype != torch.bfloat16 or scales.numel() != moment8_groups(numel):
+        raise ValueError(f"moment4_decode: scales must be bfloat16 with ceil(numel / 32) = {moment8_groups(numel)} "
+                         f"elements, got {scales.dtype} with {scales.numel()}")
+    b = packed.reshape(-1).to(torch.int32)
+    nib = torch.stack([b & 0xF, b >> 4], dim=1).reshape(-1)[:numel]
+    c = torch.where(nib >= 8, nib - 16, nib).to(torch.float32)
+    f = _grouped(c)
+    x = scales.reshape(-1, 1).float() * (f * f.abs())
+    return x.reshape(-1)[:numel]
+
+
+def moment4_encode(values: Tensor, r16: Tensor | int | None = None) -> tuple[Tensor, Tensor]:
+    """4-bit ``exp_avg`` codes of fp32 ``values`` exactly as the kernels store them: ``(packed uint8
+    [ceil(numel / 2)], bf16 scales [ceil(numel / 32)])``; scale ``bf16_round_up(amax / 49)``, the
+    code rounded stochastically between neighbouring values from ``r16`` (as :func:`moment8_encode`;
+    None rounds to the nearest value)."""
+    n = values.numel()
+    x = _grouped(values.detach().reshape(-1).to(torch.float32))
+    b = _scale_bits(x, MOM4_KM)
+    c = _encode_m(x, _inv_scale(b)[:, None], _r16_grouped(r16, x), 7.0).reshape(-1)[:n].to(torch.int32)
+    if n % 2:
+        c = torch.cat([c, c.new_zeros(1)])
+    pairs = (c & 0xF).reshape(-1, 2)
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8), _bits_to_bf16(b)
