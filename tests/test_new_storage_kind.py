@@ -226,3 +226,43 @@ def test_compare_and_bench_take_it_by_name(kind, torch_backend):
     assert all(math.isfinite(x) for x in run["losses"])
     with pytest.raises(ValueError, match="MASTER:MOMENTS"):
         compare.run("mpkern-bf16", device="cpu", progress=False, plot=False, optimizer_state="fp32:nope", **tiny)
+
+
+# ---- master kinds register the same way ---------------------------------------------------------
+class OtherFp32Master(storage.MasterKind):
+    """A master kind defined here alone (its registry behaviour is what is tested, not a step): an fp32
+    master under another name, with no kernel variant."""
+
+    name, accepts, label = "fp32-test", ("fp32-test",), "fp32 master (test)"
+    key, state_dtype = "master_fp32_test", torch.float32
+    kernel_backends = frozenset()
+
+
+def test_a_master_kind_registers_lists_parses_counts_and_leaves_no_trace():
+    before = (dict(storage.MASTER_KINDS), list(storage.STORED_MASTERS), storage.modes())
+    kind = storage.register_master_kind(OtherFp32Master(), ("halved",))
+    try:
+        assert storage.MASTER_KINDS["fp32-test"] is kind and storage.STORED_MASTERS[-1] is kind
+        assert storage.check_master_weights("fp32-test") is kind
+        assert storage.parse_master("HALVED") == "fp32-test" == storage.parse_master("fp32-test")
+        assert storage.parse_mode("fp32-test:8bit") == ("fp32-test", "8bit")
+        # every moment kind pairs with it; 4 bytes of master + the moment kind's own
+        assert [m for m in storage.modes() if m[0] == "fp32-test"] == [("fp32-test", n) for n in storage.MOMENT_KINDS]
+        assert storage.bytes_per_param("fp32-test", "8bit") == 4.0 + storage.bytes_per_param(False, "8bit")
+        assert storage.label("fp32-test", "float32") == "fp32 master (test) + fp32 moments"
+        assert storage.modes(backend="cpu") == before[2]  # no kernel: not a mode of a native backend
+        with pytest.raises(NotImplementedError, match="no kernel for master_weights='fp32-test'"):
+            storage.check_backend(kind, "float32", "cpu")
+        # a value or a word already taken is refused, and the registry is left as it was
+        for dup, words in ((OtherFp32Master(), ()), (storage.Fp32Master(), ("other",)),
+                           (type("Other", (OtherFp32Master,), {"accepts": ("x",)})(), ("true",))):
+            with pytest.raises(ValueError, match="already registered"):
+                storage.register_master_kind(dup, words)
+        assert storage.MASTER_KINDS["fp32-test"] is kind and "x" not in storage.MASTER_KINDS
+        with pytest.raises(TypeError, match="want a MasterKind"):
+            storage.register_master_kind(storage.MomentKind())
+    finally:
+        storage.unregister_master_kind("fp32-test")
+    assert (dict(storage.MASTER_KINDS), list(storage.STORED_MASTERS), storage.modes()) == before
+    with pytest.raises(ValueError, match="master kind 'halved'"):
+        storage.parse_master("halved")

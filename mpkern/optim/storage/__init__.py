@@ -16,7 +16,7 @@ without a kernel variant runs on the ``torch`` backend through its fp32 encode/d
 The public API (used by the optimizer, ``mpkern plan`` / ``compare`` / ``bench``):
 :func:`modes`, :func:`label`, :func:`bytes_per_param`, :func:`master_kind`, :func:`moment_kind`,
 :func:`moment_name`, :func:`parse_master`, :func:`parse_moments`, :func:`register_moment_kind` /
-:func:`unregister_moment_kind`.
+:func:`unregister_moment_kind`, :func:`register_master_kind` / :func:`unregister_master_kind`.
 """
 
 from __future__ import annotations
@@ -52,19 +52,56 @@ from .moments import (
 
 Tensor = torch.Tensor
 
-FP32, REMAINDER, INT8, NONE = Fp32Master(), RemainderMaster(), Int8Master(), NoMaster()
-#: every master kind that keeps state, in the order a checkpoint's entries are looked for (the
-#: exact ones first: a checkpoint holding several converts from the most precise)
-STORED_MASTERS: tuple[MasterKind, ...] = (FP32, REMAINDER, INT8)
-#: ``master_weights=`` value -> kind (16-bit params; fp32 params keep none)
-MASTER_KINDS: dict[Any, MasterKind] = {True: FP32, "remainder": REMAINDER, "8bit": INT8, False: NONE}
+#: ``master_weights=`` value -> kind, in registration order (the live registry; fp32 params keep none)
+MASTER_KINDS: dict[Any, MasterKind] = {}
+#: every master kind that keeps state, in the order a checkpoint's entries are looked for: registration
+#: order, the exact ones first (a checkpoint holding several converts from the most precise)
+STORED_MASTERS: list[MasterKind] = []
 #: ``state_dtype`` name -> kind, in registration order (the live registry)
 MOMENT_KINDS: dict[str, MomentKind] = {}
 #: torch dtype -> moment kind name (``state_dtype=torch.bfloat16``, older checkpoints)
 MOMENT_DTYPE_NAMES: dict[torch.dtype, str] = {}
-#: the label words of the parse_* names (``fp32`` master, ``bf16`` moments, ...)
-_MASTER_WORDS = {"true": True, "fp32": True, "remainder": "remainder", "8bit": "8bit", "false": False, "none": False}
+#: the command-line words of the master kinds (their names and ``words``) -> ``master_weights=`` value
+_MASTER_WORDS: dict[str, Any] = {}
+#: the label words of the moment names (``fp32``, ``bf16`` moments)
 _MOMENT_WORDS = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def register_master_kind(kind: MasterKind, words: tuple[str, ...] = ()) -> MasterKind:
+    """Add a master kind: ``master_weights=`` selects it by any of ``kind.accepts`` (the first is the
+    value groups keep), the command line by its name or any of ``words``; returns it. ValueError when
+    a value or word is taken, TypeError for anything but a named :class:`MasterKind` with values."""
+    if not isinstance(kind, MasterKind) or not kind.name or not kind.accepts:
+        raise TypeError(f"register_master_kind: want a MasterKind with a name and accepts, got {kind!r}")
+    taken = [v for v in kind.accepts if any(v is k or (type(v) is type(k) and v == k) for k in MASTER_KINDS)]
+    names = [w.lower() for w in (kind.name, *words)]
+    if taken or any(w in _MASTER_WORDS for w in names):
+        raise ValueError(f"register_master_kind: master_weights={taken or names} is already registered")
+    for v in kind.accepts:
+        MASTER_KINDS[v] = kind
+    if kind.key is not None:
+        STORED_MASTERS.append(kind)
+    for w in names:
+        _MASTER_WORDS[w] = kind.accepts[0]
+    return kind
+
+
+def unregister_master_kind(name: str) -> None:
+    """Remove the master kind ``name`` (tests that define their own kind); KeyError if there is none."""
+    kind = next(k for k in MASTER_KINDS.values() if k.name == name)
+    for v in kind.accepts:
+        del MASTER_KINDS[v]
+    if kind in STORED_MASTERS:
+        STORED_MASTERS.remove(kind)
+    for w in [w for w, v in _MASTER_WORDS.items() if any(v is a or (type(v) is type(a) and v == a)
+                                                        for a in kind.accepts)]:
+        del _MASTER_WORDS[w]
+
+
+FP32 = register_master_kind(Fp32Master(), ("true",))
+REMAINDER = register_master_kind(RemainderMaster())
+INT8 = register_master_kind(Int8Master())
+NONE = register_master_kind(NoMaster(), ("false",))
 
 
 def register_moment_kind(kind: MomentKind) -> MomentKind:
@@ -276,6 +313,7 @@ __all__ = [
     "check_master_weights", "check_moment8", "check_state_dtype", "export_state", "flat_view", "label", "laid",
     "like", "master_kind", "master_to_remainder", "modes", "moment8_decode", "moment8_encode", "moment8_groups",
     "moment_kind", "moment_name", "moment_reference", "moment_state_keys", "moments_fp32", "moments_from_saved",
-    "parse_master", "parse_moments", "register_moment_kind", "relay_moments", "remainder_to_master", "saved_kind",
-    "state_bytes_per_param", "stored_kinds", "unregister_moment_kind",
+    "parse_master", "parse_moments", "register_master_kind", "register_moment_kind", "relay_moments",
+    "remainder_to_master", "saved_kind", "state_bytes_per_param", "stored_kinds", "unregister_master_kind",
+    "unregister_moment_kind",
 ]
