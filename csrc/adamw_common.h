@@ -19,27 +19,31 @@ inline int64_t master_mode_of(const char* op, c10::string_view codec) {
   return kMasterNone;
 }
 
-// The op's moment_codec argument ("float32", "bfloat16", "8bit", "4bit_m") checked against the
-// moment tensors it names (float32 / bfloat16 exp_avgs, int8 exp_avgs, uint8 exp_avgs of packed
-// 4-bit codes); the per-tensor layout checks are check_adamw_args'.
-inline void check_moment_codec(const char* op, c10::string_view codec, at::TensorList exp_avgs) {
+// The op's moment_codec argument ("float32", "bfloat16", "8bit", "4bit_m") as the kernels' moment
+// code (kF32, kBF16, kMom8, kMom4), checked against the moment tensors it names (float32 / bfloat16
+// exp_avgs, int8 exp_avgs, uint8 exp_avgs of packed 4-bit codes). Parsed once, by the registered op
+// (csrc/ops.cpp): the kernels take the code it returns instead of reading it from a dtype, so two
+// formats may one day share a dtype; the per-tensor layout checks are check_adamw_args'.
+inline int64_t moment_mode_of(const char* op, c10::string_view codec, at::TensorList exp_avgs) {
   at::ScalarType want;
+  int64_t mode;
   if (codec == "float32") {
-    want = at::kFloat;
+    want = at::kFloat, mode = kF32;
   } else if (codec == "bfloat16") {
-    want = at::kBFloat16;
+    want = at::kBFloat16, mode = kBF16;
   } else if (codec == "8bit") {
-    want = at::kChar;
+    want = at::kChar, mode = kMom8;
   } else if (codec == "4bit_m") {
-    want = at::kByte;
+    want = at::kByte, mode = kMom4;
   } else {
     TORCH_CHECK_VALUE(false, op, ": moment_codec must be 'float32', 'bfloat16', '8bit' or '4bit_m', got '",
                       std::string(codec), "'");
-    return;
+    return kF32;
   }
   for (size_t i = 0; i < exp_avgs.size(); ++i)
     TORCH_CHECK_TYPE(exp_avgs[i].scalar_type() == want, op, ": moment_codec '", std::string(codec),
                      "' needs ", want, " exp_avgs; exp_avgs[", i, "] is ", exp_avgs[i].scalar_type());
+  return mode;
 }
 
 inline void check_adamw_args(const char* op, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
@@ -180,12 +184,6 @@ namespace mpkern {
 // The random stream of tensor i: (stream id, offset of its element 0), defaults when not given.
 inline uint32_t stream_of(at::IntArrayRef stream_ids, size_t i) {
   return static_cast<uint32_t>(stream_ids.empty() ? static_cast<int64_t>(i) : stream_ids[i]);
-}
-// Moment code of a tensor: kF32 / kBF16, kMom8 for int8 (8-bit companded) exp_avgs, kMom4 for uint8
-// (4-bit, two codes per byte) exp_avgs.
-inline int32_t moment_code(const at::Tensor& exp_avg) {
-  const auto t = exp_avg.scalar_type();
-  return t == at::kChar ? kMom8 : (t == at::kByte ? kMom4 : dtype_code(t));
 }
 // An optional tensor list of the schema (Tensor[]?) as a list (None: empty).
 inline at::TensorList list_or_empty(const std::optional<at::TensorList>& l) { return l.has_value() ? *l : at::TensorList(); }

@@ -30,13 +30,14 @@ using GradStatsOp = std::tuple<at::Tensor, at::Tensor>(at::TensorList grads, con
 const c10::TypedOperatorHandle<AdamwStepOp>& adamw_step_handle();
 const c10::TypedOperatorHandle<GradStatsOp>& grad_stats_handle();
 
-// The kernels' own entry points (the master codec already parsed into a MasterMode, see
-// adamw_common.h); csrc/cpu/adamw_cpu.cpp and csrc/cuda/adamw_cuda.cu define them.
+// The kernels' own entry points (the codecs already parsed: the master's into a MasterMode, the
+// moments' into a moment code, see adamw_common.h); csrc/cpu/adamw_cpu.cpp and csrc/cuda/adamw_cuda.cu define them.
 #define MPKERN_ADAMW_KERNEL_ARGS                                                                                   \
   at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,               \
       at::TensorList max_exp_avg_sqs, at::TensorList masters, at::TensorList steps, const at::Tensor &grad_factor, \
       const at::Tensor &found_inf, const std::optional<at::Tensor> &lr_tensor, double lr, double beta1,            \
-      double beta2, double eps, double weight_decay, bool maximize, int64_t master_mode, bool stochastic_rounding, \
+      double beta2, double eps, double weight_decay, bool maximize, int64_t master_mode, int64_t moment_mode,      \
+      bool stochastic_rounding,                                                                                    \
       int64_t seed, at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets,                                      \
       const std::optional<at::TensorList> &exp_avg_scales_opt, const std::optional<at::TensorList> &exp_avg_sq_scales_opt
 

@@ -62,12 +62,12 @@ void adamw_step_op(at::TensorList params, at::TensorList grads, at::TensorList e
                    c10::string_view moment_codec, bool stochastic_rounding, int64_t seed, at::IntArrayRef stream_ids,
                    at::IntArrayRef elem_offsets) {
   const int64_t mode = master_mode_of(kAdamwOp, master_codec);
-  check_moment_codec(kAdamwOp, moment_codec, exp_avgs);
+  const int64_t moments = moment_mode_of(kAdamwOp, moment_codec, exp_avgs);
   check_adamw_args_on(kAdamwOp, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor,
                       found_inf, lr_tensor, mode, stream_ids, elem_offsets, list_or_empty(exp_avg_scales),
                       list_or_empty(exp_avg_sq_scales), Dev);
   Kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf, lr_tensor, lr,
-         beta1, beta2, eps, weight_decay, maximize, mode, stochastic_rounding, seed, stream_ids, elem_offsets,
+         beta1, beta2, eps, weight_decay, maximize, mode, moments, stochastic_rounding, seed, stream_ids, elem_offsets,
          exp_avg_scales, exp_avg_sq_scales);
 }
 // The Autograd kernels: the ops are not differentiable (nothing to record), so they go straight to
@@ -186,7 +186,7 @@ PYBIND11_MODULE(_C, mod) {
         const std::vector<at::Tensor> none;
         const char* op = "mpkern::adamw_step_";
         const int64_t mode = mpkern::master_mode_of(op, master_codec);
-        mpkern::check_moment_codec(op, moment_codec, exp_avgs);
+        mpkern::moment_mode_of(op, moment_codec, exp_avgs);
         mpkern::check_adamw_args(op, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps,
                                  grad_factor, found_inf, lr_tensor, mode, stream_ids, elem_offsets,
                                  exp_avg_scales.value_or(none), exp_avg_sq_scales.value_or(none));

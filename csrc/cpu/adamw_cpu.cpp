@@ -45,7 +45,8 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
                      at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters,
                      at::TensorList steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
                      const std::optional<at::Tensor>& lr_tensor, double lr, double beta1, double beta2, double eps,
-                     double weight_decay, bool maximize, int64_t master_mode, bool stochastic_rounding,
+                     double weight_decay, bool maximize, int64_t master_mode, int64_t moment_mode,
+                     bool stochastic_rounding,
                      int64_t seed, at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets,
                      const std::optional<at::TensorList>& exp_avg_scales_opt,
                      const std::optional<at::TensorList>& exp_avg_sq_scales_opt) {
@@ -73,7 +74,7 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
     x.master = masters.empty() ? nullptr : masters[t].data_ptr();
     x.pdt = dtype_code(params[t].scalar_type());
     x.gdt = dtype_code(grads[t].scalar_type());
-    x.sdt = moment_code(exp_avgs[t]);
+    x.sdt = static_cast<int32_t>(moment_mode);
     const bool grouped = x.sdt == kMom8 || x.sdt == kMom4;
     x.sm = grouped ? static_cast<uint16_t*>(exp_avg_scales[t].data_ptr()) : nullptr;
     x.sv = grouped ? static_cast<uint16_t*>(exp_avg_sq_scales[t].data_ptr()) : nullptr;

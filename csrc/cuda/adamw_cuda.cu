@@ -508,7 +508,8 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
                       at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters,
                       at::TensorList steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
                       const std::optional<at::Tensor>& lr_tensor, double lr, double beta1, double beta2, double eps,
-                      double weight_decay, bool maximize, int64_t master_mode, bool stochastic_rounding,
+                      double weight_decay, bool maximize, int64_t master_mode, int64_t moment_mode,
+                      bool stochastic_rounding,
                       int64_t seed, at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets,
                       const std::optional<at::TensorList>& exp_avg_scales_opt,
                       const std::optional<at::TensorList>& exp_avg_sq_scales_opt) {
@@ -531,7 +532,7 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
   std::vector<int> launch_of(n);
   for (size_t i = 0; i < n; ++i) {
     const int32_t pdt = dtype_code(params[i].scalar_type()), gdt = dtype_code(grads[i].scalar_type()),
-                  sdt = moment_code(exp_avgs[i]);
+                  sdt = static_cast<int32_t>(moment_mode);
     size_t l = 0;
     while (l < launches.size() && !(launches[l].pdt == pdt && launches[l].gdt == gdt && launches[l].sdt == sdt)) ++l;
     if (l == launches.size()) launches.push_back({pdt, gdt, sdt});
