@@ -31,6 +31,8 @@ from typing import Any
 
 from .read import read_plan, read_stages, stage_files
 from .sections import (
+    MATMUL_STAGES,
+    MEMORY_STAGES,
     copy_bandwidth_lines,
     machine_lines,
     matmul_section,
@@ -56,11 +58,11 @@ def _guarded(what: str, fn: Any, *args: Any) -> Any:
 #: the sections after the stage list: (title, function, the stages whose files it reads) -- a section
 #: is printed when one of its stages was planned (plan.tsv) or left a file (a stage run by hand)
 SECTIONS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
-    ("memory-bound kernels", memory_section, ("unscale", "adamw", "adamw_cuda", "adamw_triton")),
+    ("memory-bound kernels", memory_section, (*MEMORY_STAGES, "adamw")),  # "adamw": any adamw_*.json
     ("end to end", e2e_section, ("e2e", "e2e_gpt2", "e2e_batch", "e2e_llama7b")),
     ("compare", compare_section, ("compare",)),
     ("matmul routes", matmul_routes_section, ("matmul_routes",)),
-    ("matmul", matmul_section, ("matmul", "matmul_tuned")),
+    ("matmul", matmul_section, MATMUL_STAGES),
     ("release", release_section, ("release",)),
     ("memory checker", sanitizer_section, ("sanitizer",)),
 )
