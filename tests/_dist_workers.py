@@ -290,12 +290,12 @@ def compact_save(rank: int, world: int, store: str, out: str, mode: str = "8bit-
         c = opt.state[p][key]
         assert type(c).__name__ == "DTensor" and c.dtype in (torch.int8, torch.int16) and c.placements == p.placements
         if kw["state_dtype"] == "8bit":  # codes sharded like the param, scales of the local buffer
-            code = opt.state[p]["exp_avg_code"]
+            code = opt.state[p]["exp_avg_q8"]
             assert type(code).__name__ == "DTensor" and code.dtype == torch.int8
             assert opt.state[p]["exp_avg_scale"].numel() == -(-code._local_tensor.numel() // 32)
         if kw["state_dtype"] == "4bit_m":  # packed codes and scales of the local shard's buffer
-            local = opt.state[p]["exp_avg_sq_code"]._local_tensor.numel()
-            assert opt.state[p]["exp_avg_code4"].numel() == -(-local // 2)
+            local = opt.state[p]["exp_avg_sq_q8"]._local_tensor.numel()
+            assert opt.state[p]["exp_avg_q4"].numel() == -(-local // 2)
             assert opt.state[p]["exp_avg_scale"].numel() == -(-local // 32)
     saved_moments = _moments(opt, list(fs.parameters()))
     msd, osd = get_state_dict(fs, opt)

@@ -58,10 +58,10 @@ def _nibbles64(packed: torch.Tensor, n: int) -> torch.Tensor:
 def _decode64(st: dict, key: str) -> torch.Tensor:
     """8-bit (and 4-bit exp_avg) moments in their documented format, in float64: exp_avg = sign(c)
     s c^2, exp_avg_sq = s c^4, a bf16 scale per 32 consecutive elements of the buffer (memory
-    order); the 4-bit exp_avg (state "exp_avg_code4") two codes per byte, laid out as exp_avg_sq."""
-    codes = st["exp_avg_sq_code"] if key == "exp_avg" and "exp_avg_code4" in st else st[key + "_code"]
-    if codes is st["exp_avg_sq_code"] and key == "exp_avg":
-        flat = _nibbles64(st["exp_avg_code4"], codes.numel())
+    order); the 4-bit exp_avg (state "exp_avg_q4") two codes per byte, laid out as exp_avg_sq."""
+    codes = st["exp_avg_sq_q8"] if key == "exp_avg" and "exp_avg_q4" in st else st[key + "_q8"]
+    if codes is st["exp_avg_sq_q8"] and key == "exp_avg":
+        flat = _nibbles64(st["exp_avg_q4"], codes.numel())
     else:
         flat = codes.as_strided((codes.numel(),), (1,), codes.storage_offset()).double().cpu()
     s = st[key + "_scale"].double().cpu().repeat_interleave(32)[: flat.numel()]

@@ -124,10 +124,10 @@ def test_checkpoint_is_compact_and_resumes_bit_identically(backend, master, kind
     sd = copy.deepcopy(opt.state_dict())
     st = sd["state"][0]
     if kind == "8bit":
-        assert st["exp_avg_code"].dtype == torch.int8
+        assert st["exp_avg_q8"].dtype == torch.int8
     else:  # two 4-bit codes per byte, over the buffer in memory order
-        assert st["exp_avg_code4"].dtype == torch.uint8 and st["exp_avg_code4"].numel() == math.ceil(33 * 31 / 2)
-    assert st["exp_avg_sq_code"].dtype == torch.uint8
+        assert st["exp_avg_q4"].dtype == torch.uint8 and st["exp_avg_q4"].numel() == math.ceil(33 * 31 / 2)
+    assert st["exp_avg_sq_q8"].dtype == torch.uint8
     assert st["exp_avg_scale"].dtype == torch.bfloat16 and st["exp_avg_scale"].numel() == math.ceil(33 * 31 / 32)
     assert "exp_avg" not in st
     saved = sum(t.numel() * t.element_size() for s in sd["state"].values() for t in s.values() if t.dim())
@@ -265,7 +265,7 @@ def test_layout_change_regroups_the_moments(kind):
         p.grad = torch.zeros_like(p)
     opt.step()
     st = opt.state[w]
-    assert st["exp_avg_sq_code"].stride() == w.stride()
+    assert st["exp_avg_sq_q8"].stride() == w.stride()
     for k, b in before.items():
         decay = B1 if k == "exp_avg" else B2  # one step of a zero grad
         after = _decode64(st, k)

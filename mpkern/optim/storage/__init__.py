@@ -4,8 +4,9 @@ A *master kind* says how the fp32 master of a param is kept (``master_weights=``
 fp32 copy), ``"remainder"`` (bf16 params: the low 16 bits in an int16 tensor), ``"8bit"`` (bf16 /
 fp16 params: a stochastically rounded one-byte correction), ``False`` (the param is the value). A
 *moment kind* says how ``exp_avg`` / ``exp_avg_sq`` are kept (``state_dtype=``): ``"float32"``,
-``"bfloat16"`` (stochastically rounded), ``"8bit"`` (companded codes + a bf16 scale per 32) or
-``"4bit_m"`` (a 4-bit ``exp_avg``, two codes per byte, with the 8-bit ``exp_avg_sq``).
+``"bfloat16"`` (stochastically rounded), ``"8bit"`` (ladder codes + a power-of-two bf16 scale per
+32) or ``"4bit_m"`` (a 4-bit ``exp_avg``, two codes per byte, with the 8-bit ``exp_avg_sq``).
+Checkpoints of the first compact codec load through the read-only kinds of :mod:`.legacy_moments`.
 
 Each description (:mod:`.base`, :mod:`.masters`, :mod:`.moments`) says everything about itself;
 validation, checkpoint conversion, master export, re-seeding after external writes, byte counts
@@ -37,6 +38,7 @@ from .base import (
     master_to_remainder,
     remainder_to_master,
 )
+from .legacy_moments import LEGACY_MOMENT_KINDS, legacy_moment4_decode, legacy_moment8_decode
 from .masters import Fp32Master, Int8Master, NoMaster, RemainderMaster
 from .moments import (
     INT8 as _INT8_KIND,
@@ -262,14 +264,16 @@ def stored_kinds(st: State, but: MasterKind | None = None) -> list[MasterKind]:
 
 
 def moment_state_keys() -> tuple[str, ...]:
-    """Every state key a registered moment kind owns (the byte model counts them as moments)."""
-    return tuple(dict.fromkeys(k for mk in MOMENT_KINDS.values() for k in mk.keys))
+    """Every state key a moment kind owns, registered or of codec 1 (only ever in checkpoints): the
+    byte model counts them as moments, a load takes them out of the entries it does not know."""
+    kinds = (*MOMENT_KINDS.values(), *LEGACY_MOMENT_KINDS)
+    return tuple(dict.fromkeys(k for mk in kinds for k in mk.keys))
 
 
 def saved_kind(st: State) -> MomentKind | None:
     """The moment kind whose entries ``st`` holds (the first registered that owns them: fp32 for
-    dense moments of any dtype), or None."""
-    for kind in MOMENT_KINDS.values():
+    dense moments of any dtype; then the codec-1 kinds of old checkpoints), or None."""
+    for kind in (*MOMENT_KINDS.values(), *LEGACY_MOMENT_KINDS):
         if kind.has_state(st):
             return kind
     return None
@@ -284,8 +288,13 @@ def moments_fp32(st: State, key: str) -> Tensor | None:
 
 
 def moments_from_saved(p: Tensor, src: State, state_dtype: Any) -> State:
-    """Moments of ``state_dtype``'s kind for ``p`` from a checkpoint's per-param entries."""
-    return moment_kind(state_dtype).from_saved(p, src, saved_kind(src))
+    """Moments of ``state_dtype``'s kind for ``p`` from a checkpoint's per-param entries. Grouped codes
+    (8-bit, 4-bit, either codec) are checked against ``p`` before anything is decoded: a ValueError
+    naming the entry that is missing or of another size or dtype."""
+    saved = saved_kind(src)
+    if isinstance(saved, Int8Moments):
+        check_moment8(p, src, "the checkpoint's", saved)
+    return moment_kind(state_dtype).from_saved(p, src, saved)
 
 
 def moment_reference(st: State) -> Tensor | None:
@@ -307,13 +316,13 @@ def export_state(p: Tensor, st: State) -> State:
 
 
 __all__ = [
-    "ALL_BACKENDS", "DEFAULT_MODES", "FP32", "INT8", "INT4_MOMENTS", "INT8_MOMENTS", "MASTER_KINDS", "MOMENT8_GROUP",
-    "MOMENT_DTYPE_NAMES", "MOMENT_KINDS", "NONE", "REMAINDER", "STORED_MASTERS", "DenseMoments", "Int4Moments",
-    "Int8Moments", "KernelMoments", "MasterKind", "MomentKind", "bytes_per_param", "check_amsgrad", "check_backend",
-    "check_master_weights", "check_moment8", "check_state_dtype", "export_state", "flat_view", "label", "laid",
-    "like", "master_kind", "master_to_remainder", "modes", "moment8_decode", "moment8_encode", "moment8_groups",
-    "moment_kind", "moment_name", "moment_reference", "moment_state_keys", "moments_fp32", "moments_from_saved",
-    "parse_master", "parse_moments", "register_master_kind", "register_moment_kind", "relay_moments",
-    "remainder_to_master", "saved_kind", "state_bytes_per_param", "stored_kinds", "unregister_master_kind",
-    "unregister_moment_kind",
+    "ALL_BACKENDS", "DEFAULT_MODES", "FP32", "INT4_MOMENTS", "INT8", "INT8_MOMENTS", "LEGACY_MOMENT_KINDS",
+    "MASTER_KINDS", "MOMENT8_GROUP", "MOMENT_DTYPE_NAMES", "MOMENT_KINDS", "NONE", "REMAINDER", "STORED_MASTERS",
+    "DenseMoments", "Int4Moments", "Int8Moments", "KernelMoments", "MasterKind", "MomentKind", "bytes_per_param",
+    "check_amsgrad", "check_backend", "check_master_weights", "check_moment8", "check_state_dtype", "export_state",
+    "flat_view", "label", "laid", "legacy_moment4_decode", "legacy_moment8_decode", "like", "master_kind",
+    "master_to_remainder", "modes", "moment8_decode", "moment8_encode", "moment8_groups", "moment_kind", "moment_name",
+    "moment_reference", "moment_state_keys", "moments_fp32", "moments_from_saved", "parse_master", "parse_moments",
+    "register_master_kind", "register_moment_kind", "relay_moments", "remainder_to_master", "saved_kind",
+    "state_bytes_per_param", "stored_kinds", "unregister_master_kind", "unregister_moment_kind",
 ]

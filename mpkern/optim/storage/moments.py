@@ -68,21 +68,28 @@ class Int8Moments(MomentKind):
     """``state_dtype="8bit"``: each moment as one byte per element plus a bf16 scale per group of
     :data:`MOMENT8_GROUP` consecutive elements of the param's buffer (2.125 B/param for both).
 
-    Companded so that small values keep relative precision: ``exp_avg = sign(c) * s * c^2``
-    (int8 ``c`` in [-127, 127]), ``exp_avg_sq = s * c^4`` (uint8 ``c``; a positive value never
-    decodes to 0, which keeps ``m / sqrt(v)`` bounded). The kernel decodes, updates and re-encodes
-    in registers with value-unbiased stochastic rounding between neighbouring codes (seeded);
-    conversions here round to the nearest code. The codec is ``mpkern.reference.moment8_*`` (the
-    kernels' math in ``csrc/include/mpkern/math.h``).
+    Codec 2, "ladder" codes (``csrc/include/mpkern/math.h``): a magnitude code ``q`` stands for
+    ``u(q) = F(q) - 1``, ``F(q)`` the fp32 number with bit pattern ``bits(1.0) + (q << 19)`` -- the
+    values 0, 1/16, 2/16, ... in steps of 1/16 up to 1, then doubling every 16 codes (4 mantissa
+    bits), so that small values keep relative precision -- and an element is ``u(q) * s``, ``s`` its
+    group's scale, the smallest power of two that puts the group's largest magnitude at or below the
+    top code's value (stored as bf16, exactly). ``exp_avg``: an int8 sign-magnitude byte (bit 7 the
+    sign, ``q`` in [0, 127], ``u`` up to 247), state ``exp_avg_q8``; ``exp_avg_sq``: a uint8 ``q`` in
+    [0, 255] (``u`` up to 63487; a positive value never decodes to 0, which keeps ``m / sqrt(v)``
+    bounded), state ``exp_avg_sq_q8``. The kernel decodes, updates and re-encodes in registers with
+    value-unbiased stochastic rounding between neighbouring codes (seeded); conversions here round to
+    the nearest code. The codec is ``mpkern.reference_codecs.moment8_*``. Checkpoints of the first
+    codec (keys ``exp_avg_code`` / ``exp_avg_sq_code``) are converted when loaded (:mod:`.legacy_moments`).
 
+    ``keys`` are, in this order: the exp_avg codes, the exp_avg_sq codes, their two scales.
     Subclasses change how ``exp_avg`` is coded (:meth:`_m_code`, :meth:`_encode_m`,
     :meth:`_decode_m`, the ``exp_avg`` code key and its bytes); ``exp_avg_sq`` (uint8, laid out like
-    the param) and the scales are the same for all.
+    the param) and the scales are the same for all (their decoding: :meth:`_decode_v`).
     """
 
     name, label = "8bit", "8-bit moments"
     codec = "8bit"
-    keys = ("exp_avg_code", "exp_avg_sq_code", "exp_avg_scale", "exp_avg_sq_scale")
+    keys = ("exp_avg_q8", "exp_avg_sq_q8", "exp_avg_scale", "exp_avg_sq_scale")
     kernel_backends = ALL_BACKENDS
     needs_write_back = False
     amsgrad = False
@@ -91,8 +98,8 @@ class Int8Moments(MomentKind):
     adamw_conversion = "to the nearest code"
     #: bytes of one element's exp_avg code
     m_code_bytes: ClassVar[float] = 1.0
-    _CODE: ClassVar[dict[str, tuple[str, str]]] = {"exp_avg": ("exp_avg_code", "exp_avg_scale"),
-                                                   "exp_avg_sq": ("exp_avg_sq_code", "exp_avg_sq_scale")}
+    _CODE: ClassVar[dict[str, tuple[str, str]]] = {"exp_avg": ("exp_avg_q8", "exp_avg_scale"),
+                                                   "exp_avg_sq": ("exp_avg_sq_q8", "exp_avg_sq_scale")}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -115,13 +122,17 @@ class Int8Moments(MomentKind):
         """The 1-D fp32 exp_avg of ``numel`` elements of 1-D ``codes`` (memory order)."""
         return moment8_decode(codes, scales, "exp_avg")
 
+    def _decode_v(self, codes: Tensor, scales: Tensor) -> Tensor:
+        """The 1-D fp32 exp_avg_sq of 1-D uint8 ``codes`` (memory order) and their scales."""
+        return moment8_decode(codes, scales, "exp_avg_sq")
+
     def _scales(self, p: Tensor) -> Tensor:
         return torch.zeros(moment8_groups(_local_numel(p)), dtype=torch.bfloat16, device=p.device)
 
     def create(self, p: Tensor) -> State:
-        ck = self._CODE["exp_avg"][0]
-        return {ck: self._m_code(p).zero_(), "exp_avg_sq_code": like(p, torch.uint8).zero_(),
-                "exp_avg_scale": self._scales(p), "exp_avg_sq_scale": self._scales(p)}
+        mk, vk, ms, vs = self.keys
+        return {mk: self._m_code(p).zero_(), vk: like(p, torch.uint8).zero_(), ms: self._scales(p),
+                vs: self._scales(p)}
 
     def from_fp32(self, p: Tensor, m: Tensor, v: Tensor) -> State:
         st = self.create(p)
@@ -137,32 +148,31 @@ class Int8Moments(MomentKind):
         if self.keys[0] not in src:
             return None
         check_moment8(p, src, "the checkpoint's", self)
-        codes = src["exp_avg_sq_code"]
+        mk, vk, ms, vs = self.keys
+        codes = src[vk]
         want = like(p, torch.uint8)
         if (distributed.is_dtensor(p) or distributed.is_dtensor(codes) or codes.shape != p.shape
                 or codes.stride() != want.stride()):
             return None  # grouped in another memory order, or to be sharded: through fp32
-        dev, ck = p.device, self._CODE["exp_avg"][0]
-        return {ck: self._m_code(p).copy_(src[ck]), "exp_avg_sq_code": want.copy_(codes),
-                "exp_avg_scale": src["exp_avg_scale"].to(dev, torch.bfloat16).reshape(-1).clone(),
-                "exp_avg_sq_scale": src["exp_avg_sq_scale"].to(dev, torch.bfloat16).reshape(-1).clone()}
+        dev = p.device
+        return {mk: self._m_code(p).copy_(src[mk]), vk: want.copy_(codes),
+                ms: src[ms].to(dev, torch.bfloat16).reshape(-1).clone(),
+                vs: src[vs].to(dev, torch.bfloat16).reshape(-1).clone()}
 
     def kernel_tensors(self, st: State) -> KernelMoments:
-        return st[self.keys[0]], st["exp_avg_sq_code"], st["exp_avg_scale"], st["exp_avg_sq_scale"]
+        mk, vk, ms, vs = self.keys
+        return st[mk], st[vk], st[ms], st[vs]
 
     def shape_tensor(self, st: State) -> Tensor | None:
-        return st.get("exp_avg_sq_code")  # laid out like the param (the exp_avg codes may be packed)
+        return st.get(self.keys[1])  # the exp_avg_sq codes: laid out like the param (the exp_avg ones may be packed)
 
     def to_fp32(self, st: State, key: str) -> Tensor:
         ck, sk = self._CODE[key]
-        shape = st["exp_avg_sq_code"]  # laid out like the param (and a DTensor like it)
+        shape = st[self.keys[1]]  # the exp_avg_sq codes: laid out like the param (and a DTensor like it)
         out = torch.empty_like(shape, dtype=torch.float32, memory_format=torch.preserve_format)
         flat = flat_view(_local(st[ck]))
         scales = _local(st[sk]).reshape(-1)
-        if key == "exp_avg":
-            val = self._decode_m(flat, scales, _local(shape).numel())
-        else:
-            val = moment8_decode(flat, scales, key)
+        val = self._decode_m(flat, scales, _local(shape).numel()) if key == "exp_avg" else self._decode_v(flat, scales)
         flat_view(_local(out)).copy_(val)
         return out
 
@@ -183,7 +193,7 @@ class Int8Moments(MomentKind):
         if not self.has_state(st) or distributed.is_dtensor(p):
             return False
         want = like(p, torch.uint8)
-        codes = st["exp_avg_sq_code"]
+        codes = st[self.keys[1]]
         if want.stride() != codes.stride():
             st.update(self.from_fp32(p, self.to_fp32(st, "exp_avg"), self.to_fp32(st, "exp_avg_sq")))
             return True
@@ -199,22 +209,24 @@ class Int4Moments(Int8Moments):
     8-bit kind's; a bf16 scale per group of :data:`MOMENT8_GROUP` for each (1.625 B/param for both;
     6.625 B/param with the 8-bit master, bf16 param and grad).
 
-    ``exp_avg = sign(c) * s * c^2`` with ``c`` in [-7, 7] (the 8-bit law at 4 bits), stochastically
-    rounded by the kernels from the same random field; the codes are a 1-D uint8 tensor of
+    ``exp_avg``: a sign-magnitude nibble (bit 3 the sign) whose 3-bit magnitude code is on the ladder
+    of 1 mantissa bit -- ``u`` in {0, 1/2, 1, 2, 3, 5, 7, 11} -- times the group's power-of-two scale
+    (the smallest that puts the group's largest magnitude at or below 11), stochastically rounded by
+    the kernels from the same random field; the codes (state ``exp_avg_q4``) are a 1-D uint8 tensor of
     ``ceil(numel / 2)`` bytes over the param's buffer in memory order (element 2j in the low nibble
-    of byte j). ``exp_avg_sq`` stays 8-bit: every 4-bit ``exp_avg_sq`` formulation measured trains
-    outside 1 % of fp32 AdamW (``docs/fourbit_study.md``). Codec: ``mpkern.reference.moment4_*``
-    (``math.h`` ``mom4_*``).
+    of byte j). ``exp_avg_sq`` stays 8-bit (``exp_avg_sq_q8``): every 4-bit ``exp_avg_sq``
+    formulation measured trains outside 1 % of fp32 AdamW (``docs/fourbit_study.md``). Codec:
+    ``mpkern.reference_codecs.moment4_*`` (``math.h`` ``mom4_*``).
     """
 
     name, label = "4bit_m", "4-bit m + 8-bit v moments"
     codec = "4bit_m"
-    keys = ("exp_avg_code4", "exp_avg_sq_code", "exp_avg_scale", "exp_avg_sq_scale")
+    keys = ("exp_avg_q4", "exp_avg_sq_q8", "exp_avg_scale", "exp_avg_sq_scale")
     amsgrad_why = (" (max_exp_avg_sq would need its own compact codec); use state_dtype=torch.bfloat16 or "
                    "amsgrad=False")
     m_code_bytes: ClassVar[float] = 0.5
-    _CODE: ClassVar[dict[str, tuple[str, str]]] = {"exp_avg": ("exp_avg_code4", "exp_avg_scale"),
-                                                   "exp_avg_sq": ("exp_avg_sq_code", "exp_avg_sq_scale")}
+    _CODE: ClassVar[dict[str, tuple[str, str]]] = {"exp_avg": ("exp_avg_q4", "exp_avg_scale"),
+                                                   "exp_avg_sq": ("exp_avg_sq_q8", "exp_avg_sq_scale")}
 
     def _m_code(self, p: Tensor) -> Tensor:
         return torch.empty((_local_numel(p) + 1) // 2, dtype=torch.uint8, device=p.device)
@@ -228,24 +240,23 @@ class Int4Moments(Int8Moments):
 
 def check_moment8(p: Tensor, st: State, whose: str, kind: Int8Moments | None = None) -> None:
     """ValueError unless ``st``'s 8-bit (or ``kind``'s) moments fit ``p`` (codes of its numel, one
-    scale per group)."""
+    scale per group), naming the first entry that does not: missing, or of another size or dtype."""
     kind = kind if kind is not None else INT8
+    mk, vk, ms, vs = kind.keys
     n = p.numel()
-    local = _local(p).numel() if distributed.is_dtensor(st.get("exp_avg_sq_code")) else n
+    local = _local(p).numel() if distributed.is_dtensor(st.get(vk)) else n
     groups = moment8_groups(local)
     m4 = kind.m_code_bytes < 1
-    mk = kind.keys[0]
     for key, want, dtype in ((mk, (local + 1) // 2 if m4 else n, torch.uint8 if m4 else torch.int8),
-                             ("exp_avg_sq_code", n, torch.uint8),
-                             ("exp_avg_scale", groups, torch.bfloat16), ("exp_avg_sq_scale", groups, torch.bfloat16)):
+                             (vk, n, torch.uint8), (ms, groups, torch.bfloat16), (vs, groups, torch.bfloat16)):
         t = st.get(key)
         if not isinstance(t, Tensor) or t.numel() != want or t.dtype != dtype:
             got = "missing" if not isinstance(t, Tensor) else f"{t.numel()} elements of {t.dtype}"
             what = ("4-bit exp_avg: two codes per byte, 8-bit exp_avg_sq" if m4 else "8-bit moments: one code per "
                     "element")
             raise ValueError(f"FusedAdamWMP.load_state_dict: {whose} {key} is {got}; a param of shape "
-                             f"{tuple(p.shape)} needs {want} elements of {dtype} ({what}, one bf16 scale per "
-                             f"{MOMENT8_GROUP})")
+                             f"{tuple(p.shape)} needs {want} elements of {dtype} ({kind.label}; {what}, one bf16 "
+                             f"scale per {MOMENT8_GROUP})")
 
 
 INT8 = Int8Moments()
