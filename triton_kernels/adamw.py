@@ -12,10 +12,13 @@ device in fp64 (beta^t by math.h's pow_int, ``_beta_pow_kernel``) with torch ops
 (``tables.py``); per (param, grad, state) dtype combination one launch over the rows whose buffers
 are all 16-byte aligned (the compiler is told, and uses 16-byte accesses) and one over the few
 unaligned head/tail elements. Nothing is written when found_inf != 0. bf16 moments are stored with
-stochastic rounding; 8-bit moments (int8 / uint8 codes, a bf16 scale per 32 elements: math.h
-mom8_*; the 4-bit exp_avg of mom4_*, two codes per byte) are processed as [BLOCK // 32, 32] blocks,
-the group amax a tl.max along axis 1 of the integer bits; random bits are a hash of (seed, stream
-id, elem_offset + element, step, purpose), the keys computed once per row.
+stochastic rounding; 8-bit moments and the 4-bit exp_avg are math.h's ladder codes (Ladder,
+ladder_*, mom8_*, mom4_*: a power-of-two bf16 scale per 32 elements from the group amax's bits by
+integer operations; a code from the fp32 bits of |x| / s + 1 with the dither added below the kept
+mantissa bits; sign-magnitude exp_avg codes, bit 7 of the byte / bit 3 of the nibble, two nibbles per
+byte; the codes of a group with a non-finite moment, whose scale is NaN, zeroed), processed as
+[BLOCK // 32, 32] blocks, the group amax a tl.max along axis 1 of the integer bits; random bits are a
+hash of (seed, stream id, elem_offset + element, step, purpose), the keys computed once per row.
 """
 
 from __future__ import annotations
@@ -36,13 +39,16 @@ _CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # random stream id, global index of the tensor's element 0 in that stream, exp_avg scales,
 # exp_avg_sq scales (8-bit moments; else 0)
 _ROW = 14
-MOM8 = 8  # moment code of the 8-bit companded moments (math.h kMom8)
+MOM8 = 8  # moment code of the 8-bit moments (math.h kMom8)
 MOM4 = 9  # ... of the 4-bit exp_avg + 8-bit exp_avg_sq (math.h kMom4)
 GROUP = 32
-_KM = tl.constexpr(float.fromhex("0x1.040c2p-14"))  # fp32(1 / 127^2), math.h kMom8KM
-_KM4 = tl.constexpr(float.fromhex("0x1.4e5e0ap-6"))  # fp32(1 / 49), math.h kMom4KM
-_KV = tl.constexpr(float.fromhex("0x1.040a14p-32"))  # fp32(1 / 255^4), math.h kMom8KV
-_Q255 = tl.constexpr(4228250624.0)  # fp32(255^4)
+# math.h Ladder: mantissa bits of the 8-bit (4) and 4-bit (1) ladders; floor(log2 u_max) and u_max's 23
+# mantissa bits of the 8-bit exp_avg (u_max 247), 8-bit exp_avg_sq (63487) and 4-bit exp_avg (11)
+_MB8, _MB4 = tl.constexpr(4), tl.constexpr(1)
+_M8_EXP, _M8_MANT = tl.constexpr(7), tl.constexpr(0x770000)
+_V8_EXP, _V8_MANT = tl.constexpr(15), tl.constexpr(0x77FF00)
+_M4_EXP, _M4_MANT = tl.constexpr(3), tl.constexpr(0x300000)
+_NAN_SCALE = tl.constexpr(0x7FC0)  # math.h kMom8NaNScale: the scale of a group with a non-finite moment
 assert CHUNK % GROUP == 0 and BLOCK % GROUP == 0
 
 
@@ -138,67 +144,62 @@ def _master8_encode(w, rw, PDT: tl.constexpr):
 
 
 @triton.jit
-def _mom8_scale_bits(amax, K: tl.constexpr):
-    """mom8_scale_bits of math.h: bf16 bits (uint32) of bf16_round_up(amax * K); NaN (0x7fc0) for a
-    non-finite group. amax: int32 max of (bits & 0x7fffffff)."""
-    b = (amax.to(tl.float32, bitcast=True) * K).to(tl.uint32, bitcast=True)
-    b = tl.where((b & 0xFFFF) != 0, b + 0x10000, b) >> 16
-    return tl.where(amax >= 0x7F800000, 0x7FC0, b).to(tl.uint32)
+def _ladder_scale_bits(amax, UEXP: tl.constexpr, UMANT: tl.constexpr):
+    """ladder_scale_bits of math.h: bf16 bits (uint32) of the smallest power of two s = 2^e with
+    amax / s <= u_max (u_max = 1.UMANT * 2^UEXP), e >= -126, from amax's bits with integer operations
+    (the carry into the exponent is 1 exactly when amax's mantissa exceeds u_max's); NaN (0x7fc0) for
+    a non-finite group, 0 for a group of zeros (its 1 / s is 2^127: every code 0). amax: int32 max of
+    (bits & 0x7fffffff)."""
+    a = amax.to(tl.uint32, bitcast=True)
+    e = ((a + (0x7FFFFF - UMANT)) >> 23).to(tl.int32) - UEXP
+    b = tl.where(a == 0, 0, tl.maximum(e, 1) << 7).to(tl.uint32)
+    return tl.where(a >= 0x7F800000, _NAN_SCALE, b).to(tl.uint32)
 
 
 @triton.jit
-def _mom8_inv(b):
-    """mom8_inv_scale: 1 / s (IEEE), 0 for a zero or NaN scale."""
-    zero = (b == 0) | (b == 0x7FC0)
-    s = tl.where(zero, 0x3F800000, b << 16).to(tl.float32, bitcast=True)
-    return tl.where(zero, 0.0, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s))
+def _ladder_inv(b):
+    """ladder_inv_scale of math.h: 1 / s of scale bits b (exact, from the exponent; 2^127 for the zero
+    scale); 0 for the NaN scale (its group's codes are zeroed)."""
+    inv = ((254 - (b >> 7)) << 23).to(tl.float32, bitcast=True)
+    return tl.where(b == _NAN_SCALE, 0.0, inv)
 
 
 @triton.jit
-def _mom8_encode_m(m, inv, r16, TOP: tl.constexpr):
-    """mom_encode_sq of math.h: exp_avg codes in [-TOP, TOP] (127: the 8-bit int8 codes, 7: the 4-bit
-    ones, as int32 there), stochastic rounding between k^2 and (k+1)^2."""
-    y = tl.abs(m) * inv
-    big = y >= TOP * TOP
-    pos = y > 0.0
-    y = tl.where(big | ~pos, 1.0, y)  # keeps sqrt/floor of the discarded lanes finite
-    k = tl.floor(tl.sqrt_rn(y))
-    k = tl.where(k * k > y, k - 1.0, k)
-    kp = k + 1.0
-    k = tl.where(kp * kp <= y, k + 1.0, k)
-    d = y - k * k
-    w = 2.0 * k + 1.0
-    c = tl.where(r16.to(tl.float32) * w < d * 65536.0, k + 1.0, k)
-    c = tl.where(big, TOP * 1.0, c)
-    c = tl.where(pos, c, 0.0)
-    c = tl.where(m < 0.0, -c, c)
-    return c.to(tl.int32)
+def _ladder_value(q, MB: tl.constexpr):
+    """ladder_value of math.h: u(q) = F(q) - 1 of uint32 magnitude codes, F(q) the fp32 number with
+    bits bits(1.0) + (q << (23 - MB)) (exact)."""
+    return (0x3F800000 + (q << (23 - MB))).to(tl.float32, bitcast=True) - 1.0
 
 
 @triton.jit
-def _q4(k):
-    k2 = k * k
-    return k2 * k2
+def _ladder_encode(ax, inv, r16, MB: tl.constexpr):
+    """ladder_encode of math.h: uint32 magnitude code of |x| (ax) given inv = 1 / s and 16 random bits
+    (uint32): z = ax * inv + 1 (the product exact, no fma: enable_fp_fusion=False), the dither added
+    below z's MB kept mantissa bits, truncated."""
+    z = ax * inv + 1.0
+    return (z.to(tl.uint32, bitcast=True) + (r16 << (7 - MB)) - 0x3F800000) >> (23 - MB)
+
+
+@triton.jit
+def _sm_decode(c, s, MB: tl.constexpr, SIGN: tl.constexpr):
+    """mom8_decode_m (MB 4, SIGN 7) / mom4_decode_m (MB 1, SIGN 3) of math.h: the sign-magnitude code c
+    (uint32 < 2^(SIGN + 1)) as u(c's magnitude) * s with the sign bit OR-ed in."""
+    x = _ladder_value(c & ((1 << SIGN) - 1), MB) * s
+    return (x.to(tl.uint32, bitcast=True) | ((c >> SIGN) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _sm_encode(m, inv, r16, MB: tl.constexpr, SIGN: tl.constexpr):
+    """mom8_encode_m (MB 4, SIGN 7: the byte) / mom4_encode_m (MB 1, SIGN 3: the nibble) of math.h:
+    the magnitude code of |m| with m's sign bit at bit SIGN (uint32)."""
+    return _ladder_encode(tl.abs(m), inv, r16, MB) | ((m.to(tl.uint32, bitcast=True) >> 31) << SIGN)
 
 
 @triton.jit
 def _mom8_encode_v(v, inv, r16):
-    """mom8_encode_v of math.h: uint8 exp_avg_sq codes between k^4 and (k+1)^4; v > 0 gives >= 1."""
-    y = v * inv
-    big = y >= _Q255
-    pos = y > 0.0
-    y = tl.where(big | ~pos, 1.0, y)
-    k = tl.floor(tl.sqrt_rn(tl.sqrt_rn(y)))
-    k = tl.where(_q4(k) > y, k - 1.0, k)
-    k = tl.where(_q4(k + 1.0) <= y, k + 1.0, k)
-    q = _q4(k)
-    d = y - q
-    w = _q4(k + 1.0) - q
-    c = tl.where(r16.to(tl.float32) * w < d * 65536.0, k + 1.0, k)
-    c = tl.maximum(c, 1.0)
-    c = tl.where(big, 255.0, c)
-    c = tl.where(pos, c, 0.0)
-    return c.to(tl.int32).to(tl.uint8)
+    """mom8_encode_v of math.h: uint32 exp_avg_sq code of v >= 0; a positive v gets at least code 1."""
+    q = _ladder_encode(v, inv, r16, _MB8)
+    return tl.where((q == 0) & (v > 0.0), 1, q).to(tl.uint32)
 
 
 @triton.jit
@@ -269,7 +270,7 @@ def _adamw_kernel(
         if MAXIMIZE:
             factor = -factor
         if SDT == 8 or SDT == 9:  # 8/4-bit moments: codes + one bf16 scale per group of 32 (rows start at a group)
-            cm_ptr = _int8_ptr(tl.load(base + 2), ALIGNED)
+            cm_ptr = _uint8_ptr(tl.load(base + 2), ALIGNED)
             cm4_ptr = _uint8_ptr(tl.load(base + 2), False)
             cv_ptr = _uint8_ptr(tl.load(base + 3), ALIGNED)
             sm_ptr = _ptr_at(base, 12, 2, False)
@@ -304,15 +305,12 @@ def _adamw_kernel(
             if SDT == 8 or SDT == 9:
                 s_m = (tl.load(sm_ptr + gi, mask=gmask, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
                 s_v = (tl.load(sv_ptr + gi, mask=gmask, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-                if SDT == 9:  # the nibble of element idx in byte idx // 2, a signed 4-bit code
+                if SDT == 9:  # the nibble of element idx in byte idx // 2 (mom4_code), sign-magnitude
                     nib = (tl.load(cm4_ptr + (idx >> 1), mask=mask, other=0).to(tl.int32) >> ((idx & 1) * 4)) & 0xF
-                    fm = tl.where(nib >= 8, nib - 16, nib).to(tl.float32)
-                else:
-                    fm = tl.load(cm_ptr + idx, mask=mask, other=0).to(tl.float32)
-                fv = tl.load(cv_ptr + idx, mask=mask, other=0).to(tl.float32)
-                m = s_m[:, None] * (fm * tl.abs(fm))
-                fv2 = fv * fv
-                v = (s_v[:, None] * fv2) * fv2
+                    m = _sm_decode(nib.to(tl.uint32), s_m[:, None], _MB4, 3)
+                else:  # a sign-magnitude byte
+                    m = _sm_decode(tl.load(cm_ptr + idx, mask=mask, other=0).to(tl.uint32), s_m[:, None], _MB8, 7)
+                v = _ladder_value(tl.load(cv_ptr + idx, mask=mask, other=0).to(tl.uint32), _MB8) * s_v[:, None]
             else:
                 m = load_f32(m_ptr, idx, mask, SDT)
                 v = load_f32(v_ptr, idx, mask, SDT)
@@ -334,19 +332,26 @@ def _adamw_kernel(
             if SDT == 8 or SDT == 9:
                 am = tl.max(tl.where(mask, m.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0), axis=1)
                 av = tl.max(tl.where(mask, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0), axis=1)
-                bm = _mom8_scale_bits(am, _KM4 if SDT == 9 else _KM)
-                bv = _mom8_scale_bits(av, _KV)
+                if SDT == 9:
+                    bm = _ladder_scale_bits(am, _M4_EXP, _M4_MANT)
+                else:
+                    bm = _ladder_scale_bits(am, _M8_EXP, _M8_MANT)
+                bv = _ladder_scale_bits(av, _V8_EXP, _V8_MANT)
+                okm = (bm != _NAN_SCALE)[:, None]  # a NaN-scale group's codes are 0
+                okv = (bv != _NAN_SCALE)[:, None]
                 if SDT == 9:
                     # codes of masked (past-the-end) elements are 0: an odd tail's high nibble is 0
-                    cm = tl.where(mask, _mom8_encode_m(m, _mom8_inv(bm)[:, None], _rand_b16(rw), 7), 0) & 0xF
+                    cm = tl.where(mask & okm, _sm_encode(m, _ladder_inv(bm)[:, None], _rand_b16(rw), _MB4, 3), 0)
+                    cm = cm.to(tl.int32)
                     pairs = tl.reshape(cm, (BLOCK // 32, 16, 2))
                     byte = tl.sum(pairs * tl.where(tl.arange(0, 2) == 0, 1, 16)[None, None, :], axis=2)
                     bidx = gi[:, None] * 16 + tl.arange(0, 16)[None, :]
                     tl.store(cm4_ptr + bidx, byte.to(tl.uint8), mask=bidx * 2 < end)
                 else:
-                    tl.store(cm_ptr + idx, _mom8_encode_m(m, _mom8_inv(bm)[:, None], _rand_b16(rw), 127).to(tl.int8),
-                             mask=mask)
-                tl.store(cv_ptr + idx, _mom8_encode_v(v, _mom8_inv(bv)[:, None], _rand_c16(rw)), mask=mask)
+                    cm = tl.where(okm, _sm_encode(m, _ladder_inv(bm)[:, None], _rand_b16(rw), _MB8, 7), 0)
+                    tl.store(cm_ptr + idx, cm.to(tl.uint8), mask=mask)
+                cv = tl.where(okv, _mom8_encode_v(v, _ladder_inv(bv)[:, None], _rand_c16(rw)), 0)
+                tl.store(cv_ptr + idx, cv.to(tl.uint8), mask=mask)
                 tl.store(sm_ptr + gi, bm.to(tl.uint16), mask=gmask)
                 tl.store(sv_ptr + gi, bv.to(tl.uint16), mask=gmask)
             elif SDT == 2:
