@@ -132,12 +132,14 @@ def master8_encode(w: Tensor, dtype: torch.dtype, word: Tensor | None = None) ->
     return p, c.to(torch.int8)
 
 
-# ---- 8-bit companded moments (math.h mom8_*) --------------------------------------------------------
+# ---- 8-bit moments and the 4-bit exp_avg: ladder codes (math.h Ladder, ladder_*, mom8_*, mom4_*) ----------
 MOM8_GROUP = 32
-MOM8_KM = float.fromhex("0x1.040c2p-14")  # fp32(1 / 127^2): exp_avg scale per unit of the group max
-MOM8_KV = float.fromhex("0x1.040a14p-32")  # fp32(1 / 255^4): exp_avg_sq scale per unit of the group max
 MOM8_NAN_SCALE = 0x7FC0
-_Q255 = float(torch.tensor(65025.0) * torch.tensor(65025.0))  # fp32(255^4)
+#: (mantissa bits b, top magnitude code, floor(log2 u_max), u_max's 23 mantissa bits) of math.h's ladders
+LADDER_M8 = (4, 127, 7, 0x770000)  # exp_avg, 8-bit: u_max = 247
+LADDER_V8 = (4, 255, 15, 0x77FF00)  # exp_avg_sq, 8-bit: u_max = 63487
+LADDER_M4 = (1, 7, 3, 0x300000)  # exp_avg, 4-bit: u_max = 11
+_ONE_BITS = 0x3F800000
 
 
 def moment8_groups(numel: int) -> int:
@@ -154,122 +156,120 @@ def _grouped(x: Tensor) -> Tensor:
     return x.reshape(-1, MOM8_GROUP)
 
 
-def _scale_bits(x: Tensor, k: float) -> Tensor:
-    """int32 bf16 bits of the scales of grouped fp32 ``x`` [G, 32] (mom8_scale_bits)."""
-    amax = (x.view(torch.int32) & 0x7FFFFFFF).amax(dim=1)  # NaN > inf > finite, as bits
-    b = (amax.view(torch.float32) * k).view(torch.int32).to(torch.int64)  # >= 0: no sign bit
-    b = torch.where((b & 0xFFFF) != 0, b + 0x10000, b) >> 16
-    return torch.where(amax >= 0x7F800000, torch.full_like(b, MOM8_NAN_SCALE), b).to(torch.int32)
+def _bits(x: Tensor) -> Tensor:
+    """fp32 bit patterns as int64 values in [0, 2^32)."""
+    return x.view(torch.int32).to(torch.int64) & _M32
+
+
+def ladder_scale_bits(x: Tensor, ladder: tuple[int, int, int, int]) -> Tensor:
+    """math.h ``ladder_scale_bits`` of grouped fp32 ``x`` [G, 32]: int64 bf16 bits of each group's
+    scale, the smallest power of two 2^e (e >= -126) with amax / 2^e <= u_max; 0 for a group of zeros,
+    NaN (0x7fc0) for a group holding a non-finite value."""
+    _, _, uexp, umant = ladder
+    amax = (_bits(x) & 0x7FFFFFFF).amax(dim=1)  # NaN > inf > finite, as bits
+    e = ((amax + (0x7FFFFF - umant)) >> 23) - uexp
+    b = torch.where(amax == 0, torch.zeros_like(e), e.clamp(min=1) << 7)  # a group of zeros: scale 0
+    return torch.where(amax >= 0x7F800000, torch.full_like(b, MOM8_NAN_SCALE), b)
 
 
 def _bits_to_bf16(b: Tensor) -> Tensor:
-    return b.to(torch.int16).view(torch.bfloat16)  # int32 -> int16 keeps the low bits
+    return b.to(torch.int32).to(torch.int16).view(torch.bfloat16)  # int32 -> int16 keeps the low bits
 
 
-def _inv_scale(b: Tensor) -> Tensor:
-    """mom8_inv_scale: 1 / s, or 0 for a zero or NaN scale."""
-    s = (b << 16).view(torch.float32)
-    inv = torch.div(torch.ones_like(s), s)
-    return torch.where((b == 0) | (b == MOM8_NAN_SCALE), torch.zeros_like(s), inv)
+def ladder_inv_scale(b: Tensor) -> Tensor:
+    """math.h ``ladder_inv_scale``: 1 / s (exact) of int64 bf16 scale bits; 0 for the NaN scale."""
+    inv = _as_f32((254 - (b >> 7)).clamp(min=0) << 23)
+    return torch.where(b == MOM8_NAN_SCALE, torch.zeros_like(inv), inv)
 
 
-def _q4(k: Tensor) -> Tensor:
-    k2 = k * k
-    return k2 * k2
+def ladder_value(q: Tensor, mbits: int) -> Tensor:
+    """math.h ``ladder_value``: u(q) = F(q) - 1 of int64 magnitude codes (fp32, exact)."""
+    return _as_f32(_ONE_BITS + (q << (23 - mbits))) - 1.0
 
 
-def _encode_m(m: Tensor, inv: Tensor, r16: Tensor, top: float = 127.0) -> Tensor:
-    """mom_encode_sq on grouped m [G, 32], inv [G, 1], r16 int [G, 32] -> int8 codes in [-top, top]
-    (top 127: the 8-bit exp_avg, 7: the 4-bit one)."""
-    y = m.abs() * inv
-    k = torch.floor(torch.sqrt(y))
-    k = torch.where(k * k > y, k - 1.0, k)
-    kp = k + 1.0
-    k = torch.where(kp * kp <= y, k + 1.0, k)
-    d = y - k * k
-    w = 2.0 * k + 1.0
-    c = torch.where(r16.to(torch.float32) * w < d * 65536.0, k + 1.0, k)
-    c = torch.where(y >= top * top, torch.full_like(c, top), c)
-    c = torch.where(y > 0, c, torch.zeros_like(c))
-    c = torch.where(m < 0, -c, c)
-    return c.to(torch.int8)
+def ladder_encode(ax: Tensor, inv: Tensor, r16: Tensor, mbits: int) -> Tensor:
+    """math.h ``ladder_encode``: int64 magnitude codes of |x| (``ax``) given 1 / s and 16 random bits
+    per element (int64): the dither added below the kept mantissa bits of fp32(|x| / s + 1)."""
+    z = ax * inv + 1.0  # the product is exact (a power of two), the sum one fp32 rounding
+    return (_bits(z) + (r16 << (7 - mbits)) - _ONE_BITS) >> (23 - mbits)
 
 
-def _encode_v(v: Tensor, inv: Tensor, r16: Tensor) -> Tensor:
-    """mom8_encode_v on grouped v [G, 32] -> uint8 codes (a positive v gets at least code 1)."""
-    y = v * inv
-    k = torch.floor(torch.sqrt(torch.sqrt(y)))
-    k = torch.where(_q4(k) > y, k - 1.0, k)
-    k = torch.where(_q4(k + 1.0) <= y, k + 1.0, k)
-    q = _q4(k)
-    d = y - q
-    w = _q4(k + 1.0) - q
-    c = torch.where(r16.to(torch.float32) * w < d * 65536.0, k + 1.0, k)
-    c = torch.clamp(c, min=1.0)
-    c = torch.where(y >= _Q255, torch.full_like(c, 255.0), c)
-    c = torch.where(y > 0, c, torch.zeros_like(c))
-    return c.to(torch.uint8)
+def _r16_grouped(r16: Tensor | int | None, like: Tensor) -> Tensor:
+    """The encoders' 16 random bits per element as int64 ``[G, 32]`` (None: 0x8000, round to nearest)."""
+    if r16 is None or isinstance(r16, int):
+        return torch.full(like.shape, 0x8000 if r16 is None else int(r16) & 0xFFFF, dtype=torch.int64,
+                          device=like.device)
+    return _grouped(r16.reshape(-1).to(torch.int64))
+
+
+def _encode_group(x: Tensor, r: Tensor, ladder: tuple[int, int, int, int], sign_at: int | None,
+                  at_least_one: bool = False) -> tuple[Tensor, Tensor]:
+    """(int64 codes [G, 32], int64 scale bits [G]) of grouped fp32 ``x``: magnitude codes of the ladder,
+    the sign bit at ``sign_at`` (None: unsigned), the codes of a NaN-scale group 0."""
+    b = ladder_scale_bits(x, ladder)
+    q = ladder_encode(x.abs(), ladder_inv_scale(b)[:, None], r, ladder[0])
+    if at_least_one:
+        q = torch.where((q == 0) & (x > 0), torch.ones_like(q), q)
+    if sign_at is not None:
+        q = q | ((_bits(x) >> 31) << sign_at)
+    return torch.where((b == MOM8_NAN_SCALE)[:, None], torch.zeros_like(q), q), b
+
+
+def _decode_group(q: Tensor, s: Tensor, mbits: int, sign_at: int | None) -> Tensor:
+    """fp32 values of grouped int64 codes ``q`` [G, 32] with fp32 scales ``s`` [G, 1]."""
+    mag = q if sign_at is None else q & ((1 << sign_at) - 1)
+    x = ladder_value(mag, mbits) * s
+    if sign_at is None:
+        return x
+    return _as_f32(_bits(x) | (((q >> sign_at) & 1) << 31))
 
 
 def moment8_decode(codes: Tensor, scales: Tensor) -> Tensor:
     """The fp32 moment of 8-bit codes and their bf16 scales (one per 32 consecutive elements of the
     flattened codes, from element 0): float32 tensor of ``codes.shape`` on ``codes``' device.
 
-    * ``codes.dtype == torch.int8`` (exp_avg):   ``sign(c) * s * c^2``  (exact in fp32);
-    * ``codes.dtype == torch.uint8`` (exp_avg_sq): ``(s * c^2) * c^2``.
-    A group whose scale is NaN decodes as NaN."""
+    * ``codes.dtype == torch.int8`` (exp_avg): sign-magnitude byte, ``+-u(c & 0x7f) * s``;
+    * ``codes.dtype == torch.uint8`` (exp_avg_sq): ``u(c) * s``;
+    with ``u`` the 4-mantissa-bit ladder (math.h ``ladder_value``). A group whose scale is NaN decodes as NaN."""
     if codes.dtype not in (torch.int8, torch.uint8):
         raise TypeError(f"moment8_decode: codes must be int8 (exp_avg) or uint8 (exp_avg_sq), got {codes.dtype}")
     if scales.dtype != torch.bfloat16 or scales.numel() != moment8_groups(codes.numel()):
         raise ValueError(f"moment8_decode: scales must be bfloat16 with ceil(numel / 32) = "
                          f"{moment8_groups(codes.numel())} elements, got {scales.dtype} with {scales.numel()}")
     n = codes.numel()
-    s = scales.reshape(-1, 1).float()
-    f = _grouped(codes.reshape(-1).to(torch.float32))
-    if codes.dtype == torch.int8:
-        x = s * (f * f.abs())
-    else:
-        f2 = f * f
-        x = (s * f2) * f2
+    q = _grouped(codes.reshape(-1).view(torch.uint8).to(torch.int64))
+    x = _decode_group(q, scales.reshape(-1, 1).float(), 4, 7 if codes.dtype == torch.int8 else None)
     return x.reshape(-1)[:n].reshape(codes.shape)
 
 
 def moment8_encode(values: Tensor, kind: str, r16: Tensor | int | None = None) -> tuple[Tensor, Tensor]:
     """Quantize an fp32 moment to 8-bit codes and bf16 scales, exactly as the kernels store it.
 
-    ``kind``: ``"exp_avg"`` (int8 codes, signed values) or ``"exp_avg_sq"`` (uint8 codes, values >= 0).
-    ``r16``: the 16 random bits per element (an int64 tensor of ``values.shape`` with values in
-    [0, 2^16), or one int for all); None = 32768, which rounds to the nearest code value (ties
-    down) -- the deterministic choice for checkpoint conversion. Random bits give the kernels'
-    unbiased stochastic rounding. Returns ``(codes of values.shape, scales [ceil(numel / 32)])``."""
+    ``kind``: ``"exp_avg"`` (int8 sign-magnitude codes) or ``"exp_avg_sq"`` (uint8 codes, values >= 0;
+    a positive value gets at least code 1). ``r16``: the 16 random bits per element (an int64 tensor
+    of ``values.shape`` with values in [0, 2^16), or one int for all); None = 0x8000, which rounds to
+    the nearest code value (ties up) -- the deterministic choice for checkpoint conversion. Random
+    bits give the kernels' unbiased stochastic rounding. Returns ``(codes of values.shape, scales
+    [ceil(numel / 32)])``."""
     if kind not in ("exp_avg", "exp_avg_sq"):
         raise ValueError(f"moment8_encode: kind must be 'exp_avg' or 'exp_avg_sq', got {kind!r}")
     n = values.numel()
     x = _grouped(values.detach().reshape(-1).to(torch.float32))
     r = _r16_grouped(r16, x)
     if kind == "exp_avg":
-        b = _scale_bits(x, MOM8_KM)
-        codes = _encode_m(x, _inv_scale(b)[:, None], r)
+        q, b = _encode_group(x, r, LADDER_M8, 7)
+        codes = q.to(torch.uint8).view(torch.int8)
     else:
-        b = _scale_bits(x, MOM8_KV)
-        codes = _encode_v(x, _inv_scale(b)[:, None], r)
+        q, b = _encode_group(x, r, LADDER_V8, None, at_least_one=True)
+        codes = q.to(torch.uint8)
     return codes.reshape(-1)[:n].reshape(values.shape), _bits_to_bf16(b)
-
-
-MOM4_KM = float.fromhex("0x1.4e5e0ap-6")  # fp32(1 / 49): 4-bit exp_avg scale per unit of the group max
-
-
-def _r16_grouped(r16: Tensor | int | None, like: Tensor) -> Tensor:
-    """The encoders' 16 random bits per element as fp32 ``[G, 32]`` (None: 32768, round to nearest)."""
-    if r16 is None or isinstance(r16, int):
-        return torch.full_like(like, 32768.0 if r16 is None else float(int(r16) & 0xFFFF))
-    return _grouped(r16.reshape(-1).to(torch.float32))
 
 
 def moment4_decode(packed: Tensor, scales: Tensor, numel: int) -> Tensor:
     """The fp32 ``exp_avg`` of ``numel`` elements from 4-bit codes (uint8 ``packed``, two per byte:
-    element 2j in the low nibble of byte j, 2j + 1 in the high one, each a signed 4-bit code c in
-    [-7, 7]) and their bf16 scales (one per 32 elements): ``sign(c) * s * c^2`` (exact in fp32), 1-D."""
+    element 2j in the low nibble of byte j, 2j + 1 in the high one, each a sign-magnitude nibble: bit 3
+    the sign, bits 0-2 the code of the 1-mantissa-bit ladder, values 0, 1/2, 1, 2, 3, 5, 7, 11) and their
+    bf16 scales (one per 32 elements): ``+-u(c) * s`` (exact in fp32), 1-D."""
     numel = int(numel)
     if packed.dtype != torch.uint8 or packed.numel() != (numel + 1) // 2:
         raise ValueError(f"moment4_decode: packed must be uint8 with ceil(numel / 2) = {(numel + 1) // 2} bytes, "
@@ -277,24 +277,22 @@ def moment4_decode(packed: Tensor, scales: Tensor, numel: int) -> Tensor:
     if scales.dtype != torch.bfloat16 or scales.numel() != moment8_groups(numel):
         raise ValueError(f"moment4_decode: scales must be bfloat16 with ceil(numel / 32) = {moment8_groups(numel)} "
                          f"elements, got {scales.dtype} with {scales.numel()}")
-    b = packed.reshape(-1).to(torch.int32)
+    b = packed.reshape(-1).to(torch.int64)
     nib = torch.stack([b & 0xF, b >> 4], dim=1).reshape(-1)[:numel]
-    c = torch.where(nib >= 8, nib - 16, nib).to(torch.float32)
-    f = _grouped(c)
-    x = scales.reshape(-1, 1).float() * (f * f.abs())
+    x = _decode_group(_grouped(nib), scales.reshape(-1, 1).float(), 1, 3)
     return x.reshape(-1)[:numel]
 
 
 def moment4_encode(values: Tensor, r16: Tensor | int | None = None) -> tuple[Tensor, Tensor]:
     """4-bit ``exp_avg`` codes of fp32 ``values`` exactly as the kernels store them: ``(packed uint8
-    [ceil(numel / 2)], bf16 scales [ceil(numel / 32)])``; scale ``bf16_round_up(amax / 49)``, the
-    code rounded stochastically between neighbouring values from ``r16`` (as :func:`moment8_encode`;
-    None rounds to the nearest value)."""
+    [ceil(numel / 2)], bf16 scales [ceil(numel / 32)])``; the scale the smallest power of two that
+    puts the group's maximum at or below the top value 11, each code rounded stochastically between
+    neighbouring values from ``r16`` (as :func:`moment8_encode`; None rounds to the nearest value)."""
     n = values.numel()
     x = _grouped(values.detach().reshape(-1).to(torch.float32))
-    b = _scale_bits(x, MOM4_KM)
-    c = _encode_m(x, _inv_scale(b)[:, None], _r16_grouped(r16, x), 7.0).reshape(-1)[:n].to(torch.int32)
+    q, b = _encode_group(x, _r16_grouped(r16, x), LADDER_M4, 3)
+    c = q.reshape(-1)[:n]
     if n % 2:
         c = torch.cat([c, c.new_zeros(1)])
-    pairs = (c & 0xF).reshape(-1, 2)
+    pairs = c.reshape(-1, 2)
     return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8), _bits_to_bf16(b)

@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 
+import _ladder64
 import mpkern
 from conftest import DEVICE
 from mpkern import FusedAdamWMP
@@ -48,25 +49,21 @@ def test_8bit_master_moves_small_updates_in_expectation():
     assert abs(float(moved) - want) <= 0.05 * want, (float(moved), want)
 
 
-def _nibbles64(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """The signed 4-bit codes of n elements, two per byte (element 2j: low nibble of byte j), float64."""
-    b = packed.reshape(-1).cpu().long()
-    nib = torch.stack([b % 16, b // 16], dim=1).reshape(-1)[:n]
-    return torch.where(nib >= 8, nib - 16, nib).double()
-
-
 def _decode64(st: dict, key: str) -> torch.Tensor:
-    """8-bit (and 4-bit exp_avg) moments in their documented format, in float64: exp_avg = sign(c)
-    s c^2, exp_avg_sq = s c^4, a bf16 scale per 32 consecutive elements of the buffer (memory
-    order); the 4-bit exp_avg (state "exp_avg_q4") two codes per byte, laid out as exp_avg_sq."""
-    codes = st["exp_avg_sq_q8"] if key == "exp_avg" and "exp_avg_q4" in st else st[key + "_q8"]
-    if codes is st["exp_avg_sq_q8"] and key == "exp_avg":
-        flat = _nibbles64(st["exp_avg_q4"], codes.numel())
+    """8-bit (and 4-bit exp_avg) moments in their documented format, in float64 (tests/_ladder64.py:
+    +-u(q) s on the 4- or 1-mantissa-bit ladder, a bf16 scale per 32 consecutive elements of the
+    buffer in memory order); the 4-bit exp_avg (state "exp_avg_q4") two codes per byte, laid out as
+    exp_avg_sq."""
+    shape = st["exp_avg_sq_q8"]  # laid out like the param
+    flat_codes = shape.as_strided((shape.numel(),), (1,), shape.storage_offset())
+    if key == "exp_avg" and "exp_avg_q4" in st:
+        val = _ladder64.decode64(st["exp_avg_q4"], st["exp_avg_scale"], "m4", shape.numel())
+    elif key == "exp_avg":
+        q8 = st["exp_avg_q8"]
+        val = _ladder64.decode64(q8.as_strided((q8.numel(),), (1,), q8.storage_offset()), st["exp_avg_scale"], "m8")
     else:
-        flat = codes.as_strided((codes.numel(),), (1,), codes.storage_offset()).double().cpu()
-    s = st[key + "_scale"].double().cpu().repeat_interleave(32)[: flat.numel()]
-    val = s * flat.abs() ** (2 if key == "exp_avg" else 4) * flat.sign()
-    out = torch.empty_like(codes, dtype=torch.float64, device="cpu")
+        val = _ladder64.decode64(flat_codes, st["exp_avg_sq_scale"], "v8")
+    out = torch.empty_like(shape, dtype=torch.float64, device="cpu")
     out.as_strided((out.numel(),), (1,), out.storage_offset()).copy_(val)
     return out
 

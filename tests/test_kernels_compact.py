@@ -22,6 +22,7 @@ from functools import partial
 import pytest
 import torch
 
+import _ladder64
 from conftest import DEVICE, HAS_CUDA, available_backends, call_adamw_op, kernel_path
 from mpkern import _backend, _ops, reference, reference_codecs
 
@@ -476,9 +477,9 @@ def test_cuda_and_triton_on_gpu_bit_identical():
     assert {"cuda", "triton"} <= set(_kernel_backends())
 
 
-# ---- 8-bit companded moments (int8 exp_avg, uint8 exp_avg_sq, a bf16 scale per 32 elements) -------
+# ---- 8-bit ladder moments (int8 exp_avg, uint8 exp_avg_sq, a bf16 scale per 32 elements) ---------
 G32 = 32
-KM64, KV64 = 1.0 / 127**2, 1.0 / 255**4
+UM8, UV8 = _ladder64.umax("m8"), _ladder64.umax("v8")  # the top values in scale units (247, 63487)
 
 
 def _ngroups(n):
@@ -486,22 +487,21 @@ def _ngroups(n):
 
 
 def _decode64(codes, scales):
-    """float64 decode written here: sign(c) c^2 s (int8) or c^4 s (uint8), per group of 32."""
-    c = codes.reshape(-1).double().cpu()
-    s = scales.reshape(-1).double().cpu().repeat_interleave(G32)[:c.numel()]
-    return (s * c * c.abs()) if codes.dtype == torch.int8 else s * c**4
+    """float64 decode (tests/_ladder64.py): +-u(c & 0x7f) s (int8) or u(c) s (uint8), per group of 32."""
+    return _ladder64.decode64(codes, scales, "m8" if codes.dtype == torch.int8 else "v8")
 
 
 def _mom8_state(n, gen, zero=False):
-    """Codes and scales of a random 8-bit moment pair (m ~ 1e-2, v ~ 1e-4 in magnitude)."""
+    """Codes and scales of a random 8-bit moment pair (m ~ 1e-2, v ~ 1e-4 in magnitude); the scales are
+    arbitrary bf16 values (the kernels decode any, and store powers of two)."""
     g = _ngroups(n)
     if zero:
         return (torch.zeros(n, dtype=torch.int8, device=DEVICE), torch.zeros(n, dtype=torch.uint8, device=DEVICE),
                 torch.zeros(g, dtype=BF16, device=DEVICE), torch.zeros(g, dtype=BF16, device=DEVICE))
-    cm = torch.randint(-127, 128, (n,), generator=gen, dtype=torch.int8)
+    cm = torch.randint(0, 256, (n,), generator=gen).to(torch.uint8).view(torch.int8)
     cv = torch.randint(0, 256, (n,), generator=gen).to(torch.uint8)
-    sm = (torch.rand(g, generator=gen) * 0.02 * KM64).to(BF16)
-    sv = (torch.rand(g, generator=gen) * 2e-4 * KV64 + 1e-20).to(BF16)
+    sm = (torch.rand(g, generator=gen) * 0.02 / UM8).to(BF16)
+    sv = (torch.rand(g, generator=gen) * 2e-4 / UV8 + 1e-20).to(BF16)
     return cm.to(DEVICE), cv.to(DEVICE), sm.to(DEVICE), sv.to(DEVICE)
 
 
@@ -516,8 +516,8 @@ def _mom4_state(n, gen, zero=False):
     if n % 2:
         cm[-1] &= 0xF  # the documented layout: an odd tail's high nibble is 0
     cv = torch.randint(0, 256, (n,), generator=gen).to(torch.uint8)
-    sm = (torch.rand(g, generator=gen) * 0.02 * (1.0 / 49)).to(BF16)
-    sv = (torch.rand(g, generator=gen) * 2e-4 * KV64 + 1e-20).to(BF16)
+    sm = (torch.rand(g, generator=gen) * 0.02 / _ladder64.umax("m4")).to(BF16)
+    sv = (torch.rand(g, generator=gen) * 2e-4 / UV8 + 1e-20).to(BF16)
     return cm.to(DEVICE), cv.to(DEVICE), sm.to(DEVICE), sv.to(DEVICE)
 
 
@@ -610,7 +610,13 @@ def test_mom8_reference_matches_kernels(mode, pdt, sr):
     reference_close(k, r, mode)
 
 
-def reference_close(k, r, mode, m_codes=lambda c, p: c.int()):
+def _signed8(c):
+    """+-q of sign-magnitude int8 exp_avg codes (bit 7 the sign)."""
+    b = c.view(torch.uint8).int()
+    return torch.where(b >= 128, -(b - 128), b)
+
+
+def reference_close(k, r, mode, m_codes=lambda c, p: _signed8(c)):
     """A kernel's grouped-moment state ``k`` against the reference's ``r`` after the same step: codes
     (``m_codes(codes, param)``: the exp_avg codes as integers per element) differ by at most one
     code in at most 1 % of the elements (an fp32 rounding that differs), scales within bf16 rounding,
@@ -659,31 +665,31 @@ def test_mom8_codec_unbiased_and_scaled():
     """decode(encode(x)) is unbiased for m over 1e-6..1 of the group max and for v over 1e-6..1
     (in v) of its group max: per magnitude decade the summed error over 400 draws is within 5
     standard deviations of the rounding noise (the binomial variance p(1-p) step^2, computed here in
-    float64). The group max codes 126/127 (m) and 254/255 (v); scales are amax/127^2 (amax/255^4)
-    rounded up to bf16."""
+    float64 from the ladder's neighbouring values). The scales are the smallest powers of two that put
+    the group max at or below the top value (247 for m, 63487 for v); no code exceeds the top code."""
     _cpu_only()
     gen = torch.Generator().manual_seed(12)
     groups, draws = 48, 400
     xm, lm = _magnitudes(groups, gen, 6.0)
     xv, lv = _magnitudes(groups, gen, 3.0)  # v = x^2 spans 6 decades
     for which, x64, logrel in (("m", xm, lm), ("v", xv, 2 * lv)):
+        ladder = "m8" if which == "m" else "v8"
+        mbits, qmax, _ = _ladder64.LADDERS[ladder]
         x = x64.float()
         cms, cvs, sms, svs = _encode_with_kernel(x, draws)
         target = x.double() if which == "m" else (x * x).double()  # the fp32 values the kernel encodes
         codes, scales = (cms, sms) if which == "m" else (cvs, svs)
         amax = target.abs().reshape(groups, G32).amax(dim=1)
-        k = KM64 if which == "m" else KV64
         s = scales[0].double()
-        assert bool((s >= amax * k * (1 - 2**-23)).all() and (s <= amax * k * (1 + 2**-7)).all())
-        top = codes[0].reshape(groups, G32)[:, 0].int().abs()
-        assert set(top.tolist()) <= ({126, 127} if which == "m" else {254, 255})
+        assert torch.equal(s, _ladder64.scale64(amax, ladder))
+        mags = torch.stack([c.cpu().view(torch.uint8).int() & (0x7F if which == "m" else 0xFF) for c in codes])
+        assert int(mags.max()) <= qmax
         dec = torch.stack([_decode64(c, sc) for c, sc in zip(codes, scales)])  # [draws, n]
         mean = dec.mean(dim=0)
-        # the rounding noise of one draw: the step between neighbouring codes around |x| / s
+        # the rounding noise of one draw: the step between neighbouring code values around |x| / s
         sg = s.repeat_interleave(G32)
         y = target.abs() / sg
-        kk = torch.floor(y.sqrt()) if which == "m" else torch.floor(y.sqrt().sqrt())
-        lo, hi = (kk**2, (kk + 1) ** 2) if which == "m" else (kk**4, (kk + 1) ** 4)
+        lo, hi = _ladder64.neighbours64(y, mbits)
         pfrac = ((y - lo) / (hi - lo)).clamp(0, 1)
         var = pfrac * (1 - pfrac) * ((hi - lo) * sg) ** 2 / draws
         err = mean.abs() - target.abs() if which == "m" else mean - target
@@ -857,10 +863,10 @@ def test_mom8_reference_helpers_roundtrip():
         dec = reference_codecs.moment8_decode(codes, scales)
         assert dec.shape == vals.shape and dec.dtype == F32
         d64 = _decode64(codes, scales).reshape(vals.shape)
-        assert torch.equal(dec.double(), d64) if kind == "exp_avg" else torch.allclose(dec.double(), d64, rtol=1e-6)
-        c = codes.reshape(-1).double().abs()
-        sg = scales.double().repeat_interleave(G32)[:c.numel()]
-        step = sg * ((2 * c + 1) if kind == "exp_avg" else ((c + 1) ** 4 - c**4))
-        step_dn = sg * ((2 * c - 1).clamp(min=1) if kind == "exp_avg" else (c**4 - (c - 1).clamp(min=0) ** 4))
-        err = dec.reshape(-1).double() - vals.reshape(-1).double()
-        assert bool((err.abs() <= 0.5 * torch.maximum(step, step_dn) * 1.0001).all())
+        assert torch.equal(dec.double(), d64)  # exact: u(q) has 5 significant bits, s is a power of two
+        ladder = "m8" if kind == "exp_avg" else "v8"
+        sg = scales.double().repeat_interleave(G32)[:vals.numel()]
+        y = vals.reshape(-1).double().abs() / sg
+        lo, hi = _ladder64.neighbours64(y, _ladder64.LADDERS[ladder][0])
+        err = (dec.reshape(-1).double().abs() - vals.reshape(-1).double().abs()).abs()
+        assert bool((err <= 0.5 * (hi - lo) * sg * 1.0001).all())

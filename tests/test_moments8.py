@@ -19,6 +19,7 @@ import warnings
 import pytest
 import torch
 
+import _ladder64
 from conftest import DEVICE
 from mpkern import FusedAdamWMP
 from mpkern.optim import storage
@@ -47,19 +48,19 @@ def _m_key(kind: str) -> str:
 
 def _half_step(x: torch.Tensor, key: str, per_tensor: bool = False, kind: str = "8bit") -> torch.Tensor:
     """The requantization bound of ``x`` (float64, flat memory order): half of the largest code step of
-    each element's group, + the bf16 round-up of the scale -- 0.8 % of the group's largest magnitude
-    (the 4-bit exp_avg: 13 %)
-    (``per_tensor``: of the tensor's largest, for values regrouped in another memory order)."""
+    each element's group (tests/_ladder64.py: the top binade's step 2^-b (u_max + 1) against a group
+    maximum of at least u_max / 2 scale units): 3.2 % of the group's largest magnitude (the 4-bit
+    exp_avg: 30 %) (``per_tensor``: of the tensor's largest, for values regrouped in another memory order)."""
     flat = x.reshape(-1).abs()
     pad = (-flat.numel()) % 32
     if per_tensor:
         gmax = flat.max().expand(flat.numel())
     else:
         gmax = torch.nn.functional.pad(flat, (0, pad)).reshape(-1, 32).amax(1).repeat_interleave(32)[: flat.numel()]
-    top = (7 if kind == "4bit_m" else 127) if key == "exp_avg" else 255
-    e = 2 if key == "exp_avg" else 4
-    step = (top**e - (top - 1) ** e) / top**e
-    return (0.5 * step * (1 + 2**-7) * gmax + 1e-30).reshape(x.shape)
+    ladder = ("m4" if kind == "4bit_m" else "m8") if key == "exp_avg" else "v8"
+    top = _ladder64.umax(ladder)
+    step = 2.0 ** -_ladder64.LADDERS[ladder][0] * (1 + 2 / top)
+    return (0.5 * step * gmax + 1e-30).reshape(x.shape)
 
 
 # ---- the issue's two small-update cases -----------------------------------------------------------

@@ -174,79 +174,54 @@ MPK_AVX2 void adamw_avx2(const TensorPtrs& t, int64_t begin, int64_t end, const 
 
 // ---- 8-bit moments, AVX2: one group of 32 = 4 x 8 lanes in registers -----------------------------
 
-// The codecs' random value r16 / 2^16 of a field as a float (see rand_unit16 in the AVX-512 part):
-// the 11 field bits at mantissa bits 12..22, 1.0's exponent and the cell-centre bit 11 set, minus 1.
-MPK_AVX2 __attribute__((always_inline)) inline __m256 rand_unit8(__m256i field_at12) {
-  const __m256i bits = _mm256_or_si256(_mm256_and_si256(field_at12, _mm256_set1_epi32(0x7ff000)),
-                                       _mm256_set1_epi32(0x3f800800));
-  return _mm256_sub_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(1.0f));
+// ---- ladder codes on 8 lanes (math.h ladder_*, mom8_*, mom4_*; the AVX-512 part's dither16 .. dec_v16
+// with and / or pairs for its ternary-logic ops), bit-identical to the scalar code.
+template <int FIELD_LO, int MB>
+MPK_AVX2 __attribute__((always_inline)) inline __m256i dither8(__m256i rw) {
+  constexpr int sh = FIELD_LO - (12 - MB);
+  const __m256i moved = sh >= 0 ? _mm256_srli_epi32(rw, sh) : _mm256_slli_epi32(rw, -sh);
+  return _mm256_or_si256(_mm256_and_si256(moved, _mm256_set1_epi32(0x7ff << (12 - MB))),
+                         _mm256_set1_epi32(1 << (11 - MB)));
 }
 
-
-// An estimate e of a root lowered by 2^-10 .. 2^-9 of itself with an integer op instead of a
-// multiply (2^14 subtracted from its bit pattern; see lower16).
-MPK_AVX2 __attribute__((always_inline)) inline __m256 lower8(__m256 e) {
-  return _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_castps_si256(e), _mm256_set1_epi32(0x4000)));
+template <int MB>
+MPK_AVX2 __attribute__((always_inline)) inline __m256i ladder_enc8(__m256 ax, __m256 inv, __m256i dither) {
+  const __m256 z = _mm256_add_ps(_mm256_mul_ps(ax, inv), _mm256_set1_ps(1.0f));
+  const __m256i t = _mm256_add_epi32(_mm256_castps_si256(z), dither);
+  return _mm256_srli_epi32(_mm256_sub_epi32(t, _mm256_set1_epi32(0x3f800000)), 23 - MB);
 }
 
-// mom8_encode_m on 8 lanes; returns int32 codes, bit-identical to the scalar code (the operations
-// of enc_m16, with blends for the masks):
-// * y = min(|m| * inv, 127^2) (min keeps a NaN y: inv 0 with a NaN m): a y >= 127^2 then gives
-//   k = 127, d = 0, so the code 127 of the scalar's y >= 16129 branch without a select;
-// * k, the integer with k^2 <= y < (k + 1)^2, from the estimate y * rsqrt(y) (rsqrt's relative
-//   error is below 1.5 * 2^-12) lowered by >= 2^-10 (lower8): never above sqrt(y), at most 0.3
-//   below it (sqrt(y) <= 127), so floor(estimate) is k or k - 1 and ONE fix-up (k + 1 when
-//   (k + 1)^2 = k^2 + 2k + 1 <= y, exact integers) gives k; y < 1 (and a NaN, zero or subnormal
-//   y, where rsqrt is inf) gives k = 0;
-// * the scalar's r16 * w < d * 2^16 decision as rf * w < d (rand_unit8), added as an integer (the
-//   compare mask is -1);
-// * the sign of m with vpsignd (a negative m negates the code; a code 0 stays 0).
-// (TOP = 7: the 4-bit exp_avg of mom4_encode_m, y clamped to 49 the same way.)
-template <int TOP = 127>
-MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_m8(__m256 m, __m256 inv, __m256 rf) {
-  const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256 absm = _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(m), _mm256_set1_epi32(0x7fffffff)));
-  const __m256 y = _mm256_min_ps(_mm256_set1_ps(static_cast<float>(TOP * TOP)), _mm256_mul_ps(absm, inv));
-  const __m256 est = lower8(_mm256_mul_ps(y, _mm256_rsqrt_ps(y)));
-  const __m256 k0 = _mm256_and_ps(_mm256_floor_ps(est), _mm256_cmp_ps(y, one, _CMP_GE_OQ));
-  const __m256 s0 = _mm256_mul_ps(k0, k0);
-  const __m256 w0 = _mm256_add_ps(_mm256_add_ps(k0, k0), one);  // 2k + 1 (k + k == 2 * k exactly)
-  const __m256 s1 = _mm256_add_ps(s0, w0);                       // (k + 1)^2
-  const __m256 fix = _mm256_cmp_ps(s1, y, _CMP_LE_OQ);
-  const __m256 k = _mm256_add_ps(k0, _mm256_and_ps(fix, one));
-  const __m256 d = _mm256_sub_ps(y, _mm256_blendv_ps(s0, s1, fix));
-  const __m256 w = _mm256_add_ps(w0, _mm256_and_ps(fix, _mm256_set1_ps(2.0f)));
-  const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(rf, w), d, _CMP_LT_OQ);
-  const __m256i c = _mm256_sub_epi32(_mm256_cvttps_epi32(k), _mm256_castps_si256(up));
-  return _mm256_sign_epi32(c, _mm256_castps_si256(m));
+// mom8_encode_m (MB 4, sign at bit 7) / mom4_encode_m (MB 1, sign at bit 3): int32 codes.
+template <int MB>
+MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_m8(__m256 m, __m256 inv, __m256i rw) {
+  constexpr int kSignAt = MB == 4 ? 7 : 3;
+  const __m256i mb = _mm256_castps_si256(m);
+  const __m256 am = _mm256_castsi256_ps(_mm256_and_si256(mb, _mm256_set1_epi32(0x7fffffff)));
+  const __m256i q = ladder_enc8<MB>(am, inv, dither8<10, MB>(rw));
+  return _mm256_or_si256(q, _mm256_and_si256(_mm256_srli_epi32(mb, 31 - kSignAt), _mm256_set1_epi32(1 << kSignAt)));
 }
 
-// mom8_encode_v on 8 lanes; returns int32 codes, bit-identical to the scalar code:
-// * y = min(v * inv, q4(255)) (a NaN y stays NaN): y >= q4(255) gives k = 255, d = 0, code 255;
-// * k from the estimate rsqrt(rsqrt(y)) of y^(1/4) (relative error below 2.25 * 2^-12) lowered by
-//   >= 2^-10 (lower8): never above y^(1/4), at most 0.64 below it (y^(1/4) <= 255), so one fix-up
-//   (k + 1 when q4(k + 1) <= y) gives the scalar k;
-// * q4 of k0, k0 + 1, k0 + 2 from one multiply k0 * k0, adds and three squares (see enc_v16);
-// * codes >= 1 for y > 0, 0 for y == 0 or NaN (the scalar's early return).
-MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_v8(__m256 v, __m256 inv, __m256 rf) {
-  const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256 y = _mm256_min_ps(_mm256_set1_ps(mom8_q4(255.0f)), _mm256_mul_ps(v, inv));
-  const __m256 est = lower8(_mm256_rsqrt_ps(_mm256_rsqrt_ps(y)));
-  const __m256 k0 = _mm256_and_ps(_mm256_floor_ps(est), _mm256_cmp_ps(y, one, _CMP_GE_OQ));
-  const __m256 s0 = _mm256_mul_ps(k0, k0);
-  const __m256 a = _mm256_add_ps(_mm256_add_ps(k0, k0), one);  // 2k0 + 1
-  const __m256 s1 = _mm256_add_ps(s0, a);
-  const __m256 s2 = _mm256_add_ps(_mm256_add_ps(s1, a), _mm256_set1_ps(2.0f));
-  const __m256 q0 = _mm256_mul_ps(s0, s0), q1 = _mm256_mul_ps(s1, s1), q2 = _mm256_mul_ps(s2, s2);
-  const __m256 fix = _mm256_cmp_ps(q1, y, _CMP_LE_OQ);
-  const __m256 k = _mm256_add_ps(k0, _mm256_and_ps(fix, one));
-  const __m256 q = _mm256_blendv_ps(q0, q1, fix);
-  const __m256 d = _mm256_sub_ps(y, q);
-  const __m256 w = _mm256_sub_ps(_mm256_blendv_ps(q1, q2, fix), q);
-  const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(rf, w), d, _CMP_LT_OQ);
-  const __m256i c = _mm256_max_epi32(_mm256_sub_epi32(_mm256_cvttps_epi32(k), _mm256_castps_si256(up)),
-                                     _mm256_set1_epi32(1));
-  return _mm256_and_si256(c, _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ)));
+// mom8_encode_v: int32 codes, at least 1 for v > 0 (bits(v) > 0: v >= +0 here).
+MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_v8(__m256 v, __m256 inv, __m256i rw) {
+  const __m256i q = ladder_enc8<4>(v, inv, dither8<21, 4>(rw));
+  return _mm256_max_epu32(q, _mm256_min_epu32(_mm256_castps_si256(v), _mm256_set1_epi32(1)));
+}
+
+template <int MB>
+MPK_AVX2 __attribute__((always_inline)) inline __m256 ladder_dec8(__m256i q, __m256 s) {
+  const __m256 f = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(q, 23 - MB), _mm256_set1_epi32(0x3f800000)));
+  return _mm256_mul_ps(_mm256_sub_ps(f, _mm256_set1_ps(1.0f)), s);
+}
+
+// mom8_decode_m of 8 sign-magnitude bytes.
+MPK_AVX2 __attribute__((always_inline)) inline __m256 dec_m8(const int8_t* p, __m256 s) {
+  const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256 x = ladder_dec8<4>(_mm256_and_si256(b, _mm256_set1_epi32(0x7f)), s);
+  return _mm256_or_ps(x, _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(static_cast<int>(0x80000000u)))));
+}
+
+MPK_AVX2 __attribute__((always_inline)) inline __m256 dec_v8(const uint8_t* p, __m256 s) {
+  return ladder_dec8<4>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), s);
 }
 
 // The unsigned maxima of the 8 lanes of each of 8 vectors x[0..7], lane g of the result = the
@@ -262,19 +237,18 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256i hmax8x8(const __m256i* x)
   return _mm256_max_epu32(_mm256_permute2x128_si256(s[0], s[1], 0x20), _mm256_permute2x128_si256(s[0], s[1], 0x31));
 }
 
-// mom8_scale_bits and mom8_inv_scale of 8 groups at once: x = the groups' |x| maxima as bits;
-// returns the scales' bf16 bits and 1 / s (inv, 0 for a zero or NaN scale).
-MPK_AVX2 __attribute__((always_inline)) inline __m256i scale_bits8(__m256i x, __m256 k, __m256& inv) {
-  const __m256i zero = _mm256_setzero_si256();
-  __m256i b = _mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(x), k));
-  const __m256i low_zero = _mm256_cmpeq_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0xffff)), zero);
-  b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_andnot_si256(low_zero, _mm256_set1_epi32(0x10000))), 16);
+// ladder_scale_bits and ladder_inv_scale of 8 groups at once: x = the groups' |x| maxima as bits;
+// returns the scales' bf16 bits and 1 / s (inv, 0 for a NaN scale).
+MPK_AVX2 __attribute__((always_inline)) inline __m256i scale_bits8(__m256i x, Ladder lf, __m256& inv) {
+  __m256i e = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(static_cast<int>(0x7fffffu - lf.umax_mant))), 23),
+                               _mm256_set1_epi32(lf.umax_exp));
+  e = _mm256_max_epi32(e, _mm256_set1_epi32(1));
   const __m256i nonfinite = _mm256_cmpgt_epi32(x, _mm256_set1_epi32(0x7f7fffff));  // x < 2^31: signed is fine
-  b = _mm256_blendv_epi8(b, _mm256_set1_epi32(static_cast<int>(kMom8NaNScale)), nonfinite);
-  const __m256i none = _mm256_or_si256(nonfinite, _mm256_cmpeq_epi32(b, zero));  // codes 0
-  const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
-  inv = _mm256_andnot_ps(_mm256_castsi256_ps(none), _mm256_div_ps(_mm256_set1_ps(1.0f), s));
-  return b;
+  inv = _mm256_andnot_ps(_mm256_castsi256_ps(nonfinite),
+                         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(254), e), 23)));
+  const __m256i zero = _mm256_cmpeq_epi32(x, _mm256_setzero_si256());  // a group of zeros: scale 0
+  const __m256i b = _mm256_andnot_si256(zero, _mm256_slli_epi32(e, 7));
+  return _mm256_blendv_epi8(b, _mm256_set1_epi32(static_cast<int>(kMom8NaNScale)), nonfinite);
 }
 
 // One master mode's loop, blocks of up to 8 groups of 32. AVX2 has 16 vector registers: the
@@ -283,7 +257,7 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256i scale_bits8(__m256i x, __
 // ~1050 instructions per group, measured with callgrind), and the update pass is a loop of 8 lanes,
 // so its constants stay in registers across iterations. Each group's 8-lane |x| maxima are kept,
 // one unpack tree gives the 8 group maxima and one vector pass the 8 scales and 1 / s.
-// M4: the 4-bit exp_avg (kMom4: two codes per byte, top code 7, scale amax / 49).
+// M4: the 4-bit exp_avg (kMom4: two sign-magnitude nibbles per byte, the 1-mantissa-bit ladder).
 template <int PDT, int GDT, int MODE, bool M4>
 MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f_in) {
   Flags f = f_in;
@@ -328,10 +302,12 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
         am[g] = av[g] = _mm256_setzero_si256();
         continue;
       }
-      const __m256 sm = _mm256_set1_ps(bf16_to_f32(t.sm[j0 + g])), sv = _mm256_set1_ps(bf16_to_f32(t.sv[j0 + g]));
+      // M4: s / 2 (the bytes hold 2 u(q)); the halving is exact (a power of two, >= 2^-127)
+      const __m256 sm = _mm256_set1_ps(bf16_to_f32(t.sm[j0 + g]) * (M4 ? 0.5f : 1.0f));
+      const __m256 sv = _mm256_set1_ps(bf16_to_f32(t.sv[j0 + g]));
       __m256i gm = _mm256_setzero_si256(), gv = _mm256_setzero_si256();
-      alignas(16) int8_t sq4[kMom8Group];  // M4: c |c| of the group's m codes
-      if constexpr (M4) nibble_sq32(cm4 + ((gb + g * kMom8Group) >> 1), sq4);
+      alignas(16) int8_t sq4[kMom8Group];  // M4: 2 u(q) with the sign of the group's m codes
+      if constexpr (M4) nibble_u2_32(cm4 + ((gb + g * kMom8Group) >> 1), sq4);
 #pragma GCC unroll 1
       for (int q = 0; q < 4; ++q) {
         const int o = g * kMom8Group + 8 * q;
@@ -341,17 +317,14 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
                                              lanes);
         const __m256 gr = _mm256_xor_ps(_mm256_mul_ps(load8<GDT>(t.g, i), factor), gsign);
         __m256 p = load_w8<PDT>(t, f, i);
-        __m256 fm2;  // c |c| of the m codes
-        if constexpr (M4) {
-          fm2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sq4 + 8 * q))));
+        __m256 mm;
+        if constexpr (M4) {  // 2 u(q) as signed bytes (nibble_u2_32), times s / 2: exact
+          mm = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sq4 + 8 * q)))),
+                             sm);
         } else {
-          const __m256 fm = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cmp + i))));
-          fm2 = _mm256_mul_ps(fm, _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(fm), abs_mask)));
+          mm = dec_m8(cmp + i, sm);
         }
-        const __m256 fv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cvp + i))));
-        __m256 mm = _mm256_mul_ps(sm, fm2);
-        const __m256 f2 = _mm256_mul_ps(fv, fv);
-        __m256 vv = _mm256_mul_ps(_mm256_mul_ps(sv, f2), f2);
+        __m256 vv = dec_v8(cvp + i, sv);
         p = _mm256_mul_ps(p, decay);
         mm = _mm256_add_ps(mm, _mm256_mul_ps(omb1, _mm256_sub_ps(gr, mm)));
         vv = _mm256_add_ps(_mm256_mul_ps(vv, b2), _mm256_mul_ps(_mm256_mul_ps(omb2, gr), gr));
@@ -369,8 +342,8 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
       av[g] = gv;
     }
     __m256 im, iv;
-    _mm256_store_si256(reinterpret_cast<__m256i*>(bms), scale_bits8(hmax8x8(am), _mm256_set1_ps(M4 ? kMom4KM : kMom8KM), im));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(bvs), scale_bits8(hmax8x8(av), _mm256_set1_ps(kMom8KV), iv));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bms), scale_bits8(hmax8x8(am), M4 ? ladder_m4() : ladder_m8(), im));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bvs), scale_bits8(hmax8x8(av), ladder_v8(), iv));
     _mm256_store_ps(ims, im);
     _mm256_store_ps(ivs, iv);
     for (int g = 0; g < n; ++g) {
@@ -380,24 +353,26 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
       const float* mg = mb + g * kMom8Group;
       const float* vg = vb + g * kMom8Group;
       const uint32_t* rg = rb + g * kMom8Group;
-      // codes, two vectors of 8 at a time packed to int16 (packs: exact, |codes| <= 255)
+      // codes, two vectors of 8 at a time packed to int16 (packs: exact, codes in [0, 255]); a NaN
+      // group's codes 0
+      const __m256i okm = _mm256_set1_epi32(bms[g] == kMom8NaNScale ? 0 : -1);
+      const __m256i okv = _mm256_set1_epi32(bvs[g] == kMom8NaNScale ? 0 : -1);
       __m256i pm[2], pv[2];
 #pragma GCC unroll 1
       for (int h = 0; h < 2; ++h) {
         const __m256i r0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(rg + 16 * h));
         const __m256i r1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(rg + 16 * h + 8));
-        // fields B (bits 10..20) and C (bits 21..31) moved to mantissa bits 12..22
-        constexpr int kTop = M4 ? 7 : 127;
-        const __m256i c0 = enc_m8<kTop>(_mm256_load_ps(mg + 16 * h), img, rand_unit8(_mm256_slli_epi32(r0, 2)));
-        const __m256i c1 = enc_m8<kTop>(_mm256_load_ps(mg + 16 * h + 8), img, rand_unit8(_mm256_slli_epi32(r1, 2)));
-        pm[h] = _mm256_packs_epi32(c0, c1);
-        const __m256i d0 = enc_v8(_mm256_load_ps(vg + 16 * h), ivg, rand_unit8(_mm256_srli_epi32(r0, 9)));
-        const __m256i d1 = enc_v8(_mm256_load_ps(vg + 16 * h + 8), ivg, rand_unit8(_mm256_srli_epi32(r1, 9)));
-        pv[h] = _mm256_packs_epi32(d0, d1);
+        constexpr int kMB = M4 ? 1 : 4;
+        const __m256i c0 = enc_m8<kMB>(_mm256_load_ps(mg + 16 * h), img, r0);
+        const __m256i c1 = enc_m8<kMB>(_mm256_load_ps(mg + 16 * h + 8), img, r1);
+        pm[h] = _mm256_and_si256(_mm256_packs_epi32(c0, c1), okm);
+        const __m256i d0 = enc_v8(_mm256_load_ps(vg + 16 * h), ivg, r0);
+        const __m256i d1 = enc_v8(_mm256_load_ps(vg + 16 * h + 8), ivg, r1);
+        pv[h] = _mm256_and_si256(_mm256_packs_epi32(d0, d1), okv);
       }
       const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
       const int64_t i0 = gb + g * kMom8Group;
-      const __m256i mcodes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(pm[0], pm[1]), order);
+      const __m256i mcodes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(pm[0], pm[1]), order);
       if constexpr (M4) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(cm4 + (i0 >> 1)),
                          pack_nibbles16x2(_mm256_castsi256_si128(mcodes), _mm256_extracti128_si256(mcodes, 1)));

@@ -149,87 +149,60 @@ MPK_AVX512 void adamw_avx512(const TensorPtrs& t_in, int64_t begin, int64_t end,
   if (i < end) adamw_scalar(t, i, end, f);
 }
 
-// The codecs' random value r16 / 2^16 of a field as a float, without a conversion: the field's 11
-// bits f are moved to mantissa bits 12..22 (`field_at12`), one ternary-logic op keeps them and sets
-// 1.0's exponent and the cell-centre bit 11 (1 + (f + 1/2) / 2^11), and 1.0 is subtracted (exact).
-// The encoders compare rf * w < d, which is the scalar code's r16 * w < d * 2^16 scaled by 2^-16
-// on both sides: fl(rf * w) = fl(r16 * w) * 2^-16 exactly (no underflow: w >= 1, rf >= 2^-12).
-MPK_AVX512 __attribute__((always_inline)) inline __m512 rand_unit16(__m512i field_at12) {
-  const __m512i bits = _mm512_ternarylogic_epi32(field_at12, _mm512_set1_epi32(0x7ff000),
-                                                 _mm512_set1_epi32(0x3f800800), 0xEA);  // (a & b) | c
-  return _mm512_sub_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(1.0f));
+// ---- ladder codes on 16 lanes (math.h ladder_*, mom8_*, mom4_*), bit-identical to the scalar code.
+// The dither of a field added below the kept mantissa bits: r16 << (7 - MB) of rand_b16 / rand_c16,
+// from the random word in one shift and one ternary-logic op: the field's 11 bits moved to bits
+// (12 - MB) .. (22 - MB), the cell-centre bit (11 - MB) set. FIELD_LO: the field's lowest bit in the
+// word (10: B, 21: C).
+template <int FIELD_LO, int MB>
+MPK_AVX512 __attribute__((always_inline)) inline __m512i dither16(__m512i rw) {
+  constexpr int sh = FIELD_LO - (12 - MB);
+  const __m512i moved = sh >= 0 ? _mm512_srli_epi32(rw, sh) : _mm512_slli_epi32(rw, -sh);
+  return _mm512_ternarylogic_epi32(moved, _mm512_set1_epi32(0x7ff << (12 - MB)), _mm512_set1_epi32(1 << (11 - MB)),
+                                   0xEA);  // (a & b) | c
 }
 
-// An estimate e of a root lowered by 2^-10 .. 2^-9 of itself with an integer op instead of a
-// multiply (the multiply ports bind these loops): 2^14 subtracted from its bit pattern is
-// 2^-9 / mantissa relative. A NaN or inf e stays NaN (the callers mask y < 1 out).
-MPK_AVX512 __attribute__((always_inline)) inline __m512 lower16(__m512 e) {
-  return _mm512_castsi512_ps(_mm512_sub_epi32(_mm512_castps_si512(e), _mm512_set1_epi32(0x4000)));
+// ladder_encode: magnitude codes of ax = |x| given 1 / s and the dither.
+template <int MB>
+MPK_AVX512 __attribute__((always_inline)) inline __m512i ladder_enc16(__m512 ax, __m512 inv, __m512i dither) {
+  const __m512 z = _mm512_add_ps(_mm512_mul_ps(ax, inv), _mm512_set1_ps(1.0f));
+  const __m512i t = _mm512_add_epi32(_mm512_castps_si512(z), dither);
+  return _mm512_srli_epi32(_mm512_sub_epi32(t, _mm512_set1_epi32(0x3f800000)), 23 - MB);
 }
 
-// mom8_encode_m on 16 lanes, bit-identical to the scalar code; returns int32 codes:
-// * y = min(|m| * inv, 127^2) (min keeps a NaN y): a y >= 127^2 then gives k = 127, d = 0, so the
-//   code 127 of the scalar's y >= 16129 branch without a select;
-// * k, the integer with k^2 <= y < (k + 1)^2, from an estimate never above sqrt(y) and less than 1
-//   below it: y * rsqrt14(y) (relative error < 2^-14) lowered by >= 2^-10 (lower16), at most
-//   0.27 below sqrt(y) <= 127; so floor(estimate) is k or k - 1 and one fix-up (k + 1 when
-//   (k + 1)^2 <= y, with (k + 1)^2 = k^2 + 2k + 1 from adds: exact integers) is exact; y < 1 (and
-//   a NaN, zero or subnormal y) gives k = 0;
-// * the rounding decision rf * w < d (see rand_unit16); a zero or NaN y gives d = 0 or NaN: no
-//   round-up, code 0, as the scalar's early return;
-// * the sign of m copied onto the float code before the conversion (-c; a code 0 gives 0).
-// (TOP = 7: the 4-bit exp_avg of mom4_encode_m, y clamped to 49 the same way.)
-template <int TOP = 127>
-MPK_AVX512 __attribute__((always_inline)) inline __m512i enc_m16(__m512 m, __m512 inv, __m512 rf) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 y = _mm512_min_ps(_mm512_set1_ps(static_cast<float>(TOP * TOP)), _mm512_mul_ps(_mm512_abs_ps(m), inv));
-  const __m512 est = lower16(_mm512_mul_ps(y, _mm512_rsqrt14_ps(y)));
-  const __m512 k0 = _mm512_maskz_roundscale_ps(_mm512_cmp_ps_mask(y, one, _CMP_GE_OQ), est,
-                                               _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 s0 = _mm512_mul_ps(k0, k0);
-  const __m512 w0 = _mm512_add_ps(_mm512_add_ps(k0, k0), one);  // 2k + 1 (k + k == 2 * k exactly)
-  const __m512 s1 = _mm512_add_ps(s0, w0);                       // (k + 1)^2
-  const __mmask16 fix = _mm512_cmp_ps_mask(s1, y, _CMP_LE_OQ);
-  const __m512 k = _mm512_mask_add_ps(k0, fix, k0, one);
-  const __m512 d = _mm512_sub_ps(y, _mm512_mask_mov_ps(s0, fix, s1));
-  const __m512 w = _mm512_mask_add_ps(w0, fix, w0, _mm512_set1_ps(2.0f));
-  const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(rf, w), d, _CMP_LT_OQ);
-  const __m512i c = _mm512_castps_si512(_mm512_mask_add_ps(k, up, k, one));
-  const __m512i sc = _mm512_ternarylogic_epi32(c, _mm512_castps_si512(m), _mm512_set1_epi32(static_cast<int>(0x80000000u)),
-                                               0xF8);  // c | (m & sign)
-  return _mm512_cvttps_epi32(_mm512_castsi512_ps(sc));
+// mom8_encode_m (MB 4, sign at bit 7) / mom4_encode_m (MB 1, sign at bit 3): int32 codes.
+template <int MB>
+MPK_AVX512 __attribute__((always_inline)) inline __m512i enc_m16(__m512 m, __m512 inv, __m512i rw) {
+  constexpr int kSignAt = MB == 4 ? 7 : 3;
+  const __m512i q = ladder_enc16<MB>(_mm512_abs_ps(m), inv, dither16<10, MB>(rw));
+  return _mm512_ternarylogic_epi32(q, _mm512_srli_epi32(_mm512_castps_si512(m), 31 - kSignAt),
+                                   _mm512_set1_epi32(1 << kSignAt), 0xF8);  // q | (sign & bit)
 }
 
-// mom8_encode_v on 16 lanes; returns int32 codes, bit-identical to the scalar code:
-// * y = min(v * inv, q4(255)) (a NaN y stays NaN): y >= q4(255) gives k = 255, d = 0, code 255;
-// * k from the estimate rsqrt14(rsqrt14(y)) of y^(1/4) (relative error < 1.5 * 2^-14) lowered by
-//   >= 2^-10 (lower16): never above y^(1/4), at most 0.55 below it (y^(1/4) <= 255), so one fix-up
-//   (k + 1 when q4(k + 1) <= y) gives the scalar k;
-// * q4(j) = fl(S * S) with S = j^2 -- the scalar's (j * j) * (j * j) -- for j = k0, k0 + 1, k0 + 2
-//   from ONE multiply k0 * k0 and adds (S1 = S0 + 2k0 + 1, S2 = S1 + 2k0 + 3: exact integers below
-//   2^24), so q4(k) and q4(k + 1) after the fix-up are selects, not more multiplies;
-// * the rounding decision rf * w < d (see rand_unit16);
-// * codes >= 1 for y > 0, 0 for y == 0 or NaN (the scalar's early return).
-MPK_AVX512 __attribute__((always_inline)) inline __m512i enc_v16(__m512 v, __m512 inv, __m512 rf) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 y = _mm512_min_ps(_mm512_set1_ps(mom8_q4(255.0f)), _mm512_mul_ps(v, inv));
-  const __m512 est = lower16(_mm512_rsqrt14_ps(_mm512_rsqrt14_ps(y)));
-  const __m512 k0 = _mm512_maskz_roundscale_ps(_mm512_cmp_ps_mask(y, one, _CMP_GE_OQ), est,
-                                               _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 s0 = _mm512_mul_ps(k0, k0);
-  const __m512 a = _mm512_add_ps(_mm512_add_ps(k0, k0), one);  // 2k0 + 1
-  const __m512 s1 = _mm512_add_ps(s0, a);
-  const __m512 s2 = _mm512_add_ps(_mm512_add_ps(s1, a), _mm512_set1_ps(2.0f));
-  const __m512 q0 = _mm512_mul_ps(s0, s0), q1 = _mm512_mul_ps(s1, s1), q2 = _mm512_mul_ps(s2, s2);
-  const __mmask16 fix = _mm512_cmp_ps_mask(q1, y, _CMP_LE_OQ);
-  const __m512 k = _mm512_mask_add_ps(k0, fix, k0, one);
-  const __m512 q = _mm512_mask_mov_ps(q0, fix, q1);
-  const __m512 d = _mm512_sub_ps(y, q);
-  const __m512 w = _mm512_sub_ps(_mm512_mask_mov_ps(q1, fix, q2), q);
-  const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(rf, w), d, _CMP_LT_OQ);
-  const __m512 c = _mm512_maskz_max_ps(_mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GT_OQ),
-                                       _mm512_mask_add_ps(k, up, k, one), one);
-  return _mm512_cvttps_epi32(c);
+// mom8_encode_v: int32 codes, at least 1 for v > 0 (bits(v) > 0: v >= +0 here).
+MPK_AVX512 __attribute__((always_inline)) inline __m512i enc_v16(__m512 v, __m512 inv, __m512i rw) {
+  const __m512i q = ladder_enc16<4>(v, inv, dither16<21, 4>(rw));
+  return _mm512_max_epu32(q, _mm512_min_epu32(_mm512_castps_si512(v), _mm512_set1_epi32(1)));
+}
+
+// u(q) * s of 16 magnitude codes (ladder_value, then the exact multiply by the scale).
+template <int MB>
+MPK_AVX512 __attribute__((always_inline)) inline __m512 ladder_dec16(__m512i q, __m512 s) {
+  const __m512 f = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(q, 23 - MB), _mm512_set1_epi32(0x3f800000)));
+  return _mm512_mul_ps(_mm512_sub_ps(f, _mm512_set1_ps(1.0f)), s);
+}
+
+// mom8_decode_m of 16 sign-magnitude bytes: the magnitude bits masked after the shift, the byte's
+// sign (bit 31 of its sign extension) OR-ed in.
+MPK_AVX512 __attribute__((always_inline)) inline __m512 dec_m16(const int8_t* p, __m512 s) {
+  const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512 x = ladder_dec16<4>(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), s);
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(x), b,
+                                                       _mm512_set1_epi32(static_cast<int>(0x80000000u)), 0xF8));
+}
+
+MPK_AVX512 __attribute__((always_inline)) inline __m512 dec_v16(const uint8_t* p, __m512 s) {
+  return ladder_dec16<4>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), s);
 }
 
 // The per-tensor constants of the AVX-512 loops.
@@ -270,16 +243,16 @@ MPK_AVX512 __attribute__((always_inline)) inline __m512i hmax16x16(const __m512i
                           _mm512_shuffle_i32x4(u01, u23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// mom8_scale_bits and mom8_inv_scale of 16 groups at once: amax = the groups' |x| maxima as bits.
-MPK_AVX512 __attribute__((always_inline)) inline __m512i scale_bits16(__m512i amax, float k, __m512& inv) {
-  __m512i b = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(amax), _mm512_set1_ps(k)));
-  b = _mm512_mask_add_epi32(b, _mm512_test_epi32_mask(b, _mm512_set1_epi32(0xffff)), b, _mm512_set1_epi32(0x10000));
-  b = _mm512_srli_epi32(b, 16);  // rounded up to bf16
+// ladder_scale_bits and ladder_inv_scale of 16 groups at once: amax = the groups' |x| maxima as bits.
+MPK_AVX512 __attribute__((always_inline)) inline __m512i scale_bits16(__m512i amax, Ladder lf, __m512& inv) {
+  __m512i e = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(amax, _mm512_set1_epi32(static_cast<int>(0x7fffffu - lf.umax_mant))), 23),
+                               _mm512_set1_epi32(lf.umax_exp));
+  e = _mm512_max_epi32(e, _mm512_set1_epi32(1));
   const __mmask16 nonfinite = _mm512_cmpgt_epu32_mask(amax, _mm512_set1_epi32(0x7f7fffff));
-  b = _mm512_mask_mov_epi32(b, nonfinite, _mm512_set1_epi32(static_cast<int>(kMom8NaNScale)));
-  const __mmask16 some = _mm512_kandn(nonfinite, _mm512_test_epi32_mask(b, b));  // codes 0 otherwise
-  inv = _mm512_maskz_div_ps(some, _mm512_set1_ps(1.0f), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
-  return b;
+  inv = _mm512_maskz_mov_ps(static_cast<__mmask16>(~nonfinite),
+                            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(254), e), 23)));
+  const __m512i b = _mm512_maskz_slli_epi32(_mm512_test_epi32_mask(amax, amax), e, 7);  // zeros: scale 0
+  return _mm512_mask_mov_epi32(b, nonfinite, _mm512_set1_epi32(static_cast<int>(kMom8NaNScale)));
 }
 
 // n (1..16) consecutive groups of 32 starting at gb (global element elo0 of the low index half, all
@@ -300,14 +273,14 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const Tensor
   alignas(64) float mb[kG * kMom8Group], vb[kG * kMom8Group];
   alignas(64) uint32_t rb[kG * kMom8Group];
   __m512i am[kG], av[kG];
-  // M4: the block's m codes as int8 -- c |c| of the stored ones before the update pass, the new
-  // codes after the encode pass -- so that those passes read and write bytes as the 8-bit kind's
-  // do, and the nibbles are unpacked and packed in short loops of their own (16-byte stores and
-  // loads of the same addresses: store-to-load forwarding works; a 64-byte load of four 16-byte
-  // stores measured ~6 % slower)
+  // M4: the block's m codes as int8 -- 2 u(q) with the sign of the stored nibbles before the update
+  // pass (nibble_u2_32), the new nibbles after the encode pass -- so that those passes read and
+  // write bytes as the 8-bit kind's do, and the nibbles are unpacked and packed in short loops of
+  // their own (16-byte stores and loads of the same addresses: store-to-load forwarding works; a
+  // 64-byte load of four 16-byte stores measured ~6 % slower)
   alignas(64) int8_t c8[M4 ? kG * kMom8Group : 1];
   if constexpr (M4) {
-    for (int g = 0; g < n; ++g) nibble_sq32(cm4 + ((gb + g * kMom8Group) >> 1), c8 + g * kMom8Group);
+    for (int g = 0; g < n; ++g) nibble_u2_32(cm4 + ((gb + g * kMom8Group) >> 1), c8 + g * kMom8Group);
   }
   for (int g = 0; g < kG; ++g) {
     if (g >= n) {
@@ -315,7 +288,9 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const Tensor
       av[g] = _mm512_setzero_si512();
       continue;
     }
-    const __m512 sm = _mm512_set1_ps(bf16_to_f32(t.sm[j0 + g])), sv = _mm512_set1_ps(bf16_to_f32(t.sv[j0 + g]));
+    // M4: s / 2 (the bytes hold 2 u(q)); the halving is exact (a power of two, >= 2^-127)
+    const __m512 sm = _mm512_set1_ps(bf16_to_f32(t.sm[j0 + g]) * (M4 ? 0.5f : 1.0f));
+    const __m512 sv = _mm512_set1_ps(bf16_to_f32(t.sv[j0 + g]));
     __m512i gm = _mm512_setzero_si512(), gv = _mm512_setzero_si512();
 #pragma GCC unroll 2
     for (int q = 0; q < 2; ++q) {
@@ -324,17 +299,14 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const Tensor
       const __m512i elo = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(elo0 + static_cast<uint32_t>(o))), lanes);
       const __m512 gr = _mm512_xor_ps(_mm512_mul_ps(load16<GDT>(t.g, i), k.factor), k.gsign);
       __m512 p = load_w16<PDT>(t, f, i);
-      __m512 fm2;  // c |c| of the m codes
-      if constexpr (M4) {
-        fm2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(c8 + o))));
+      __m512 mm;
+      if constexpr (M4) {  // 2 u(q) as signed bytes (nibble_u2_32), times s / 2: exact
+        mm = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(c8 + o)))),
+                           sm);
       } else {
-        const __m512 fm = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cmp + i))));
-        fm2 = _mm512_mul_ps(fm, _mm512_abs_ps(fm));
+        mm = dec_m16(cmp + i, sm);
       }
-      const __m512 fv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cvp + i))));
-      __m512 mm = _mm512_mul_ps(sm, fm2);
-      const __m512 f2 = _mm512_mul_ps(fv, fv);
-      __m512 vv = _mm512_mul_ps(_mm512_mul_ps(sv, f2), f2);
+      __m512 vv = dec_v16(cvp + i, sv);
       p = _mm512_mul_ps(p, k.decay);
       mm = _mm512_add_ps(mm, _mm512_mul_ps(k.omb1, _mm512_sub_ps(gr, mm)));
       vv = _mm512_add_ps(_mm512_mul_ps(vv, k.b2), _mm512_mul_ps(_mm512_mul_ps(k.omb2, gr), gr));
@@ -352,23 +324,26 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const Tensor
     av[g] = gv;
   }
   __m512 im, iv;
-  const __m512i bm = scale_bits16(hmax16x16(am), M4 ? kMom4KM : kMom8KM, im);
-  const __m512i bv = scale_bits16(hmax16x16(av), kMom8KV, iv);
+  const __m512i bm = scale_bits16(hmax16x16(am), M4 ? ladder_m4() : ladder_m8(), im);
+  const __m512i bv = scale_bits16(hmax16x16(av), ladder_v8(), iv);
   alignas(64) float ims[kG], ivs[kG];
+  alignas(64) uint32_t bms[kG], bvs[kG];
   _mm512_store_ps(ims, im);
   _mm512_store_ps(ivs, iv);
+  _mm512_store_si512(bms, bm);
+  _mm512_store_si512(bvs, bv);
   const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
   _mm256_mask_storeu_epi16(t.sm + j0, live, _mm512_cvtepi32_epi16(bm));
   _mm256_mask_storeu_epi16(t.sv + j0, live, _mm512_cvtepi32_epi16(bv));
   for (int g = 0; g < n; ++g) {
     const __m512 img = _mm512_set1_ps(ims[g]), ivg = _mm512_set1_ps(ivs[g]);
+    const __mmask16 okm = bms[g] == kMom8NaNScale ? 0 : 0xffff, okv = bvs[g] == kMom8NaNScale ? 0 : 0xffff;
 #pragma GCC unroll 2
     for (int q = 0; q < 2; ++q) {
       const int o = g * kMom8Group + 16 * q;
       const __m512i rw = _mm512_load_si512(rb + o);
-      // fields B (bits 10..20) and C (bits 21..31) moved to mantissa bits 12..22
-      const __m512i c = enc_m16<M4 ? 7 : 127>(_mm512_load_ps(mb + o), img, rand_unit16(_mm512_slli_epi32(rw, 2)));
-      const __m512i d = enc_v16(_mm512_load_ps(vb + o), ivg, rand_unit16(_mm512_srli_epi32(rw, 9)));
+      const __m512i c = _mm512_maskz_mov_epi32(okm, enc_m16<M4 ? 1 : 4>(_mm512_load_ps(mb + o), img, rw));
+      const __m512i d = _mm512_maskz_mov_epi32(okv, enc_v16(_mm512_load_ps(vb + o), ivg, rw));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(M4 ? c8 + o : cmp + gb + o), _mm512_cvtepi32_epi8(c));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(cvp + gb + o), _mm512_cvtepi32_epi8(d));
     }

@@ -78,7 +78,7 @@ void adamw_scalar_mom8(const TensorPtrs& t, int64_t begin, int64_t end, const Fl
   const bool w0 = needs_word0(t, f);
   const bool m4 = t.sdt == kMom4;
   const RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));
-  int8_t* cm = static_cast<int8_t*>(t.m);
+  uint8_t* cm = static_cast<uint8_t*>(t.m);
   uint8_t* cm4 = static_cast<uint8_t*>(t.m);
   uint8_t* cv = static_cast<uint8_t*>(t.v);
   for (int64_t gb = begin; gb < end; gb += kMom8Group) {
@@ -105,17 +105,18 @@ void adamw_scalar_mom8(const TensorPtrs& t, int64_t begin, int64_t end, const Fl
       am = a > am ? a : am;
       av = b > av ? b : av;
     }
-    const uint32_t bm = mom8_scale_bits(am, m4 ? kMom4KM : kMom8KM), bv = mom8_scale_bits(av, kMom8KV);
-    const float im = mom8_inv_scale(bm), iv = mom8_inv_scale(bv);
-    for (int k = 0; k < cnt; ++k) cv[gb + k] = mom8_encode_v(v[k], iv, rand_c16(r[k]));
+    const uint32_t bm = ladder_scale_bits(am, m4 ? ladder_m4() : ladder_m8()), bv = ladder_scale_bits(av, ladder_v8());
+    const float im = ladder_inv_scale(bm), iv = ladder_inv_scale(bv);
+    const bool okm = bm != kMom8NaNScale, okv = bv != kMom8NaNScale;  // a NaN group's codes are 0
+    for (int k = 0; k < cnt; ++k) cv[gb + k] = okv ? mom8_encode_v(v[k], iv, rand_c16(r[k])) : 0;
     if (m4) {
       for (int k = 0; k < cnt; k += 2) {  // gb is even: a byte's two codes are k, k + 1 of this group
-        const int c0 = mom4_encode_m(m[k], im, rand_b16(r[k]));
-        const int c1 = k + 1 < cnt ? mom4_encode_m(m[k + 1], im, rand_b16(r[k + 1])) : 0;
-        cm4[(gb + k) >> 1] = mom4_pack(c0, c1);
+        const uint32_t c0 = mom4_encode_m(m[k], im, rand_b16(r[k]));
+        const uint32_t c1 = k + 1 < cnt ? mom4_encode_m(m[k + 1], im, rand_b16(r[k + 1])) : 0u;
+        cm4[(gb + k) >> 1] = okm ? mom4_pack(c0, c1) : 0;
       }
     } else {
-      for (int k = 0; k < cnt; ++k) cm[gb + k] = mom8_encode_m(m[k], im, rand_b16(r[k]));
+      for (int k = 0; k < cnt; ++k) cm[gb + k] = okm ? mom8_encode_m(m[k], im, rand_b16(r[k])) : 0;
     }
     t.sm[j] = static_cast<uint16_t>(bm);
     t.sv[j] = static_cast<uint16_t>(bv);

@@ -264,7 +264,7 @@ __device__ __forceinline__ void mom_update(const AdamMeta& t, int64_t i, int64_t
   for (int k = 0; k < kVE; ++k) {
     const uint32_t b = code_byte(x.cm, kM4 ? k >> 1 : k);
     m[k] = kM4 ? mom4_decode_m(mom4_code(static_cast<uint8_t>(b), k), x.sm)
-               : mom8_decode_m(static_cast<int8_t>(b), x.sm);
+               : mom8_decode_m(static_cast<uint8_t>(b), x.sm);
     v[k] = mom8_decode_v(static_cast<uint8_t>(code_byte(x.cv, k)), x.sv);
     x.w[k] = adamw_update(x.w[k], x.g[k], m[k], v[k], nullptr, cs);
     if (WIDE || i + k < end) {
@@ -277,8 +277,8 @@ __device__ __forceinline__ void mom_update(const AdamMeta& t, int64_t i, int64_t
     am = max(am, __shfl_xor_sync(0xffffffffu, am, o));
     av = max(av, __shfl_xor_sync(0xffffffffu, av, o));
   }
-  const uint32_t bm = mom8_scale_bits(am, kM4 ? kMom4KM : kMom8KM), bv = mom8_scale_bits(av, kMom8KV);
-  const float im = mom8_inv_scale(bm), iv = mom8_inv_scale(bv);
+  const uint32_t bm = ladder_scale_bits(am, kM4 ? ladder_m4() : ladder_m8()), bv = ladder_scale_bits(av, ladder_v8());
+  const float im = ladder_inv_scale(bm), iv = ladder_inv_scale(bv);
   uint32_t rw[kVE];
   rng_words8(keys, static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i), rw);
   uint32_t cm[2] = {0u, 0u}, cv[2] = {0u, 0u};
@@ -286,12 +286,14 @@ __device__ __forceinline__ void mom_update(const AdamMeta& t, int64_t i, int64_t
   for (int k = 0; k < kVE; ++k) {
     const uint32_t r = rand_b16(rw[k]);
     if constexpr (kM4) {
-      cm[0] |= (static_cast<uint32_t>(mom4_encode_m(m[k], im, r)) & 0xfu) << (4 * k);
+      cm[0] |= mom4_encode_m(m[k], im, r) << (4 * k);
     } else {
-      cm[k >> 2] |= static_cast<uint32_t>(static_cast<uint8_t>(mom8_encode_m(m[k], im, r))) << (8 * (k & 3));
+      cm[k >> 2] |= static_cast<uint32_t>(mom8_encode_m(m[k], im, r)) << (8 * (k & 3));
     }
     cv[k >> 2] |= static_cast<uint32_t>(mom8_encode_v(v[k], iv, rand_c16(rw[k]))) << (8 * (k & 3));
   }
+  if (bm == kMom8NaNScale) cm[0] = cm[1] = 0u;  // a NaN group's codes are 0
+  if (bv == kMom8NaNScale) cv[0] = cv[1] = 0u;
   const bool w0 = needs_word0<PDT, SDT, MODE>(sr);
   uint8_t* __restrict__ CM = reinterpret_cast<uint8_t*>(t.m);
   uint8_t* __restrict__ CV = reinterpret_cast<uint8_t*>(t.v);

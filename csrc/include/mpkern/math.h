@@ -271,7 +271,7 @@ MPK_HD float adamw_update(float p, float g, float& m, float& v, float* vmax, con
 //     (an fp32 value has 16 bits below the bf16 ulp; fractions finer than the field are rounded to
 //     the nearest cell centre instead of truncated, so the bound is symmetric);
 //   * 8-bit moment codes (11 bits): |bias| <= 2^-12 of the gap between the two neighbouring code
-//     values (plus the fp32 rounding of r16 * w, relative 2^-24);
+//     values (plus the fp32 rounding of y + 1 in the ladder encoder, relative 2^-24);
 //   * 8-bit master correction: exact, no bias. bf16 params use bits 0..7 of the field: the master's
 //     fp32 bit pattern is rounded to a multiple of 256, an integer with 8 bits below the code
 //     unit, so adding 8 random bits and truncating goes up with probability exactly
@@ -354,167 +354,134 @@ MPK_HD uint32_t rand16(uint32_t seed, uint32_t stream, uint64_t elem, uint32_t s
 }
 
 // ----------------------------------------------------------------------------------------------
-// 8-bit companded moments (exp_avg int8, exp_avg_sq uint8), one bf16 scale per group of 32
-// consecutive elements of a tensor's buffer (group j = elements [32j, 32j + 32), from element 0).
-//   exp_avg    m = sign(c) * s_m * c^2        c in [-127, 127]   (s_m * (f * |f|), f = float(c))
-//   exp_avg_sq v = (s_v * c^2) * c^2          c in [0, 255]
-// Decoding is exact in fp32 for m (8 + 14 significant bits), one rounding for v. After the update
-// of a group, its scales are s = bf16_round_up(amax * K) with amax the largest |x| of the group
-// (as raw bits: an unsigned max that puts NaN above inf above every finite value), K_M = 1/127^2,
-// K_V = 1/255^4 (fp32): the group maximum maps to the top code (or one below it, from rounding
-// the scale up). A non-finite moment in a group gives the scale NaN (0x7fc0) and codes 0: the
-// group decodes as NaN, as fp32 AdamW would hold NaN moments.
-// Encoding rounds stochastically between the neighbouring codes k and k + 1, unbiased in value:
-// y = |x| / s (as |x| * (1 / s), one division per group) lies in [q(k), q(k + 1)) with
-// q(k) = k^2 (m) or k^4 (v, in fp32), and the code is k + 1 with probability (y - q(k)) /
-// (q(k + 1) - q(k)), decided as r16 * w < d * 2^16 with 16 random bits r16 (r16 = 0x8000: round to
-// nearest value, ties down). A positive v always gets a code >= 1 (a v below one code unit is
-// stored one unit up, a small upward bias that keeps m / sqrt(v) bounded). A zero scale (a group
-// of zeros, or an amax so small that amax * K underflows) gives codes 0. Limitation: a scale below
-// 2^-128 (amax_v < ~1.2e-29, amax_m < ~4.7e-35) has 1 / s = inf and every non-zero element of the
-// group takes the top code.
+// 8-bit moments (exp_avg int8, exp_avg_sq uint8) and the 4-bit exp_avg: "ladder" codes, one bf16
+// scale per group of 32 consecutive elements of a tensor's buffer (group j = elements [32j, 32j + 32),
+// from element 0). Codec 2 (issue 43): built to cost a few integer operations per element.
+//
+// A ladder with b mantissa bits maps an unsigned code q to the value
+//   u(q) = F(q) - 1,   F(q) = the fp32 number with bit pattern bits(1.0) + (q << (23 - b)),
+// i.e. F runs through the fp32 numbers >= 1 that have b mantissa bits: u is 0, 2^-b, 2 * 2^-b, ...
+// with a step of 2^-b below 1, then doubling every 2^b codes (a float with b mantissa bits whose
+// "subnormals" are the first binade, shifted so that code 0 is 0). An element is stored as
+// x = u(q) * s, with s the group's scale, a power of two:
+//   exp_avg    (8-bit): b = 4, q in [0, 127] (u <= 247), sign-magnitude int8: bit 7 = the sign;
+//   exp_avg_sq (8-bit): b = 4, q in [0, 255] (u <= 63487), unsigned;
+//   exp_avg    (4-bit): b = 1, q in [0, 7]   (u in {0, 1/2, 1, 2, 3, 5, 7, 11}), sign-magnitude
+//                       nibble: bit 3 = the sign; two per byte (below).
+// Relative precision 2^-b .. 2^-(b+1) of a step over 2^7 (exp_avg) and 2^15 (exp_avg_sq) below the
+// group maximum (the exp_avg_sq range is the square of the exp_avg one, as v ~ g^2, m ~ g), then a
+// linear tail of steps 2^-b s down to 0.
+// * Scale: the smallest power of two s = 2^e with amax / s <= u_max (the group's maximum |x| fits
+//   the top code), e >= -126 (s and 1 / s normal); from amax's bits with integer operations only:
+//   biased e = ((bits(amax) + 0x7fffff - mant(u_max)) >> 23) - exp(u_max) (the carry is 1 exactly
+//   when amax's mantissa exceeds u_max's), at least 1. Stored as bf16 (a power of two is exact). A
+//   group of zeros has the scale 0 (its 1 / s is 2^127: every code 0).
+//   A non-finite moment in a group gives the scale NaN (0x7fc0) and every code of the group 0
+//   (the kernels zero the group's codes): the group decodes as NaN, as fp32 AdamW would hold NaN.
+// * Encode x (finite, |x| <= amax): y = |x| * (1 / s) is exact (a power of two; a y below 2^-126
+//   may flush, it does not matter: y + 1 rounds to 1 either way); z = y + 1 (one fp32 rounding,
+//   to nearest even, relative 2^-24); then stochastic rounding of z to b mantissa bits by adding
+//   the dither below the kept bits and truncating (as bf16 SR does):
+//     q = ((bits(z) + (r16 << (7 - b))) - bits(1.0)) >> (23 - b)
+//   with r16 the 16 random bits of the codecs (rand_b16 / rand_c16: an 11-bit field at the cell
+//   centre, 0x8000 = round to nearest, ties up). Unbiased in value: inside a binade of z the codes'
+//   values are evenly spaced and bits(z) is a linear function of z, so q goes up with probability
+//   (the dropped bits) / 2^(23-b) -- to 2^-12 of a step, the field's resolution (math of rand_field16
+//   above) -- and a binade's top is the next binade's first code. z <= u_max + 1 = F(q_max) exactly
+//   (fp32-representable), whose dropped bits are 0: no code past q_max, no clamp.
+//   exp_avg_sq: a positive v gets at least code 1 (keeps m / sqrt(v) bounded; a small upward bias
+//   below one linear step).
+// * Decode: u(q) from the bit pattern (an integer add, one exact fp32 subtract), times s (exact), the
+//   sign bit of the code OR-ed in. A NaN scale gives NaN.
+// Per element: encode 5-7 integer / fp32 operations, decode 4-5, no division, root or conversion.
 // ----------------------------------------------------------------------------------------------
 constexpr int kMom8Group = 32;
-constexpr float kMom8KM = 0x1.040c2p-14f;   // fp32(1 / 127^2)
-constexpr float kMom8KV = 0x1.040a14p-32f;  // fp32(1 / 255^4)
 constexpr uint32_t kMom8NaNScale = 0x7fc0u;
 
-// bf16 bits of x >= 0 rounded up (towards +inf) to a bf16 value.
-MPK_HD uint32_t bf16_round_up_bits(float x) {
-  uint32_t b = f32_bits(x);
-  if (b & 0xffffu) b += 0x10000u;
-  return b >> 16;
-}
+// A ladder format: mantissa bits, the largest magnitude code, and u_max's fp32 exponent and mantissa
+// (for the scale).
+struct Ladder {
+  int mbits;
+  uint32_t qmax;
+  int umax_exp;        // floor(log2(u_max))
+  uint32_t umax_mant;  // the 23 mantissa bits of u_max
+};
+// (functions, not constants: device code may call them, it may not take a host constant's address)
+MPK_HD constexpr Ladder ladder_m8() { return {4, 127u, 7, 0x770000u}; }  // u_max = 247   = 1.9296875 * 2^7
+MPK_HD constexpr Ladder ladder_v8() { return {4, 255u, 15, 0x77ff00u}; }  // u_max = 63487 = 1.937469482421875 * 2^15
+MPK_HD constexpr Ladder ladder_m4() { return {1, 7u, 3, 0x300000u}; }  // u_max = 11    = 1.375 * 2^3
 
-// The bf16 scale bits of a group from its amax bits (|x| as (bits & 0x7fffffff), maxed unsigned).
-MPK_HD uint32_t mom8_scale_bits(uint32_t amax_bits, float k) {
+// The bf16 scale bits of a group from its amax bits (|x| as (bits & 0x7fffffff), maxed unsigned:
+// NaN above inf above every finite value).
+MPK_HD uint32_t ladder_scale_bits(uint32_t amax_bits, Ladder f) {
   if (amax_bits >= 0x7f800000u) return kMom8NaNScale;
-  return bf16_round_up_bits(f32_from_bits(amax_bits) * k);
+  if (amax_bits == 0u) return 0u;  // a group of zeros: scale 0, codes 0
+  const int e = static_cast<int>((amax_bits + (0x7fffffu - f.umax_mant)) >> 23) - f.umax_exp;
+  return static_cast<uint32_t>(e < 1 ? 1 : e) << 7;
 }
 
-// The per-group multiplier of the encoders: 1 / s, or 0 for a zero or NaN scale (codes 0).
-MPK_HD float mom8_inv_scale(uint32_t scale_bits) {
-  if (scale_bits == 0u || scale_bits == kMom8NaNScale) return 0.0f;
-  return 1.0f / bf16_to_f32(static_cast<uint16_t>(scale_bits));
+// 1 / s of a scale (exact: a power of two; 2^127 for the zero scale); 0 for the NaN scale (whose
+// group's codes are zeroed).
+MPK_HD float ladder_inv_scale(uint32_t scale_bits) {
+  if (scale_bits == kMom8NaNScale) return 0.0f;
+  return f32_from_bits((254u - (scale_bits >> 7)) << 23);
 }
 
-MPK_HD float mom8_decode_m(int8_t c, float s) {
-  const float f = static_cast<float>(c);
-  return s * (f * fabsf(f));
+// u(q) of a magnitude code.
+MPK_HD float ladder_value(uint32_t q, int mbits) { return f32_from_bits(0x3f800000u + (q << (23 - mbits))) - 1.0f; }
+
+// The magnitude code of |x| (ax) given inv = ladder_inv_scale(s) and 16 random bits.
+MPK_HD uint32_t ladder_encode(float ax, float inv, uint32_t r16, int mbits) {
+  const float y = ax * inv;
+  const float z = y + 1.0f;
+  return (f32_bits(z) + (r16 << (7 - mbits)) - 0x3f800000u) >> (23 - mbits);
 }
 
-MPK_HD float mom8_decode_v(uint8_t c, float s) {
-  const float f = static_cast<float>(c);
-  const float f2 = f * f;
-  return (s * f2) * f2;
+// The sign bit of x moved to bit `at` of a code.
+MPK_HD uint32_t sign_at(float x, int at) { return (f32_bits(x) >> 31) << at; }
+
+MPK_HD float mom8_decode_m(uint8_t c, float s) {
+  const float x = ladder_value(c & 0x7fu, 4) * s;
+  return f32_from_bits(f32_bits(x) | (static_cast<uint32_t>(c & 0x80u) << 24));
 }
 
-// Estimates of sqrt(y) and y^(1/4) for the code searches below, which take the floor of the
-// estimate and correct it by one step down and one step up against exact fp32 squares: every
-// estimate within 1 of the true root gives the same code, so the device may use the hardware
-// approximations (MUFU, relative error below 2^-21; y < 2^33 there, roots below 256) where the host
-// uses the IEEE roots, and the codes stay bit-identical.
-MPK_HD float root2_est(float y) {
-#if defined(__CUDA_ARCH__)
-  float r;
-  asm("sqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(y));
-  return r;
-#else
-  return sqrtf(y);
-#endif
+MPK_HD float mom8_decode_v(uint8_t c, float s) { return ladder_value(c, 4) * s; }
+
+// exp_avg code (sign-magnitude byte) of m given inv = ladder_inv_scale(s_m) and 16 random bits.
+MPK_HD uint8_t mom8_encode_m(float m, float inv, uint32_t r16) {
+  return static_cast<uint8_t>(ladder_encode(fabsf(m), inv, r16, 4) | sign_at(m, 7));
 }
 
-MPK_HD float root4_est(float y) {
-#if defined(__CUDA_ARCH__)
-  float r, q;
-  asm("rsqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(y));  // y^(-1/2)
-  asm("rsqrt.approx.f32 %0, %1;" : "=f"(q) : "f"(r));  // y^(1/4)
-  return q;
-#else
-  return sqrtf(sqrtf(y));
-#endif
-}
-
-// exp_avg code of m given inv = the inverse scale and 16 random bits, for the square law with top
-// code `top` (127: 8-bit, 7: 4-bit): the code c in [-top, top] with m = sign(c) * s * c^2.
-MPK_HD int mom_encode_sq(float m, float inv, uint32_t r16, float top) {
-  const float y = fabsf(m) * inv;
-  if (!(y > 0.0f)) return 0;  // zero, or a zero / NaN-scale group (inv 0)
-  float c;
-  if (y >= top * top) {
-    c = top;
-  } else {
-    float k = floorf(root2_est(y));
-    if (k * k > y) k = k - 1.0f;
-    if ((k + 1.0f) * (k + 1.0f) <= y) k = k + 1.0f;
-    const float d = y - k * k;
-    const float w = 2.0f * k + 1.0f;
-    c = static_cast<float>(r16) * w < d * 65536.0f ? k + 1.0f : k;
-  }
-  return static_cast<int>(m < 0.0f ? -c : c);
-}
-
-// exp_avg code of m given inv = mom8_inv_scale(s_m) and 16 random bits.
-MPK_HD int8_t mom8_encode_m(float m, float inv, uint32_t r16) {
-  return static_cast<int8_t>(mom_encode_sq(m, inv, r16, 127.0f));
-}
-
-MPK_HD float mom8_q4(float k) {
-  const float k2 = k * k;
-  return k2 * k2;
-}
-
-// exp_avg_sq code of v >= 0 given inv = mom8_inv_scale(s_v) and 16 random bits.
+// exp_avg_sq code of v >= 0 given inv = ladder_inv_scale(s_v) and 16 random bits.
 MPK_HD uint8_t mom8_encode_v(float v, float inv, uint32_t r16) {
-  const float y = v * inv;
-  if (!(y > 0.0f)) return 0;
-  float c;
-  if (y >= mom8_q4(255.0f)) {
-    c = 255.0f;
-  } else {
-    float k = floorf(root4_est(y));
-    if (mom8_q4(k) > y) k = k - 1.0f;
-    if (mom8_q4(k + 1.0f) <= y) k = k + 1.0f;
-    const float q = mom8_q4(k);
-    const float d = y - q;
-    const float w = mom8_q4(k + 1.0f) - q;
-    c = static_cast<float>(r16) * w < d * 65536.0f ? k + 1.0f : k;
-    c = c < 1.0f ? 1.0f : c;  // y > 0: at least one code unit
-  }
-  return static_cast<uint8_t>(static_cast<int>(c));
+  const uint32_t q = ladder_encode(v, inv, r16, 4);
+  return static_cast<uint8_t>(q == 0u && v > 0.0f ? 1u : q);
 }
 
 // ----------------------------------------------------------------------------------------------
-// 4-bit exp_avg (moment code kMom4, with the 8-bit exp_avg_sq above): the same square law at 4 bits,
-//   m = sign(c) * s_m * c^2,  c in [-7, 7],  s_m = bf16_round_up(amax * K_M4), K_M4 = fp32(1 / 49),
-// one bf16 scale per group of 32 elements (the 8-bit groups), stochastic rounding between the
-// neighbouring codes from the same 11-bit field (B) of the element's random word: P(round up) is
-// (y - k^2) / (2k + 1) to 2^-12 of a code step. Two codes per byte: element 2j in the low nibble of
-// byte j, element 2j + 1 in the high nibble, each a 4-bit two's complement code (-8 unused); a
-// tensor of n elements has ceil(n / 2) bytes and the high nibble of an odd n's last byte is 0. A
-// group starts at an even element, so the two codes of a byte always belong to one group (and one
-// work item: work items are whole groups).
+// 4-bit exp_avg (moment code kMom4, with the 8-bit exp_avg_sq above): the b = 1 ladder, a sign-
+// magnitude nibble per element, one bf16 scale per group of 32 elements (the 8-bit groups), rounded
+// stochastically from the same 11-bit field (B) of the element's random word. Two codes per byte:
+// element 2j in the low nibble of byte j, element 2j + 1 in the high nibble; a tensor of n elements
+// has ceil(n / 2) bytes and the high nibble of an odd n's last byte is 0. A group starts at an even
+// element, so the two codes of a byte always belong to one group (and one work item: work items
+// are whole groups).
 // ----------------------------------------------------------------------------------------------
-constexpr float kMom4KM = 0x1.4e5e0ap-6f;  // fp32(1 / 49)
+// The nibble (sign-magnitude code) of element i from its byte.
+MPK_HD uint32_t mom4_code(uint8_t byte, int64_t i) { return (i & 1) ? (byte >> 4) : (byte & 0xfu); }
 
-// The signed 4-bit code of element i from its byte.
-MPK_HD int mom4_code(uint8_t byte, int64_t i) {
-  const int nib = (i & 1) ? (byte >> 4) : (byte & 0xf);
-  return nib >= 8 ? nib - 16 : nib;
+MPK_HD float mom4_decode_m(uint32_t nib, float s) {
+  const float x = ladder_value(nib & 7u, 1) * s;
+  return f32_from_bits(f32_bits(x) | ((nib & 8u) << 28));
 }
 
-MPK_HD float mom4_decode_m(int c, float s) {
-  const float f = static_cast<float>(c);
-  return s * (f * fabsf(f));
+// The nibble of m given inv = ladder_inv_scale(s_m) and 16 random bits (rand_b16).
+MPK_HD uint32_t mom4_encode_m(float m, float inv, uint32_t r16) {
+  return ladder_encode(fabsf(m), inv, r16, 1) | sign_at(m, 3);
 }
 
-// The code of m given inv = mom8_inv_scale(s_m) and 16 random bits (rand_b16).
-MPK_HD int mom4_encode_m(float m, float inv, uint32_t r16) { return mom_encode_sq(m, inv, r16, 7.0f); }
-
-// The byte of the codes of elements 2j (c0) and 2j + 1 (c1).
-MPK_HD uint8_t mom4_pack(int c0, int c1) {
-  return static_cast<uint8_t>((static_cast<unsigned>(c0) & 0xfu) | ((static_cast<unsigned>(c1) & 0xfu) << 4));
-}
+// The byte of the nibbles of elements 2j (c0) and 2j + 1 (c1).
+MPK_HD uint8_t mom4_pack(uint32_t c0, uint32_t c1) { return static_cast<uint8_t>((c0 & 0xfu) | ((c1 & 0xfu) << 4)); }
 
 // ----------------------------------------------------------------------------------------------
 // 8-bit master correction (master_mode 3, bf16/fp16 params): the 16-bit param p and an int8
