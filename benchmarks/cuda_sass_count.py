@@ -104,9 +104,14 @@ def width(text: str) -> int:
     return {"128": 16, "64": 8, "U8": 1, "S8": 1, "U16": 2, "S16": 2}.get(m.group(1), 4) if m else 4
 
 
+def opcode(text: str) -> str:
+    """An instruction's opcode without its predicate guard."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
+
+
 def stats(body: list[str]) -> dict[str, int]:
     body = [t for t in body if not re.search(r"\bNOP\b", t)]
-    ops = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body]
+    ops = [opcode(t) for t in body]
     s = {"instructions": len(body)}
     for k in ("MUFU", "SHFL", "FCHK", "CALL"):
         s[k] = sum(o.startswith(k) for o in ops)
@@ -117,7 +122,7 @@ def stats(body: list[str]) -> dict[str, int]:
     return s
 
 
-def main_loop(ins: list[tuple[int, str]]) -> dict[str, int]:
+def main_loop(ins: list[tuple[int, str]]) -> list[str]:
     best = None
     for lo, hi in loops(ins):
         body = [t for a, t in ins if lo <= a <= hi]
@@ -128,13 +133,25 @@ def main_loop(ins: list[tuple[int, str]]) -> dict[str, int]:
             best = (key, body)
     if best is None:
         sys.exit("no loop with shuffles found")
-    return stats(best[1])
+    return best[1]
+
+
+def histogram(body: list[str], per: int, top: int = 24) -> str:
+    """The main loop's most frequent opcodes (base name, e.g. FMUL, LOP3) per element."""
+    counts: dict[str, int] = {}
+    for t in body:
+        if not re.search(r"\bNOP\b", t):
+            op = opcode(t).split(".")[0]
+            counts[op] = counts.get(op, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+    return "    " + ", ".join(f"{op} {n / per:.2f}" for op, n in ranked)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--rev", default=None, help="git revision of csrc/ (default: the working tree)")
+    ap.add_argument("--ops", action="store_true", help="also print the main loop's opcodes per element")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         src_root = ROOT
@@ -156,10 +173,13 @@ def main() -> None:
     for label, pdt, gdt, sdt, mode in INSTANCES:
         tag = f"adamw_kernelILi{pdt}ELi{gdt}ELi{sdt}ELi{mode}E"
         name = next(n for n in funcs if tag in n)
-        s = main_loop(funcs[name])
+        body = main_loop(funcs[name])
+        s = stats(body)
         extra = ", ".join(f"{k} {v / per:.2f}" for k, v in s.items() if k != "instructions")
         print(f"  {label:12s} main loop {s['instructions']} instr / {per} elem per thread = "
               f"{s['instructions'] / per:.1f} instr/elem  (per elem: {extra})")
+        if args.ops:
+            print(histogram(body, per))
 
 
 if __name__ == "__main__":

@@ -130,13 +130,19 @@ __device__ __forceinline__ void adam_scalar(const AdamMeta& t, int64_t i, const 
   store_w<PDT, MODE>(t, i, p, r0, w0);
 }
 
+// rng_key out of line: the cold path of rng_words8 (a chunk whose elements leave the high index half
+// its key was computed for), kept out of the hot loop's instructions.
+__device__ __noinline__ uint32_t rng_key_cold(const RngKeys& keys, uint32_t hi) {
+  return rng_key(keys.seed, keys.stream, keys.step, hi);
+}
+
 // The random words of elements e .. e + kVE - 1, one each: rng_word's, with the key of the eight
 // elements' high index half (and of the next half, when they cross a multiple of 2^32) looked up once.
 __device__ __forceinline__ void rng_words8(const RngKeys& keys, uint64_t e, uint32_t (&rw)[kVE]) {
   const uint32_t lo = static_cast<uint32_t>(e), hi = static_cast<uint32_t>(e >> 32);
-  const uint32_t k0 = hi == keys.hi ? keys.key : rng_key(keys.seed, keys.stream, keys.step, hi);
+  const uint32_t k0 = hi == keys.hi ? keys.key : rng_key_cold(keys, hi);
   const bool wrap = lo > 0xffffffffu - (kVE - 1);
-  const uint32_t k1 = wrap ? rng_key(keys.seed, keys.stream, keys.step, hi + 1u) : k0;
+  const uint32_t k1 = wrap ? rng_key_cold(keys, hi + 1u) : k0;
 #pragma unroll
   for (int k = 0; k < kVE; ++k) rw[k] = rng_bits(lo + k < lo ? k1 : k0, lo + k);
 }
@@ -277,8 +283,9 @@ __device__ __forceinline__ void mom_update(const AdamMeta& t, int64_t i, int64_t
     am = max(am, __shfl_xor_sync(0xffffffffu, am, o));
     av = max(av, __shfl_xor_sync(0xffffffffu, av, o));
   }
-  const uint32_t bm = ladder_scale_bits(am, kM4 ? ladder_m4() : ladder_m8()), bv = ladder_scale_bits(av, ladder_v8());
-  const float im = ladder_inv_scale(bm), iv = ladder_inv_scale(bv);
+  const uint32_t bm = kM4 ? mom4_scale_bits(am) : ladder_scale_bits(am, ladder_m8());
+  const uint32_t bv = ladder_scale_bits(av, ladder_v8());
+  const float im = kM4 ? mom4_inv_scale(bm) : ladder_inv_scale(bm), iv = ladder_inv_scale(bv);
   uint32_t rw[kVE];
   rng_words8(keys, static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i), rw);
   uint32_t cm[2] = {0u, 0u}, cv[2] = {0u, 0u};
@@ -286,7 +293,7 @@ __device__ __forceinline__ void mom_update(const AdamMeta& t, int64_t i, int64_t
   for (int k = 0; k < kVE; ++k) {
     const uint32_t r = rand_b16(rw[k]);
     if constexpr (kM4) {
-      cm[0] |= mom4_encode_m(m[k], im, r) << (4 * k);
+      cm[0] |= (static_cast<uint32_t>(mom4_encode_m(m[k], im, r)) & 0xfu) << (4 * k);
     } else {
       cm[k >> 2] |= static_cast<uint32_t>(mom8_encode_m(m[k], im, r)) << (8 * (k & 3));
     }
