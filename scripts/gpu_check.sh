@@ -116,7 +116,7 @@ fi
 # cuda/triton variants (its cpu and torch-reference variants add nothing on a GPU).
 GPU_TESTS=(test_gpu_paths:all test_kernels_compact:all test_kernels_m4:all test_norm_identity:all test_moments8:all
            test_ops:all test_capture:all test_capture_recipe:all
-           test_nosync:all test_streams:all
+           test_nosync:all test_streams:all test_gpu_launches:all
            test_unscale:k test_release:all test_backend:all test_grad_offsets:all test_step_cache:all
            test_optim:k test_optim_generic:k test_math:k test_compact_state:k test_dropin:k test_matmul:k
            test_matmul_routes:all test_scaler:k test_review:k test_bias_correction:all test_seam:all test_bench:k

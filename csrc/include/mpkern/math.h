@@ -307,9 +307,9 @@ MPK_HD uint32_t rand_field16(uint32_t word, int purpose) {
   return (((word >> rand_shift(purpose)) & ((1u << w) - 1u)) << (16 - w)) | (1u << (15 - w));
 }
 // The same per field with constant shifts (what the vector paths compute):
-MPK_HD uint32_t rand_a16(uint32_t word) { return ((word << 6) & 0xffc0u) | 0x20u; }   // param / master8
-MPK_HD uint32_t rand_b16(uint32_t word) { return ((word >> 5) & 0xffe0u) | 0x10u; }   // exp_avg
-MPK_HD uint32_t rand_c16(uint32_t word) { return ((word >> 16) & 0xffe0u) | 0x10u; }  // exp_avg_sq
+MPK_HD uint32_t rand_a16(uint32_t word) { return ((word << 6) & 0xffc0u) + 0x20u; }   // param / master8
+MPK_HD uint32_t rand_b16(uint32_t word) { return ((word >> 5) & 0xffe0u) + 0x10u; }   // exp_avg
+MPK_HD uint32_t rand_c16(uint32_t word) { return ((word >> 16) & 0xffe0u) + 0x10u; }  // exp_avg_sq
 
 MPK_HD uint32_t rng_key(uint32_t seed, uint32_t stream, uint32_t step, uint32_t elem_hi) {
   const uint32_t h = mix32(seed ^ mix32(stream * 0x9e3779b9u + step));
