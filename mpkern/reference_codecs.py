@@ -138,6 +138,7 @@ MOM8_NAN_SCALE = 0x7FC0
 #: (mantissa bits b, top magnitude code, floor(log2 u_max), u_max's 23 mantissa bits) of math.h's ladders
 LADDER_M8 = (4, 127, 7, 0x770000)  # exp_avg, 8-bit: u_max = 247
 LADDER_V8 = (4, 255, 15, 0x77FF00)  # exp_avg_sq, 8-bit: u_max = 63487
+LADDER_M4 = (1, 7, 3, 0x300000)  # exp_avg, 4-bit: u_max = 11
 _ONE_BITS = 0x3F800000
 
 
@@ -264,46 +265,11 @@ def moment8_encode(values: Tensor, kind: str, r16: Tensor | int | None = None) -
     return codes.reshape(-1)[:n].reshape(values.shape), _bits_to_bf16(b)
 
 
-# ---- the 4-bit exp_avg: the square law (math.h mom4_*) -------------------------------------------------
-MOM4_KM = float.fromhex("0x1.4e5e0ap-6")  # fp32(1 / 49): 4-bit exp_avg scale per unit of the group max
-
-
-def _mom4_scale_bits(x: Tensor) -> Tensor:
-    """int64 bf16 bits of the 4-bit scales of grouped fp32 ``x`` [G, 32] (math.h mom4_scale_bits):
-    bf16_round_up(amax / 49), NaN (0x7fc0) for a group holding a non-finite value."""
-    amax = _bits(x) & 0x7FFFFFFF  # NaN > inf > finite, as bits
-    amax = amax.amax(dim=1)
-    b = _bits(_as_f32(amax) * MOM4_KM)
-    b = torch.where((b & 0xFFFF) != 0, b + 0x10000, b) >> 16
-    return torch.where(amax >= 0x7F800000, torch.full_like(b, MOM8_NAN_SCALE), b)
-
-
-def _mom4_inv_scale(b: Tensor) -> Tensor:
-    """math.h mom4_inv_scale: 1 / s, or 0 for a zero or NaN scale."""
-    s = _as_f32(b << 16)
-    inv = torch.div(torch.ones_like(s), s)
-    return torch.where((b == 0) | (b == MOM8_NAN_SCALE), torch.zeros_like(s), inv)
-
-
-def _mom4_encode(m: Tensor, inv: Tensor, r16: Tensor) -> Tensor:
-    """math.h mom4_encode_m on grouped m [G, 32], inv [G, 1], r16 int64 [G, 32] -> int64 codes in [-7, 7]."""
-    y = m.abs() * inv
-    k = torch.floor(sqrt32(y))
-    k = torch.where(k * k > y, k - 1.0, k)
-    kp = k + 1.0
-    k = torch.where(kp * kp <= y, k + 1.0, k)
-    d = y - k * k
-    w = 2.0 * k + 1.0
-    c = torch.where(r16.to(torch.float32) * w < d * 65536.0, k + 1.0, k)
-    c = torch.where(y >= 49.0, torch.full_like(c, 7.0), c)
-    c = torch.where(y > 0, c, torch.zeros_like(c))
-    return torch.where(m < 0, -c, c).to(torch.int64)
-
-
 def moment4_decode(packed: Tensor, scales: Tensor, numel: int) -> Tensor:
     """The fp32 ``exp_avg`` of ``numel`` elements from 4-bit codes (uint8 ``packed``, two per byte:
-    element 2j in the low nibble of byte j, 2j + 1 in the high one, each a signed 4-bit code c in
-    [-7, 7]) and their bf16 scales (one per 32 elements): ``sign(c) * s * c^2`` (exact in fp32), 1-D."""
+    element 2j in the low nibble of byte j, 2j + 1 in the high one, each a sign-magnitude nibble: bit 3
+    the sign, bits 0-2 the code of the 1-mantissa-bit ladder, values 0, 1/2, 1, 2, 3, 5, 7, 11) and their
+    bf16 scales (one per 32 elements): ``+-u(c) * s`` (exact in fp32), 1-D."""
     numel = int(numel)
     if packed.dtype != torch.uint8 or packed.numel() != (numel + 1) // 2:
         raise ValueError(f"moment4_decode: packed must be uint8 with ceil(numel / 2) = {(numel + 1) // 2} bytes, "
@@ -311,24 +277,22 @@ def moment4_decode(packed: Tensor, scales: Tensor, numel: int) -> Tensor:
     if scales.dtype != torch.bfloat16 or scales.numel() != moment8_groups(numel):
         raise ValueError(f"moment4_decode: scales must be bfloat16 with ceil(numel / 32) = {moment8_groups(numel)} "
                          f"elements, got {scales.dtype} with {scales.numel()}")
-    b = packed.reshape(-1).to(torch.int32)
+    b = packed.reshape(-1).to(torch.int64)
     nib = torch.stack([b & 0xF, b >> 4], dim=1).reshape(-1)[:numel]
-    c = torch.where(nib >= 8, nib - 16, nib).to(torch.float32)
-    f = _grouped(c)
-    x = scales.reshape(-1, 1).float() * (f * f.abs())
+    x = _decode_group(_grouped(nib), scales.reshape(-1, 1).float(), 1, 3)
     return x.reshape(-1)[:numel]
 
 
 def moment4_encode(values: Tensor, r16: Tensor | int | None = None) -> tuple[Tensor, Tensor]:
     """4-bit ``exp_avg`` codes of fp32 ``values`` exactly as the kernels store them: ``(packed uint8
-    [ceil(numel / 2)], bf16 scales [ceil(numel / 32)])``; scale ``bf16_round_up(amax / 49)``, the
-    code rounded stochastically between neighbouring values from ``r16`` (as :func:`moment8_encode`;
-    None rounds to the nearest value, ties down)."""
+    [ceil(numel / 2)], bf16 scales [ceil(numel / 32)])``; the scale the smallest power of two that
+    puts the group's maximum at or below the top value 11, each code rounded stochastically between
+    neighbouring values from ``r16`` (as :func:`moment8_encode`; None rounds to the nearest value)."""
     n = values.numel()
     x = _grouped(values.detach().reshape(-1).to(torch.float32))
-    b = _mom4_scale_bits(x)
-    c = _mom4_encode(x, _mom4_inv_scale(b)[:, None], _r16_grouped(r16, x)).reshape(-1)[:n]
+    q, b = _encode_group(x, _r16_grouped(r16, x), LADDER_M4, 3)
+    c = q.reshape(-1)[:n]
     if n % 2:
         c = torch.cat([c, c.new_zeros(1)])
-    pairs = (c & 0xF).reshape(-1, 2)
+    pairs = c.reshape(-1, 2)
     return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8), _bits_to_bf16(b)

@@ -1,4 +1,4 @@
-"""The 8-bit moments' ladder codec (csrc/include/mpkern/math.h, "codec 2") written again in float64
+"""The compact moments' ladder codec (csrc/include/mpkern/math.h, "codec 2") written again in float64
 for the tests, from its definition and independently of the kernels and of mpkern.reference_codecs:
 
 * a ladder with ``b`` mantissa bits maps a magnitude code q to u(q) = 2^(q >> b) (1 + (q mod 2^b) / 2^b) - 1;
@@ -16,7 +16,7 @@ import torch
 Tensor = torch.Tensor
 GROUP = 32
 #: name: (mantissa bits, top magnitude code, bit of the sign or None)
-LADDERS = {"m8": (4, 127, 7), "v8": (4, 255, None)}
+LADDERS = {"m8": (4, 127, 7), "v8": (4, 255, None), "m4": (1, 7, 3)}
 
 
 def u64(q: Tensor, mbits: int) -> Tensor:
@@ -47,10 +47,13 @@ def scale64(amax: Tensor, ladder: str) -> Tensor:
     return torch.tensor(out, dtype=torch.float64)
 
 
-def decode64(codes: Tensor, scales: Tensor, ladder: str) -> Tensor:
-    """float64 values of per-element codes (int8 / uint8 bytes) with their per-group scales."""
+def decode64(codes: Tensor, scales: Tensor, ladder: str, numel: int | None = None) -> Tensor:
+    """float64 values of per-element codes (int8 / uint8 bytes, or for "m4" the packed nibbles of
+    ``numel`` elements) with their per-group scales."""
     mbits, _, sign_at = LADDERS[ladder]
     b = codes.reshape(-1).cpu().view(torch.uint8).to(torch.int64)
+    if ladder == "m4":
+        b = torch.stack([b & 0xF, b >> 4], dim=1).reshape(-1)[:numel]
     mag = b if sign_at is None else b & ((1 << sign_at) - 1)
     s = scales.reshape(-1).cpu().double().repeat_interleave(GROUP)[:b.numel()]
     x = u64(mag, mbits) * s

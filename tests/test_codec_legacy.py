@@ -30,9 +30,8 @@ from mpkern.optim.storage import legacy_moment4_decode, legacy_moment8_decode
 SHAPES = ((5, 13), (77,))
 OLD_KEYS = {"8bit": ("exp_avg_code", "exp_avg_sq_code", "exp_avg_scale", "exp_avg_sq_scale"),
             "4bit_m": ("exp_avg_code4", "exp_avg_sq_code", "exp_avg_scale", "exp_avg_sq_scale")}
-#: codec 2's ladders of the 8-bit moments (csrc/include/mpkern/math.h): mantissa bits, the top code's
-#: value u_max (the 4-bit exp_avg keeps codec 1's square law: "sq4" below)
-LADDER = {"m8": (4, 247.0), "v8": (4, 63487.0)}
+#: codec 2's ladders (csrc/include/mpkern/math.h): mantissa bits, the top code's value u_max
+LADDER = {"m8": (4, 247.0), "v8": (4, 63487.0), "m4": (1, 11.0)}
 
 
 # ---- codec 1, written here from its definition ------------------------------------------------------
@@ -108,14 +107,9 @@ def _half_step64(x64: torch.Tensor, ladder: str) -> torch.Tensor:
     s, the smallest with max |x| / s <= u_max; steps 2^-b s below s, doubling every binade of
     |x| / s + 1), plus the fp32 roundings of the value and of |x| / s + 1; a positive exp_avg_sq below
     one step is stored as one step."""
+    b, umax = LADDER[ladder]
     n = x64.numel()
     ax = x64.float().double().abs()  # what the codec sees
-    if ladder == "sq4":  # sign(c) s c^2, s = amax / 49 rounded up to bf16 (at most 2^-7 above): steps 2k + 1
-        amax = torch.nn.functional.pad(ax, (0, (-n) % 32)).reshape(-1, 32).amax(1)
-        s_lo = (amax / 49).repeat_interleave(32)[:n]
-        k = torch.floor(torch.sqrt(ax / s_lo.clamp(min=1e-300))).clamp(max=6)  # >= the code below |x|
-        return 0.5 * (2 * k + 1) * s_lo * (1 + 2.0**-7) + ax * 2.0**-22
-    b, umax = LADDER[ladder]
     amax = torch.nn.functional.pad(ax, (0, (-n) % 32)).reshape(-1, 32).amax(1)
     e = torch.ceil(torch.log2(amax / umax)).clamp(min=-126)
     s = torch.where(amax > 0, torch.pow(2.0, e), torch.ones_like(amax)).repeat_interleave(32)[:n]
@@ -176,7 +170,7 @@ def test_codec1_checkpoint_converts_to_the_nearest_codec2_code(saved, target):
         st = opt.state[p]
         assert not {"exp_avg_code", "exp_avg_code4", "exp_avg_sq_code"} & set(st)
         assert set(storage.moment_kind(target).keys) <= set(st)
-        for key, ladder in (("exp_avg", "sq4" if target == "4bit_m" else "m8"), ("exp_avg_sq", "v8")):
+        for key, ladder in (("exp_avg", "m4" if target == "4bit_m" else "m8"), ("exp_avg_sq", "v8")):
             x64 = values[i][key]
             got = adamw[i][key].reshape(-1).cpu()
             assert torch.equal(got, _codec2_nearest(x64.float(), target, key)), (i, key)

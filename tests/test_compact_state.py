@@ -50,17 +50,14 @@ def test_8bit_master_moves_small_updates_in_expectation():
 
 
 def _decode64(st: dict, key: str) -> torch.Tensor:
-    """8-bit (and 4-bit exp_avg) moments in their documented format, in float64 (8-bit: tests/_ladder64.py,
-    +-u(q) s on the 4-mantissa-bit ladder; the 4-bit exp_avg (state "exp_avg_q4"): sign(c) s c^2, two
-    signed nibbles per byte), a bf16 scale per 32 consecutive elements of the buffer in memory order."""
+    """8-bit (and 4-bit exp_avg) moments in their documented format, in float64 (tests/_ladder64.py:
+    +-u(q) s on the 4- or 1-mantissa-bit ladder, a bf16 scale per 32 consecutive elements of the
+    buffer in memory order); the 4-bit exp_avg (state "exp_avg_q4") two codes per byte, laid out as
+    exp_avg_sq."""
     shape = st["exp_avg_sq_q8"]  # laid out like the param
     flat_codes = shape.as_strided((shape.numel(),), (1,), shape.storage_offset())
-    if key == "exp_avg" and "exp_avg_q4" in st:  # the square law: sign(c) s c^2, signed nibbles
-        b = st["exp_avg_q4"].reshape(-1).cpu().long()
-        nib = torch.stack([b % 16, b // 16], dim=1).reshape(-1)[: shape.numel()]
-        c = torch.where(nib >= 8, nib - 16, nib).double()
-        s = st["exp_avg_scale"].double().cpu().repeat_interleave(32)[: c.numel()]
-        val = s * c * c.abs()
+    if key == "exp_avg" and "exp_avg_q4" in st:
+        val = _ladder64.decode64(st["exp_avg_q4"], st["exp_avg_scale"], "m4", shape.numel())
     elif key == "exp_avg":
         q8 = st["exp_avg_q8"]
         val = _ladder64.decode64(q8.as_strided((q8.numel(),), (1,), q8.storage_offset()), st["exp_avg_scale"], "m8")

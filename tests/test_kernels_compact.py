@@ -516,7 +516,7 @@ def _mom4_state(n, gen, zero=False):
     if n % 2:
         cm[-1] &= 0xF  # the documented layout: an odd tail's high nibble is 0
     cv = torch.randint(0, 256, (n,), generator=gen).to(torch.uint8)
-    sm = (torch.rand(g, generator=gen) * 0.02 * (1.0 / 49)).to(BF16)
+    sm = (torch.rand(g, generator=gen) * 0.02 / _ladder64.umax("m4")).to(BF16)
     sv = (torch.rand(g, generator=gen) * 2e-4 / UV8 + 1e-20).to(BF16)
     return cm.to(DEVICE), cv.to(DEVICE), sm.to(DEVICE), sv.to(DEVICE)
 

@@ -1,13 +1,15 @@
 """Kernel layer of the 4-bit exp_avg (issue 22; ``state_dtype="4bit_m"``): uint8 exp_avgs holding two
-signed 4-bit codes per byte (element 2j in the low nibble of byte j), ``sign(c) s c^2`` with c in
-[-7, 7] and a bf16 scale per 32 elements, next to the 8-bit exp_avg_sq.
+sign-magnitude 4-bit codes per byte (element 2j in the low nibble of byte j), ``+-u(q) s`` with u the
+1-mantissa-bit ladder (0, 1/2, 1, 2, 3, 5, 7, 11; codec 2, issue 43) and a bf16 power-of-two scale per
+32 elements, next to the 8-bit exp_avg_sq.
 
 * bit-identity of every kernel path (CPU AVX-512 where present, AVX2, scalar, Triton, CUDA when
   present) on sizes that are not multiples of the group or of two (1, 31, 33, 1000, 65537), an
   offset view, stream offsets that cross 2^32 inside a group, maximize, and grads that overflow;
 * the pure-PyTorch reference against the kernels;
-* the codec against float64 written here: unbiased over two decades below the group max, the group
-  max at code 6 or 7, scales amax / 49 rounded up to bf16, the odd tail's high nibble 0;
+* the codec against float64 written here (tests/_ladder64.py): unbiased over two decades below the group
+  max, no code above 7, scales the smallest powers of two that put the group max at or below 11, the
+  odd tail's high nibble 0;
 * bad arguments are refused alike everywhere (found_inf as a bitwise no-op: test_kernels_compact's
   test for both grouped kinds).
 """
@@ -19,6 +21,7 @@ from functools import partial
 import pytest
 import torch
 
+import _ladder64
 from conftest import DEVICE, available_backends, call_adamw_op
 from mpkern import _ops, reference, reference_codecs
 from test_kernels_compact import (
@@ -42,23 +45,21 @@ from test_kernels_compact import (
 )
 
 G32 = 32
-KM4_64 = 1.0 / 49
 
 NAMES = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "masters", "steps", "exp_avg_scales",
          "exp_avg_sq_scales")
 
 
 def _codes64(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """The signed 4-bit codes of n elements (float64), decoded here from the documented layout."""
+    """The signed 4-bit codes +-q of n elements (float64), decoded here from the documented layout
+    (sign-magnitude nibbles: bit 3 the sign)."""
     b = packed.reshape(-1).cpu().long()
     nib = torch.stack([b % 16, b // 16], dim=1).reshape(-1)[:n]
-    return torch.where(nib >= 8, nib - 16, nib).double()
+    return torch.where(nib >= 8, -(nib - 8), nib).double()
 
 
 def _decode_m64(packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    c = _codes64(packed, n)
-    s = scales.reshape(-1).double().cpu().repeat_interleave(G32)[:n]
-    return s * c * c.abs()
+    return _ladder64.decode64(packed, scales, "m4", n)
 
 
 def _case4(mode, pdt, seed=0, sizes=SIZES + (300,)):
@@ -148,8 +149,8 @@ def _encode_m_with_kernel(x, draws, backend="cpu"):
 def test_m4_codec_unbiased_and_scaled():
     """decode(encode(x)) is unbiased over 1e-2..1 of the group max: per magnitude decade the summed
     error over 400 draws is within 5 standard deviations of the rounding noise (binomial p(1-p)
-    step^2, float64 here), and within 2 % of the values; signs kept; the group max codes 6 or 7;
-    scales amax / 49 rounded up to bf16."""
+    step^2, float64 here from the ladder's neighbouring values), and within 2 % of the values; signs
+    kept; no code above 7; scales the smallest powers of two that put the group max at or below 11."""
     _cpu_only()
     gen = torch.Generator().manual_seed(21)
     groups, draws = 48, 400
@@ -160,15 +161,13 @@ def test_m4_codec_unbiased_and_scaled():
     target = x.double()
     amax = target.abs().reshape(groups, G32).amax(dim=1)
     s = res[0][1].double()
-    assert bool((s >= amax * KM4_64 * (1 - 2**-23)).all() and (s <= amax * KM4_64 * (1 + 2**-7)).all())
-    top = _codes64(res[0][0], n).reshape(groups, G32)[:, 0].abs()
-    assert set(top.tolist()) <= {6.0, 7.0}
+    assert torch.equal(s, _ladder64.scale64(amax, "m4"))
+    assert max(float(_codes64(c, n).abs().max()) for c, _ in res) <= 7
     dec = torch.stack([_decode_m64(c, sc, n) for c, sc in res])
     mean = dec.mean(dim=0)
     sg = s.repeat_interleave(G32)
     y = target.abs() / sg
-    kk = torch.floor(y.sqrt())
-    lo, hi = kk**2, (kk + 1) ** 2
+    lo, hi = _ladder64.neighbours64(y, 1)
     pfrac = ((y - lo) / (hi - lo)).clamp(0, 1)
     var = pfrac * (1 - pfrac) * ((hi - lo) * sg) ** 2 / draws
     err = mean.abs() - target.abs()
@@ -215,9 +214,7 @@ def test_m4_reference_helpers_roundtrip():
     dec = reference_codecs.moment4_decode(packed, scales, 65).double()
     assert torch.equal(dec, _decode_m64(packed, scales, 65))
     s = scales.double().repeat_interleave(G32)[:65]
-    y = x.double().abs() / s
-    k = torch.floor(y.sqrt()).clamp(max=6)
-    half = 0.5 * ((k + 1) ** 2 - k**2) * s
-    assert bool(((dec - x.double()).abs() <= half * (1 + 1e-6)).all())
+    lo, hi = _ladder64.neighbours64(x.double().abs() / s, 1)
+    assert bool(((dec - x.double()).abs() <= 0.5 * (hi - lo) * s * (1 + 1e-6)).all())
     with pytest.raises(ValueError, match="ceil"):
         reference_codecs.moment4_decode(packed[:-1], scales, 65)

@@ -50,19 +50,16 @@ def _half_step(x: torch.Tensor, key: str, per_tensor: bool = False, kind: str = 
     """The requantization bound of ``x`` (float64, flat memory order): half of the largest code step of
     each element's group (tests/_ladder64.py: the top binade's step 2^-b (u_max + 1) against a group
     maximum of at least u_max / 2 scale units): 3.2 % of the group's largest magnitude (the 4-bit
-    exp_avg's square law: 13 %) (``per_tensor``: of the tensor's largest, for values regrouped in another
-    memory order)."""
+    exp_avg: 30 %) (``per_tensor``: of the tensor's largest, for values regrouped in another memory order)."""
     flat = x.reshape(-1).abs()
     pad = (-flat.numel()) % 32
     if per_tensor:
         gmax = flat.max().expand(flat.numel())
     else:
         gmax = torch.nn.functional.pad(flat, (0, pad)).reshape(-1, 32).amax(1).repeat_interleave(32)[: flat.numel()]
-    if kind == "4bit_m" and key == "exp_avg":  # the square law: the top step (7^2 - 6^2) / 7^2, scale rounded up
-        step = (49 - 36) / 49 * (1 + 2**-7)
-    else:
-        ladder = "m8" if key == "exp_avg" else "v8"
-        step = 2.0 ** -_ladder64.LADDERS[ladder][0] * (1 + 2 / _ladder64.umax(ladder))
+    ladder = ("m4" if kind == "4bit_m" else "m8") if key == "exp_avg" else "v8"
+    top = _ladder64.umax(ladder)
+    step = 2.0 ** -_ladder64.LADDERS[ladder][0] * (1 + 2 / top)
     return (0.5 * step * gmax + 1e-30).reshape(x.shape)
 
 

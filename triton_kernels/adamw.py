@@ -12,12 +12,12 @@ device in fp64 (beta^t by math.h's pow_int, ``_beta_pow_kernel``) with torch ops
 (``tables.py``); per (param, grad, state) dtype combination one launch over the rows whose buffers
 are all 16-byte aligned (the compiler is told, and uses 16-byte accesses) and one over the few
 unaligned head/tail elements. Nothing is written when found_inf != 0. bf16 moments are stored with
-stochastic rounding; 8-bit moments are math.h's ladder codes (Ladder, ladder_*, mom8_*: a power-of-two
-bf16 scale per 32 elements from the group amax's bits by integer operations; a code from the fp32 bits of
-|x| / s + 1 with the dither added below the kept mantissa bits; sign-magnitude exp_avg bytes, bit 7 the
-sign; the codes of a group with a non-finite moment, whose scale is NaN, zeroed), the 4-bit exp_avg is
-math.h's square law (mom4_*: signed nibbles, two per byte, a bf16 scale of amax / 49 rounded up), both
-processed as [BLOCK // 32, 32] blocks, the group amax a tl.max along axis 1 of the integer bits; random bits are a
+stochastic rounding; 8-bit moments and the 4-bit exp_avg are math.h's ladder codes (Ladder,
+ladder_*, mom8_*, mom4_*: a power-of-two bf16 scale per 32 elements from the group amax's bits by
+integer operations; a code from the fp32 bits of |x| / s + 1 with the dither added below the kept
+mantissa bits; sign-magnitude exp_avg codes, bit 7 of the byte / bit 3 of the nibble, two nibbles per
+byte; the codes of a group with a non-finite moment, whose scale is NaN, zeroed), processed as
+[BLOCK // 32, 32] blocks, the group amax a tl.max along axis 1 of the integer bits; random bits are a
 hash of (seed, stream id, elem_offset + element, step, purpose), the keys computed once per row.
 """
 
@@ -42,12 +42,12 @@ _ROW = 14
 MOM8 = 8  # moment code of the 8-bit moments (math.h kMom8)
 MOM4 = 9  # ... of the 4-bit exp_avg + 8-bit exp_avg_sq (math.h kMom4)
 GROUP = 32
-# math.h Ladder: mantissa bits of the 8-bit ladders (4); floor(log2 u_max) and u_max's 23 mantissa bits of
-# the 8-bit exp_avg (u_max 247) and exp_avg_sq (63487)
-_MB8 = tl.constexpr(4)
+# math.h Ladder: mantissa bits of the 8-bit (4) and 4-bit (1) ladders; floor(log2 u_max) and u_max's 23
+# mantissa bits of the 8-bit exp_avg (u_max 247), 8-bit exp_avg_sq (63487) and 4-bit exp_avg (11)
+_MB8, _MB4 = tl.constexpr(4), tl.constexpr(1)
 _M8_EXP, _M8_MANT = tl.constexpr(7), tl.constexpr(0x770000)
 _V8_EXP, _V8_MANT = tl.constexpr(15), tl.constexpr(0x77FF00)
-_KM4 = tl.constexpr(float.fromhex("0x1.4e5e0ap-6"))  # math.h kMom4KM: fp32(1 / 49), the 4-bit square law's scale
+_M4_EXP, _M4_MANT = tl.constexpr(3), tl.constexpr(0x300000)
 _NAN_SCALE = tl.constexpr(0x7FC0)  # math.h kMom8NaNScale: the scale of a group with a non-finite moment
 assert CHUNK % GROUP == 0 and BLOCK % GROUP == 0
 
@@ -181,16 +181,18 @@ def _ladder_encode(ax, inv, r16, MB: tl.constexpr):
 
 
 @triton.jit
-def _sm_decode(c, s):
-    """mom8_decode_m of math.h: the sign-magnitude byte c (uint32) times the scale s, the sign OR-ed in."""
-    x = _ladder_value(c & 0x7F, _MB8) * s
-    return (x.to(tl.uint32, bitcast=True) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
+def _sm_decode(c, s, MB: tl.constexpr, SIGN: tl.constexpr):
+    """mom8_decode_m (MB 4, SIGN 7) / mom4_decode_m (MB 1, SIGN 3) of math.h: the sign-magnitude code c
+    (uint32 < 2^(SIGN + 1)) as u(c's magnitude) * s with the sign bit OR-ed in."""
+    x = _ladder_value(c & ((1 << SIGN) - 1), MB) * s
+    return (x.to(tl.uint32, bitcast=True) | ((c >> SIGN) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _sm_encode(m, inv, r16):
-    """mom8_encode_m of math.h: the sign-magnitude byte (uint32) of m, the sign at bit 7."""
-    return _ladder_encode(tl.abs(m), inv, r16, _MB8) | ((m.to(tl.uint32, bitcast=True) >> 31) << 7)
+def _sm_encode(m, inv, r16, MB: tl.constexpr, SIGN: tl.constexpr):
+    """mom8_encode_m (MB 4, SIGN 7: the byte) / mom4_encode_m (MB 1, SIGN 3: the nibble) of math.h:
+    the magnitude code of |m| with m's sign bit at bit SIGN (uint32)."""
+    return _ladder_encode(tl.abs(m), inv, r16, MB) | ((m.to(tl.uint32, bitcast=True) >> 31) << SIGN)
 
 
 @triton.jit
@@ -198,44 +200,6 @@ def _mom8_encode_v(v, inv, r16):
     """mom8_encode_v of math.h: uint32 exp_avg_sq code of v >= 0; a positive v gets at least code 1."""
     q = _ladder_encode(v, inv, r16, _MB8)
     return tl.where((q == 0) & (v > 0.0), 1, q).to(tl.uint32)
-
-
-@triton.jit
-def _mom4_scale_bits(amax):
-    """mom4_scale_bits of math.h: bf16 bits (uint32) of bf16_round_up(amax / 49); NaN (0x7fc0) for a
-    non-finite group. amax: int32 max of (bits & 0x7fffffff)."""
-    b = (amax.to(tl.float32, bitcast=True) * _KM4).to(tl.uint32, bitcast=True)
-    b = tl.where((b & 0xFFFF) != 0, b + 0x10000, b) >> 16
-    return tl.where(amax >= 0x7F800000, 0x7FC0, b).to(tl.uint32)
-
-
-@triton.jit
-def _mom4_inv(b):
-    """mom4_inv_scale: 1 / s (IEEE), 0 for a zero or NaN scale."""
-    zero = (b == 0) | (b == 0x7FC0)
-    s = tl.where(zero, 0x3F800000, b << 16).to(tl.float32, bitcast=True)
-    return tl.where(zero, 0.0, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s))
-
-
-@triton.jit
-def _mom4_encode_m(m, inv, r16):
-    """mom4_encode_m of math.h: 4-bit exp_avg codes in [-7, 7] (int32), stochastic rounding between k^2
-    and (k+1)^2."""
-    y = tl.abs(m) * inv
-    big = y >= 49.0
-    pos = y > 0.0
-    y = tl.where(big | ~pos, 1.0, y)  # keeps sqrt/floor of the discarded lanes finite
-    k = tl.floor(tl.sqrt_rn(y))
-    k = tl.where(k * k > y, k - 1.0, k)
-    kp = k + 1.0
-    k = tl.where(kp * kp <= y, k + 1.0, k)
-    d = y - k * k
-    w = 2.0 * k + 1.0
-    c = tl.where(r16.to(tl.float32) * w < d * 65536.0, k + 1.0, k)
-    c = tl.where(big, 7.0, c)
-    c = tl.where(pos, c, 0.0)
-    c = tl.where(m < 0.0, -c, c)
-    return c.to(tl.int32)
 
 
 @triton.jit
@@ -341,12 +305,11 @@ def _adamw_kernel(
             if SDT == 8 or SDT == 9:
                 s_m = (tl.load(sm_ptr + gi, mask=gmask, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
                 s_v = (tl.load(sv_ptr + gi, mask=gmask, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-                if SDT == 9:  # the nibble of element idx in byte idx // 2, a signed 4-bit code (mom4_code)
+                if SDT == 9:  # the nibble of element idx in byte idx // 2 (mom4_code), sign-magnitude
                     nib = (tl.load(cm4_ptr + (idx >> 1), mask=mask, other=0).to(tl.int32) >> ((idx & 1) * 4)) & 0xF
-                    fm = tl.where(nib >= 8, nib - 16, nib).to(tl.float32)
-                    m = s_m[:, None] * (fm * tl.abs(fm))
+                    m = _sm_decode(nib.to(tl.uint32), s_m[:, None], _MB4, 3)
                 else:  # a sign-magnitude byte
-                    m = _sm_decode(tl.load(cm_ptr + idx, mask=mask, other=0).to(tl.uint32), s_m[:, None])
+                    m = _sm_decode(tl.load(cm_ptr + idx, mask=mask, other=0).to(tl.uint32), s_m[:, None], _MB8, 7)
                 v = _ladder_value(tl.load(cv_ptr + idx, mask=mask, other=0).to(tl.uint32), _MB8) * s_v[:, None]
             else:
                 m = load_f32(m_ptr, idx, mask, SDT)
@@ -369,8 +332,8 @@ def _adamw_kernel(
             if SDT == 8 or SDT == 9:
                 am = tl.max(tl.where(mask, m.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0), axis=1)
                 av = tl.max(tl.where(mask, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0), axis=1)
-                if SDT == 9:  # noqa: SIM108 (a constexpr branch: one function traced)
-                    bm = _mom4_scale_bits(am)
+                if SDT == 9:
+                    bm = _ladder_scale_bits(am, _M4_EXP, _M4_MANT)
                 else:
                     bm = _ladder_scale_bits(am, _M8_EXP, _M8_MANT)
                 bv = _ladder_scale_bits(av, _V8_EXP, _V8_MANT)
@@ -378,13 +341,14 @@ def _adamw_kernel(
                 okv = (bv != _NAN_SCALE)[:, None]
                 if SDT == 9:
                     # codes of masked (past-the-end) elements are 0: an odd tail's high nibble is 0
-                    cm = tl.where(mask, _mom4_encode_m(m, _mom4_inv(bm)[:, None], _rand_b16(rw)), 0) & 0xF
+                    cm = tl.where(mask & okm, _sm_encode(m, _ladder_inv(bm)[:, None], _rand_b16(rw), _MB4, 3), 0)
+                    cm = cm.to(tl.int32)
                     pairs = tl.reshape(cm, (BLOCK // 32, 16, 2))
                     byte = tl.sum(pairs * tl.where(tl.arange(0, 2) == 0, 1, 16)[None, None, :], axis=2)
                     bidx = gi[:, None] * 16 + tl.arange(0, 16)[None, :]
                     tl.store(cm4_ptr + bidx, byte.to(tl.uint8), mask=bidx * 2 < end)
                 else:
-                    cm = tl.where(okm, _sm_encode(m, _ladder_inv(bm)[:, None], _rand_b16(rw)), 0)
+                    cm = tl.where(okm, _sm_encode(m, _ladder_inv(bm)[:, None], _rand_b16(rw), _MB8, 7), 0)
                     tl.store(cm_ptr + idx, cm.to(tl.uint8), mask=mask)
                 cv = tl.where(okv, _mom8_encode_v(v, _ladder_inv(bv)[:, None], _rand_c16(rw)), 0)
                 tl.store(cv_ptr + idx, cv.to(tl.uint8), mask=mask)

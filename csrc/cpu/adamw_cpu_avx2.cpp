@@ -174,69 +174,6 @@ MPK_AVX2 void adamw_avx2(const TensorPtrs& t, int64_t begin, int64_t end, const 
 
 // ---- 8-bit moments, AVX2: one group of 32 = 4 x 8 lanes in registers -----------------------------
 
-// ---- the 4-bit exp_avg's square law on 8 lanes (math.h mom4_*)
-// The codecs' random value r16 / 2^16 of a field as a float (see rand_unit16 in the AVX-512 part):
-// the 11 field bits at mantissa bits 12..22, 1.0's exponent and the cell-centre bit 11 set, minus 1.
-MPK_AVX2 __attribute__((always_inline)) inline __m256 rand_unit8(__m256i field_at12) {
-  const __m256i bits = _mm256_or_si256(_mm256_and_si256(field_at12, _mm256_set1_epi32(0x7ff000)),
-                                       _mm256_set1_epi32(0x3f800800));
-  return _mm256_sub_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(1.0f));
-}
-
-
-// An estimate e of a root lowered by 2^-10 .. 2^-9 of itself with an integer op instead of a
-// multiply (2^14 subtracted from its bit pattern; see lower16).
-MPK_AVX2 __attribute__((always_inline)) inline __m256 lower8(__m256 e) {
-  return _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_castps_si256(e), _mm256_set1_epi32(0x4000)));
-}
-
-// mom4_encode_m (the square law, top code 7) on 8 lanes; returns int32 codes, bit-identical to the
-// scalar code (the operations of enc_sq16, with blends for the masks; codec 1's exp_avg encoder,
-// kept for the 4-bit exp_avg):
-// * y = min(|m| * inv, 7^2) (min keeps a NaN y: inv 0 with a NaN m): a y >= 49 then gives k = 7,
-//   d = 0, so the code 7 of the scalar's y >= 49 branch without a select;
-// * k, the integer with k^2 <= y < (k + 1)^2, from the estimate y * rsqrt(y) (rsqrt's relative
-//   error is below 1.5 * 2^-12) lowered by >= 2^-10 (lower8): never above sqrt(y), at most 0.3
-//   below it (sqrt(y) <= 7), so floor(estimate) is k or k - 1 and ONE fix-up (k + 1 when
-//   (k + 1)^2 = k^2 + 2k + 1 <= y, exact integers) gives k; y < 1 (and a NaN, zero or subnormal
-//   y, where rsqrt is inf) gives k = 0;
-// * the scalar's r16 * w < d * 2^16 decision as rf * w < d (rand_unit8), added as an integer (the
-//   compare mask is -1);
-// * the sign of m with vpsignd (a negative m negates the code; a code 0 stays 0).
-template <int TOP = 7>
-MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_sq8(__m256 m, __m256 inv, __m256 rf) {
-  const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256 absm = _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(m), _mm256_set1_epi32(0x7fffffff)));
-  const __m256 y = _mm256_min_ps(_mm256_set1_ps(static_cast<float>(TOP * TOP)), _mm256_mul_ps(absm, inv));
-  const __m256 est = lower8(_mm256_mul_ps(y, _mm256_rsqrt_ps(y)));
-  const __m256 k0 = _mm256_and_ps(_mm256_floor_ps(est), _mm256_cmp_ps(y, one, _CMP_GE_OQ));
-  const __m256 s0 = _mm256_mul_ps(k0, k0);
-  const __m256 w0 = _mm256_add_ps(_mm256_add_ps(k0, k0), one);  // 2k + 1 (k + k == 2 * k exactly)
-  const __m256 s1 = _mm256_add_ps(s0, w0);                       // (k + 1)^2
-  const __m256 fix = _mm256_cmp_ps(s1, y, _CMP_LE_OQ);
-  const __m256 k = _mm256_add_ps(k0, _mm256_and_ps(fix, one));
-  const __m256 d = _mm256_sub_ps(y, _mm256_blendv_ps(s0, s1, fix));
-  const __m256 w = _mm256_add_ps(w0, _mm256_and_ps(fix, _mm256_set1_ps(2.0f)));
-  const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(rf, w), d, _CMP_LT_OQ);
-  const __m256i c = _mm256_sub_epi32(_mm256_cvttps_epi32(k), _mm256_castps_si256(up));
-  return _mm256_sign_epi32(c, _mm256_castps_si256(m));
-}
-
-// mom4_scale_bits and mom4_inv_scale of 8 groups at once: x = the groups' |x| maxima as bits;
-// returns the scales' bf16 bits and 1 / s (inv, 0 for a zero or NaN scale).
-MPK_AVX2 __attribute__((always_inline)) inline __m256i scale4_bits8(__m256i x, __m256& inv) {
-  const __m256i zero = _mm256_setzero_si256();
-  __m256i b = _mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(x), _mm256_set1_ps(kMom4KM)));
-  const __m256i low_zero = _mm256_cmpeq_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0xffff)), zero);
-  b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_andnot_si256(low_zero, _mm256_set1_epi32(0x10000))), 16);
-  const __m256i nonfinite = _mm256_cmpgt_epi32(x, _mm256_set1_epi32(0x7f7fffff));  // x < 2^31: signed is fine
-  b = _mm256_blendv_epi8(b, _mm256_set1_epi32(static_cast<int>(kMom8NaNScale)), nonfinite);
-  const __m256i none = _mm256_or_si256(nonfinite, _mm256_cmpeq_epi32(b, zero));  // codes 0
-  const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
-  inv = _mm256_andnot_ps(_mm256_castsi256_ps(none), _mm256_div_ps(_mm256_set1_ps(1.0f), s));
-  return b;
-}
-
 // ---- ladder codes on 8 lanes (math.h ladder_*, mom8_*, mom4_*; the AVX-512 part's dither16 .. dec_v16
 // with and / or pairs for its ternary-logic ops), bit-identical to the scalar code.
 template <int FIELD_LO, int MB>
@@ -254,12 +191,14 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256i ladder_enc8(__m256 ax, __
   return _mm256_srli_epi32(_mm256_sub_epi32(t, _mm256_set1_epi32(0x3f800000)), 23 - MB);
 }
 
-// mom8_encode_m: int32 codes, the sign at bit 7.
+// mom8_encode_m (MB 4, sign at bit 7) / mom4_encode_m (MB 1, sign at bit 3): int32 codes.
+template <int MB>
 MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_m8(__m256 m, __m256 inv, __m256i rw) {
+  constexpr int kSignAt = MB == 4 ? 7 : 3;
   const __m256i mb = _mm256_castps_si256(m);
   const __m256 am = _mm256_castsi256_ps(_mm256_and_si256(mb, _mm256_set1_epi32(0x7fffffff)));
-  const __m256i q = ladder_enc8<4>(am, inv, dither8<10, 4>(rw));
-  return _mm256_or_si256(q, _mm256_and_si256(_mm256_srli_epi32(mb, 24), _mm256_set1_epi32(0x80)));
+  const __m256i q = ladder_enc8<MB>(am, inv, dither8<10, MB>(rw));
+  return _mm256_or_si256(q, _mm256_and_si256(_mm256_srli_epi32(mb, 31 - kSignAt), _mm256_set1_epi32(1 << kSignAt)));
 }
 
 // mom8_encode_v: int32 codes, at least 1 for v > 0 (bits(v) > 0: v >= +0 here).
@@ -318,7 +257,7 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256i scale_bits8(__m256i x, La
 // ~1050 instructions per group, measured with callgrind), and the update pass is a loop of 8 lanes,
 // so its constants stay in registers across iterations. Each group's 8-lane |x| maxima are kept,
 // one unpack tree gives the 8 group maxima and one vector pass the 8 scales and 1 / s.
-// M4: the 4-bit exp_avg (kMom4: two codes per byte, top code 7, scale amax / 49).
+// M4: the 4-bit exp_avg (kMom4: two sign-magnitude nibbles per byte, the 1-mantissa-bit ladder).
 template <int PDT, int GDT, int MODE, bool M4>
 MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f_in) {
   Flags f = f_in;
@@ -363,11 +302,12 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
         am[g] = av[g] = _mm256_setzero_si256();
         continue;
       }
-      const __m256 sm = _mm256_set1_ps(bf16_to_f32(t.sm[j0 + g]));
+      // M4: s / 2 (the bytes hold 2 u(q)); the halving is exact (a power of two, >= 2^-127)
+      const __m256 sm = _mm256_set1_ps(bf16_to_f32(t.sm[j0 + g]) * (M4 ? 0.5f : 1.0f));
       const __m256 sv = _mm256_set1_ps(bf16_to_f32(t.sv[j0 + g]));
       __m256i gm = _mm256_setzero_si256(), gv = _mm256_setzero_si256();
-      alignas(16) int8_t sq4[kMom8Group];  // M4: c |c| of the group's m codes
-      if constexpr (M4) nibble_sq32(cm4 + ((gb + g * kMom8Group) >> 1), sq4);
+      alignas(16) int8_t sq4[kMom8Group];  // M4: 2 u(q) with the sign of the group's m codes
+      if constexpr (M4) nibble_u2_32(cm4 + ((gb + g * kMom8Group) >> 1), sq4);
 #pragma GCC unroll 1
       for (int q = 0; q < 4; ++q) {
         const int o = g * kMom8Group + 8 * q;
@@ -378,7 +318,7 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
         const __m256 gr = _mm256_xor_ps(_mm256_mul_ps(load8<GDT>(t.g, i), factor), gsign);
         __m256 p = load_w8<PDT>(t, f, i);
         __m256 mm;
-        if constexpr (M4) {  // c |c| as signed bytes (nibble_sq32), times s: mom4_decode_m
+        if constexpr (M4) {  // 2 u(q) as signed bytes (nibble_u2_32), times s / 2: exact
           mm = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sq4 + 8 * q)))),
                              sm);
         } else {
@@ -402,8 +342,7 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
       av[g] = gv;
     }
     __m256 im, iv;
-    _mm256_store_si256(reinterpret_cast<__m256i*>(bms),
-                       M4 ? scale4_bits8(hmax8x8(am), im) : scale_bits8(hmax8x8(am), ladder_m8(), im));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bms), scale_bits8(hmax8x8(am), M4 ? ladder_m4() : ladder_m8(), im));
     _mm256_store_si256(reinterpret_cast<__m256i*>(bvs), scale_bits8(hmax8x8(av), ladder_v8(), iv));
     _mm256_store_ps(ims, im);
     _mm256_store_ps(ivs, iv);
@@ -423,14 +362,9 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
       for (int h = 0; h < 2; ++h) {
         const __m256i r0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(rg + 16 * h));
         const __m256i r1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(rg + 16 * h + 8));
-        __m256i c0, c1;
-        if constexpr (M4) {  // field B (bits 10..20) moved to mantissa bits 12..22; a NaN group gives 0 itself
-          c0 = enc_sq8(_mm256_load_ps(mg + 16 * h), img, rand_unit8(_mm256_slli_epi32(r0, 2)));
-          c1 = enc_sq8(_mm256_load_ps(mg + 16 * h + 8), img, rand_unit8(_mm256_slli_epi32(r1, 2)));
-        } else {
-          c0 = enc_m8(_mm256_load_ps(mg + 16 * h), img, r0);
-          c1 = enc_m8(_mm256_load_ps(mg + 16 * h + 8), img, r1);
-        }
+        constexpr int kMB = M4 ? 1 : 4;
+        const __m256i c0 = enc_m8<kMB>(_mm256_load_ps(mg + 16 * h), img, r0);
+        const __m256i c1 = enc_m8<kMB>(_mm256_load_ps(mg + 16 * h + 8), img, r1);
         pm[h] = _mm256_and_si256(_mm256_packs_epi32(c0, c1), okm);
         const __m256i d0 = enc_v8(_mm256_load_ps(vg + 16 * h), ivg, r0);
         const __m256i d1 = enc_v8(_mm256_load_ps(vg + 16 * h + 8), ivg, r1);
@@ -438,9 +372,7 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
       }
       const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
       const int64_t i0 = gb + g * kMom8Group;
-      // (the 8-bit codes are bytes 0..255: unsigned saturation; the 4-bit ones -7..7: signed)
-      const __m256i mcodes = _mm256_permutevar8x32_epi32(M4 ? _mm256_packs_epi16(pm[0], pm[1]) : _mm256_packus_epi16(pm[0], pm[1]),
-                                                         order);
+      const __m256i mcodes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(pm[0], pm[1]), order);
       if constexpr (M4) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(cm4 + (i0 >> 1)),
                          pack_nibbles16x2(_mm256_castsi256_si128(mcodes), _mm256_extracti128_si256(mcodes, 1)));

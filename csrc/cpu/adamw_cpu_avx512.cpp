@@ -149,70 +149,6 @@ MPK_AVX512 void adamw_avx512(const TensorPtrs& t_in, int64_t begin, int64_t end,
   if (i < end) adamw_scalar(t, i, end, f);
 }
 
-// ---- the 4-bit exp_avg's square law on 16 lanes (math.h mom4_*)
-// The codecs' random value r16 / 2^16 of a field as a float, without a conversion: the field's 11
-// bits f are moved to mantissa bits 12..22 (`field_at12`), one ternary-logic op keeps them and sets
-// 1.0's exponent and the cell-centre bit 11 (1 + (f + 1/2) / 2^11), and 1.0 is subtracted (exact).
-// The encoders compare rf * w < d, which is the scalar code's r16 * w < d * 2^16 scaled by 2^-16
-// on both sides: fl(rf * w) = fl(r16 * w) * 2^-16 exactly (no underflow: w >= 1, rf >= 2^-12).
-MPK_AVX512 __attribute__((always_inline)) inline __m512 rand_unit16(__m512i field_at12) {
-  const __m512i bits = _mm512_ternarylogic_epi32(field_at12, _mm512_set1_epi32(0x7ff000),
-                                                 _mm512_set1_epi32(0x3f800800), 0xEA);  // (a & b) | c
-  return _mm512_sub_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(1.0f));
-}
-
-// An estimate e of a root lowered by 2^-10 .. 2^-9 of itself with an integer op instead of a
-// multiply (the multiply ports bind these loops): 2^14 subtracted from its bit pattern is
-// 2^-9 / mantissa relative. A NaN or inf e stays NaN (the callers mask y < 1 out).
-MPK_AVX512 __attribute__((always_inline)) inline __m512 lower16(__m512 e) {
-  return _mm512_castsi512_ps(_mm512_sub_epi32(_mm512_castps_si512(e), _mm512_set1_epi32(0x4000)));
-}
-
-// mom4_encode_m (the square law, top code 7) on 16 lanes, bit-identical to the scalar code; returns
-// int32 codes (codec 1's exp_avg encoder, kept for the 4-bit exp_avg):
-// * y = min(|m| * inv, 7^2) (min keeps a NaN y): a y >= 49 then gives k = 7, d = 0, so the code 7
-//   of the scalar's y >= 49 branch without a select;
-// * k, the integer with k^2 <= y < (k + 1)^2, from an estimate never above sqrt(y) and less than 1
-//   below it: y * rsqrt14(y) (relative error < 2^-14) lowered by >= 2^-10 (lower16), at most
-//   0.27 below sqrt(y) <= 7; so floor(estimate) is k or k - 1 and one fix-up (k + 1 when
-//   (k + 1)^2 <= y, with (k + 1)^2 = k^2 + 2k + 1 from adds: exact integers) is exact; y < 1 (and
-//   a NaN, zero or subnormal y) gives k = 0;
-// * the rounding decision rf * w < d (see rand_unit16); a zero or NaN y gives d = 0 or NaN: no
-//   round-up, code 0, as the scalar's early return;
-// * the sign of m copied onto the float code before the conversion (-c; a code 0 gives 0).
-template <int TOP = 7>
-MPK_AVX512 __attribute__((always_inline)) inline __m512i enc_sq16(__m512 m, __m512 inv, __m512 rf) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 y = _mm512_min_ps(_mm512_set1_ps(static_cast<float>(TOP * TOP)), _mm512_mul_ps(_mm512_abs_ps(m), inv));
-  const __m512 est = lower16(_mm512_mul_ps(y, _mm512_rsqrt14_ps(y)));
-  const __m512 k0 = _mm512_maskz_roundscale_ps(_mm512_cmp_ps_mask(y, one, _CMP_GE_OQ), est,
-                                               _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 s0 = _mm512_mul_ps(k0, k0);
-  const __m512 w0 = _mm512_add_ps(_mm512_add_ps(k0, k0), one);  // 2k + 1 (k + k == 2 * k exactly)
-  const __m512 s1 = _mm512_add_ps(s0, w0);                       // (k + 1)^2
-  const __mmask16 fix = _mm512_cmp_ps_mask(s1, y, _CMP_LE_OQ);
-  const __m512 k = _mm512_mask_add_ps(k0, fix, k0, one);
-  const __m512 d = _mm512_sub_ps(y, _mm512_mask_mov_ps(s0, fix, s1));
-  const __m512 w = _mm512_mask_add_ps(w0, fix, w0, _mm512_set1_ps(2.0f));
-  const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(rf, w), d, _CMP_LT_OQ);
-  const __m512i c = _mm512_castps_si512(_mm512_mask_add_ps(k, up, k, one));
-  const __m512i sc = _mm512_ternarylogic_epi32(c, _mm512_castps_si512(m), _mm512_set1_epi32(static_cast<int>(0x80000000u)),
-                                               0xF8);  // c | (m & sign)
-  return _mm512_cvttps_epi32(_mm512_castsi512_ps(sc));
-}
-
-// mom4_scale_bits and mom4_inv_scale of 16 groups at once: amax = the groups' |x| maxima as bits.
-MPK_AVX512 __attribute__((always_inline)) inline __m512i scale4_bits16(__m512i amax, __m512& inv) {
-  __m512i b = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(amax), _mm512_set1_ps(kMom4KM)));
-  b = _mm512_mask_add_epi32(b, _mm512_test_epi32_mask(b, _mm512_set1_epi32(0xffff)), b, _mm512_set1_epi32(0x10000));
-  b = _mm512_srli_epi32(b, 16);  // rounded up to bf16
-  const __mmask16 nonfinite = _mm512_cmpgt_epu32_mask(amax, _mm512_set1_epi32(0x7f7fffff));
-  b = _mm512_mask_mov_epi32(b, nonfinite, _mm512_set1_epi32(static_cast<int>(kMom8NaNScale)));
-  const __mmask16 some = _mm512_kandn(nonfinite, _mm512_test_epi32_mask(b, b));  // codes 0 otherwise
-  inv = _mm512_maskz_div_ps(some, _mm512_set1_ps(1.0f), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
-  return b;
-}
-
 // ---- ladder codes on 16 lanes (math.h ladder_*, mom8_*, mom4_*), bit-identical to the scalar code.
 // The dither of a field added below the kept mantissa bits: r16 << (7 - MB) of rand_b16 / rand_c16,
 // from the random word in one shift and one ternary-logic op: the field's 11 bits moved to bits
@@ -234,11 +170,13 @@ MPK_AVX512 __attribute__((always_inline)) inline __m512i ladder_enc16(__m512 ax,
   return _mm512_srli_epi32(_mm512_sub_epi32(t, _mm512_set1_epi32(0x3f800000)), 23 - MB);
 }
 
-// mom8_encode_m: int32 codes, the sign at bit 7.
+// mom8_encode_m (MB 4, sign at bit 7) / mom4_encode_m (MB 1, sign at bit 3): int32 codes.
+template <int MB>
 MPK_AVX512 __attribute__((always_inline)) inline __m512i enc_m16(__m512 m, __m512 inv, __m512i rw) {
-  const __m512i q = ladder_enc16<4>(_mm512_abs_ps(m), inv, dither16<10, 4>(rw));
-  return _mm512_ternarylogic_epi32(q, _mm512_srli_epi32(_mm512_castps_si512(m), 24), _mm512_set1_epi32(0x80),
-                                   0xF8);  // q | (sign & bit)
+  constexpr int kSignAt = MB == 4 ? 7 : 3;
+  const __m512i q = ladder_enc16<MB>(_mm512_abs_ps(m), inv, dither16<10, MB>(rw));
+  return _mm512_ternarylogic_epi32(q, _mm512_srli_epi32(_mm512_castps_si512(m), 31 - kSignAt),
+                                   _mm512_set1_epi32(1 << kSignAt), 0xF8);  // q | (sign & bit)
 }
 
 // mom8_encode_v: int32 codes, at least 1 for v > 0 (bits(v) > 0: v >= +0 here).
@@ -335,14 +273,14 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const Tensor
   alignas(64) float mb[kG * kMom8Group], vb[kG * kMom8Group];
   alignas(64) uint32_t rb[kG * kMom8Group];
   __m512i am[kG], av[kG];
-  // M4: the block's m codes as int8 -- c |c| of the stored ones before the update pass (nibble_sq32),
-  // the new codes after the encode pass -- so that those passes read and
+  // M4: the block's m codes as int8 -- 2 u(q) with the sign of the stored nibbles before the update
+  // pass (nibble_u2_32), the new nibbles after the encode pass -- so that those passes read and
   // write bytes as the 8-bit kind's do, and the nibbles are unpacked and packed in short loops of
   // their own (16-byte stores and loads of the same addresses: store-to-load forwarding works; a
   // 64-byte load of four 16-byte stores measured ~6 % slower)
   alignas(64) int8_t c8[M4 ? kG * kMom8Group : 1];
   if constexpr (M4) {
-    for (int g = 0; g < n; ++g) nibble_sq32(cm4 + ((gb + g * kMom8Group) >> 1), c8 + g * kMom8Group);
+    for (int g = 0; g < n; ++g) nibble_u2_32(cm4 + ((gb + g * kMom8Group) >> 1), c8 + g * kMom8Group);
   }
   for (int g = 0; g < kG; ++g) {
     if (g >= n) {
@@ -350,7 +288,8 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const Tensor
       av[g] = _mm512_setzero_si512();
       continue;
     }
-    const __m512 sm = _mm512_set1_ps(bf16_to_f32(t.sm[j0 + g]));
+    // M4: s / 2 (the bytes hold 2 u(q)); the halving is exact (a power of two, >= 2^-127)
+    const __m512 sm = _mm512_set1_ps(bf16_to_f32(t.sm[j0 + g]) * (M4 ? 0.5f : 1.0f));
     const __m512 sv = _mm512_set1_ps(bf16_to_f32(t.sv[j0 + g]));
     __m512i gm = _mm512_setzero_si512(), gv = _mm512_setzero_si512();
 #pragma GCC unroll 2
@@ -361,7 +300,7 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const Tensor
       const __m512 gr = _mm512_xor_ps(_mm512_mul_ps(load16<GDT>(t.g, i), k.factor), k.gsign);
       __m512 p = load_w16<PDT>(t, f, i);
       __m512 mm;
-      if constexpr (M4) {  // c |c| as signed bytes (nibble_sq32), times s: mom4_decode_m
+      if constexpr (M4) {  // 2 u(q) as signed bytes (nibble_u2_32), times s / 2: exact
         mm = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(c8 + o)))),
                            sm);
       } else {
@@ -385,7 +324,7 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const Tensor
     av[g] = gv;
   }
   __m512 im, iv;
-  const __m512i bm = M4 ? scale4_bits16(hmax16x16(am), im) : scale_bits16(hmax16x16(am), ladder_m8(), im);
+  const __m512i bm = scale_bits16(hmax16x16(am), M4 ? ladder_m4() : ladder_m8(), im);
   const __m512i bv = scale_bits16(hmax16x16(av), ladder_v8(), iv);
   alignas(64) float ims[kG], ivs[kG];
   alignas(64) uint32_t bms[kG], bvs[kG];
@@ -403,8 +342,7 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const Tensor
     for (int q = 0; q < 2; ++q) {
       const int o = g * kMom8Group + 16 * q;
       const __m512i rw = _mm512_load_si512(rb + o);
-      const __m512i c = M4 ? enc_sq16(_mm512_load_ps(mb + o), img, rand_unit16(_mm512_slli_epi32(rw, 2)))  // field B at 12..22
-                            : _mm512_maskz_mov_epi32(okm, enc_m16(_mm512_load_ps(mb + o), img, rw));
+      const __m512i c = _mm512_maskz_mov_epi32(okm, enc_m16<M4 ? 1 : 4>(_mm512_load_ps(mb + o), img, rw));
       const __m512i d = _mm512_maskz_mov_epi32(okv, enc_v16(_mm512_load_ps(vb + o), ivg, rw));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(M4 ? c8 + o : cmp + gb + o), _mm512_cvtepi32_epi8(c));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(cvp + gb + o), _mm512_cvtepi32_epi8(d));

@@ -59,21 +59,22 @@ void adamw_scalar_mom8(const TensorPtrs& t, int64_t begin, int64_t end, const Fl
 AvxFn pick_avx2(int32_t pdt, int32_t gdt, int32_t sdt);
 AvxFn pick_avx512(int32_t pdt, int32_t gdt, int32_t sdt);
 
-// c |c| of a group's 32 signed 4-bit codes (16 bytes at p, mom4_code; c |c| is mom4_decode_m's
-// f |f|, exact, in [-64, 49]) as 32 int8 in element order at dst (16-byte aligned): the low and high
-// nibbles split, interleaved back into element order and looked up with pshufb (it reads the low 4
-// bits). Two 16-byte stores, read back by 16-byte (AVX-512) or contained 8-byte (AVX2) loads, which
-// store-to-load forwarding serves.
-MPK_AVX2 __attribute__((always_inline)) inline void nibble_sq32(const uint8_t* p, int8_t* dst) {
+// 2 u(q) with the sign of a group's 32 sign-magnitude 4-bit codes (16 bytes at p, mom4_code;
+// mom4_decode_m is u(q) * s, the vector paths multiply 2 u(q) by s / 2: exact; a negative zero
+// nibble gives +0, whose update is the same as -0's) as 32 int8 in element order at dst (16-byte
+// aligned): the low and high nibbles split, interleaved back into element order and looked up with
+// pshufb (it reads the low 4 bits). Two 16-byte stores, read back by 16-byte (AVX-512) or contained
+// 8-byte (AVX2) loads, which store-to-load forwarding serves.
+MPK_AVX2 __attribute__((always_inline)) inline void nibble_u2_32(const uint8_t* p, int8_t* dst) {
   const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i lo4 = _mm_set1_epi8(0x0f);
   const __m128i lo = _mm_and_si128(x, lo4), hi = _mm_and_si128(_mm_srli_epi16(x, 4), lo4);
-  const __m128i sq = _mm_setr_epi8(0, 1, 4, 9, 16, 25, 36, 49, -64, -49, -36, -25, -16, -9, -4, -1);
-  _mm_store_si128(reinterpret_cast<__m128i*>(dst), _mm_shuffle_epi8(sq, _mm_unpacklo_epi8(lo, hi)));
-  _mm_store_si128(reinterpret_cast<__m128i*>(dst + 16), _mm_shuffle_epi8(sq, _mm_unpackhi_epi8(lo, hi)));
+  const __m128i u2 = _mm_setr_epi8(0, 1, 2, 4, 6, 10, 14, 22, 0, -1, -2, -4, -6, -10, -14, -22);
+  _mm_store_si128(reinterpret_cast<__m128i*>(dst), _mm_shuffle_epi8(u2, _mm_unpacklo_epi8(lo, hi)));
+  _mm_store_si128(reinterpret_cast<__m128i*>(dst + 16), _mm_shuffle_epi8(u2, _mm_unpackhi_epi8(lo, hi)));
 }
 
-// 16 codes as signed bytes in element order -> 8 bytes of two codes each (mom4_pack) in the low
+// 16 codes as bytes (nibbles in the low 4 bits) in element order -> 8 bytes of two codes each (mom4_pack) in the low
 // half, the same for hi16 in the high half: per 16-bit lane (c_even & 15) + 16 (c_odd & 15) by one
 // unsigned x signed byte multiply-add (<= 255), packed to bytes with unsigned saturation (exact).
 MPK_AVX2 __attribute__((always_inline)) inline __m128i pack_nibbles16x2(__m128i lo16, __m128i hi16) {

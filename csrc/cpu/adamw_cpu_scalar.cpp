@@ -105,15 +105,14 @@ void adamw_scalar_mom8(const TensorPtrs& t, int64_t begin, int64_t end, const Fl
       am = a > am ? a : am;
       av = b > av ? b : av;
     }
-    const uint32_t bm = m4 ? mom4_scale_bits(am) : ladder_scale_bits(am, ladder_m8());
-    const uint32_t bv = ladder_scale_bits(av, ladder_v8());
-    const float im = m4 ? mom4_inv_scale(bm) : ladder_inv_scale(bm), iv = ladder_inv_scale(bv);
+    const uint32_t bm = ladder_scale_bits(am, m4 ? ladder_m4() : ladder_m8()), bv = ladder_scale_bits(av, ladder_v8());
+    const float im = ladder_inv_scale(bm), iv = ladder_inv_scale(bv);
     const bool okm = bm != kMom8NaNScale, okv = bv != kMom8NaNScale;  // a NaN group's codes are 0
     for (int k = 0; k < cnt; ++k) cv[gb + k] = okv ? mom8_encode_v(v[k], iv, rand_c16(r[k])) : 0;
     if (m4) {
       for (int k = 0; k < cnt; k += 2) {  // gb is even: a byte's two codes are k, k + 1 of this group
-        const int c0 = mom4_encode_m(m[k], im, rand_b16(r[k]));
-        const int c1 = k + 1 < cnt ? mom4_encode_m(m[k + 1], im, rand_b16(r[k + 1])) : 0;
+        const uint32_t c0 = mom4_encode_m(m[k], im, rand_b16(r[k]));
+        const uint32_t c1 = k + 1 < cnt ? mom4_encode_m(m[k + 1], im, rand_b16(r[k + 1])) : 0u;
         cm4[(gb + k) >> 1] = okm ? mom4_pack(c0, c1) : 0;
       }
     } else {

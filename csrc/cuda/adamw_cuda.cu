@@ -283,9 +283,8 @@ __device__ __forceinline__ void mom_update(const AdamMeta& t, int64_t i, int64_t
     am = max(am, __shfl_xor_sync(0xffffffffu, am, o));
     av = max(av, __shfl_xor_sync(0xffffffffu, av, o));
   }
-  const uint32_t bm = kM4 ? mom4_scale_bits(am) : ladder_scale_bits(am, ladder_m8());
-  const uint32_t bv = ladder_scale_bits(av, ladder_v8());
-  const float im = kM4 ? mom4_inv_scale(bm) : ladder_inv_scale(bm), iv = ladder_inv_scale(bv);
+  const uint32_t bm = ladder_scale_bits(am, kM4 ? ladder_m4() : ladder_m8()), bv = ladder_scale_bits(av, ladder_v8());
+  const float im = ladder_inv_scale(bm), iv = ladder_inv_scale(bv);
   uint32_t rw[kVE];
   rng_words8(keys, static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i), rw);
   uint32_t cm[2] = {0u, 0u}, cv[2] = {0u, 0u};
@@ -293,7 +292,7 @@ __device__ __forceinline__ void mom_update(const AdamMeta& t, int64_t i, int64_t
   for (int k = 0; k < kVE; ++k) {
     const uint32_t r = rand_b16(rw[k]);
     if constexpr (kM4) {
-      cm[0] |= (static_cast<uint32_t>(mom4_encode_m(m[k], im, r)) & 0xfu) << (4 * k);
+      cm[0] |= mom4_encode_m(m[k], im, r) << (4 * k);
     } else {
       cm[k >> 2] |= static_cast<uint32_t>(mom8_encode_m(m[k], im, r)) << (8 * (k & 3));
     }

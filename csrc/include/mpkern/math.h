@@ -354,7 +354,7 @@ MPK_HD uint32_t rand16(uint32_t seed, uint32_t stream, uint64_t elem, uint32_t s
 }
 
 // ----------------------------------------------------------------------------------------------
-// 8-bit moments (exp_avg int8, exp_avg_sq uint8): "ladder" codes, one bf16
+// 8-bit moments (exp_avg int8, exp_avg_sq uint8) and the 4-bit exp_avg: "ladder" codes, one bf16
 // scale per group of 32 consecutive elements of a tensor's buffer (group j = elements [32j, 32j + 32),
 // from element 0). Codec 2 (issue 43): built to cost a few integer operations per element.
 //
@@ -366,6 +366,8 @@ MPK_HD uint32_t rand16(uint32_t seed, uint32_t stream, uint64_t elem, uint32_t s
 // x = u(q) * s, with s the group's scale, a power of two:
 //   exp_avg    (8-bit): b = 4, q in [0, 127] (u <= 247), sign-magnitude int8: bit 7 = the sign;
 //   exp_avg_sq (8-bit): b = 4, q in [0, 255] (u <= 63487), unsigned;
+//   exp_avg    (4-bit): b = 1, q in [0, 7]   (u in {0, 1/2, 1, 2, 3, 5, 7, 11}), sign-magnitude
+//                       nibble: bit 3 = the sign; two per byte (below).
 // Relative precision 2^-b .. 2^-(b+1) of a step over 2^7 (exp_avg) and 2^15 (exp_avg_sq) below the
 // group maximum (the exp_avg_sq range is the square of the exp_avg one, as v ~ g^2, m ~ g), then a
 // linear tail of steps 2^-b s down to 0.
@@ -407,6 +409,7 @@ struct Ladder {
 // (functions, not constants: device code may call them, it may not take a host constant's address)
 MPK_HD constexpr Ladder ladder_m8() { return {4, 127u, 7, 0x770000u}; }  // u_max = 247   = 1.9296875 * 2^7
 MPK_HD constexpr Ladder ladder_v8() { return {4, 255u, 15, 0x77ff00u}; }  // u_max = 63487 = 1.937469482421875 * 2^15
+MPK_HD constexpr Ladder ladder_m4() { return {1, 7u, 3, 0x300000u}; }  // u_max = 11    = 1.375 * 2^3
 
 // The bf16 scale bits of a group from its amax bits (|x| as (bits & 0x7fffffff), maxed unsigned:
 // NaN above inf above every finite value).
@@ -456,91 +459,29 @@ MPK_HD uint8_t mom8_encode_v(float v, float inv, uint32_t r16) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// 4-bit exp_avg (moment code kMom4, with the 8-bit exp_avg_sq above): the square law at 4 bits,
-//   m = sign(c) * s_m * c^2,  c in [-7, 7],  s_m = bf16_round_up(amax * K_M4), K_M4 = fp32(1 / 49),
-// one bf16 scale per group of 32 elements (the 8-bit groups), stochastic rounding between the
-// neighbouring codes k and k + 1 from the same 11-bit field (B) of the element's random word, unbiased
-// in value: y = |m| / s (as |m| * (1 / s), one division per group) lies in [k^2, (k + 1)^2) and the
-// code is k + 1 with probability (y - k^2) / (2k + 1), decided as r16 * (2k + 1) < (y - k^2) * 2^16
-// (to 2^-12 of a code step; r16 = 0x8000 rounds to the nearest value, ties down). A zero scale (a
-// group of zeros) or a NaN one (a non-finite moment) gives codes 0. Two codes per byte: element 2j in
-// the low nibble of byte j, element 2j + 1 in the high nibble, each a 4-bit two's complement code (-8
-// unused); a tensor of n elements has ceil(n / 2) bytes and the high nibble of an odd n's last byte
-// is 0. A group starts at an even element, so the two codes of a byte always belong to one group (and
-// one work item: work items are whole groups).
-// Why not the 1-mantissa-bit ladder (values 0, 1/2, 1, 2, 3, 5, 7, 11) like the 8-bit codes: measured
-// (issue 43, benchmarks/fidelity_text.py) it trained 0.022-0.025 bits/byte away from fp32 AdamW, the
-// square law within 0.003 -- at 8 values per sign the shape of the top steps matters, and a
-// power-of-two scale wastes up to half the range; so the 4-bit code keeps codec 1's law.
+// 4-bit exp_avg (moment code kMom4, with the 8-bit exp_avg_sq above): the b = 1 ladder, a sign-
+// magnitude nibble per element, one bf16 scale per group of 32 elements (the 8-bit groups), rounded
+// stochastically from the same 11-bit field (B) of the element's random word. Two codes per byte:
+// element 2j in the low nibble of byte j, element 2j + 1 in the high nibble; a tensor of n elements
+// has ceil(n / 2) bytes and the high nibble of an odd n's last byte is 0. A group starts at an even
+// element, so the two codes of a byte always belong to one group (and one work item: work items
+// are whole groups).
 // ----------------------------------------------------------------------------------------------
-constexpr float kMom4KM = 0x1.4e5e0ap-6f;  // fp32(1 / 49)
+// The nibble (sign-magnitude code) of element i from its byte.
+MPK_HD uint32_t mom4_code(uint8_t byte, int64_t i) { return (i & 1) ? (byte >> 4) : (byte & 0xfu); }
 
-// bf16 bits of x >= 0 rounded up (towards +inf) to a bf16 value.
-MPK_HD uint32_t bf16_round_up_bits(float x) {
-  uint32_t b = f32_bits(x);
-  if (b & 0xffffu) b += 0x10000u;
-  return b >> 16;
+MPK_HD float mom4_decode_m(uint32_t nib, float s) {
+  const float x = ladder_value(nib & 7u, 1) * s;
+  return f32_from_bits(f32_bits(x) | ((nib & 8u) << 28));
 }
 
-// The bf16 scale bits of a 4-bit group from its amax bits (|x| as (bits & 0x7fffffff), maxed unsigned).
-MPK_HD uint32_t mom4_scale_bits(uint32_t amax_bits) {
-  if (amax_bits >= 0x7f800000u) return kMom8NaNScale;
-  return bf16_round_up_bits(f32_from_bits(amax_bits) * kMom4KM);
+// The nibble of m given inv = ladder_inv_scale(s_m) and 16 random bits (rand_b16).
+MPK_HD uint32_t mom4_encode_m(float m, float inv, uint32_t r16) {
+  return ladder_encode(fabsf(m), inv, r16, 1) | sign_at(m, 3);
 }
 
-// The per-group multiplier of the 4-bit encoder: 1 / s, or 0 for a zero or NaN scale (codes 0).
-MPK_HD float mom4_inv_scale(uint32_t scale_bits) {
-  if (scale_bits == 0u || scale_bits == kMom8NaNScale) return 0.0f;
-  return 1.0f / bf16_to_f32(static_cast<uint16_t>(scale_bits));
-}
-
-// An estimate of sqrt(y) for the code search below, which takes the floor of the estimate and
-// corrects it by one step down and one step up against exact fp32 squares: every estimate within 1
-// of the true root gives the same code, so the device may use the hardware approximation (MUFU,
-// relative error below 2^-21) where the host uses the IEEE root, and the codes stay bit-identical.
-MPK_HD float root2_est(float y) {
-#if defined(__CUDA_ARCH__)
-  float r;
-  asm("sqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(y));
-  return r;
-#else
-  return sqrtf(y);
-#endif
-}
-
-// The signed 4-bit code of element i from its byte.
-MPK_HD int mom4_code(uint8_t byte, int64_t i) {
-  const int nib = (i & 1) ? (byte >> 4) : (byte & 0xf);
-  return nib >= 8 ? nib - 16 : nib;
-}
-
-MPK_HD float mom4_decode_m(int c, float s) {
-  const float f = static_cast<float>(c);
-  return s * (f * fabsf(f));
-}
-
-// The code in [-7, 7] of m given inv = mom4_inv_scale(s_m) and 16 random bits (rand_b16).
-MPK_HD int mom4_encode_m(float m, float inv, uint32_t r16) {
-  const float y = fabsf(m) * inv;
-  if (!(y > 0.0f)) return 0;  // zero, or a zero / NaN-scale group (inv 0)
-  float c;
-  if (y >= 49.0f) {
-    c = 7.0f;
-  } else {
-    float k = floorf(root2_est(y));
-    if (k * k > y) k = k - 1.0f;
-    if ((k + 1.0f) * (k + 1.0f) <= y) k = k + 1.0f;
-    const float d = y - k * k;
-    const float w = 2.0f * k + 1.0f;
-    c = static_cast<float>(r16) * w < d * 65536.0f ? k + 1.0f : k;
-  }
-  return static_cast<int>(m < 0.0f ? -c : c);
-}
-
-// The byte of the codes of elements 2j (c0) and 2j + 1 (c1).
-MPK_HD uint8_t mom4_pack(int c0, int c1) {
-  return static_cast<uint8_t>((static_cast<unsigned>(c0) & 0xfu) | ((static_cast<unsigned>(c1) & 0xfu) << 4));
-}
+// The byte of the nibbles of elements 2j (c0) and 2j + 1 (c1).
+MPK_HD uint8_t mom4_pack(uint32_t c0, uint32_t c1) { return static_cast<uint8_t>((c0 & 0xfu) | ((c1 & 0xfu) << 4)); }
 
 // ----------------------------------------------------------------------------------------------
 // 8-bit master correction (master_mode 3, bf16/fp16 params): the 16-bit param p and an int8
