@@ -147,8 +147,8 @@ def moment8_groups(numel: int) -> int:
     return (int(numel) + MOM8_GROUP - 1) // MOM8_GROUP
 
 
-def _grouped(x: Tensor) -> Tensor:
-    """Flat ``x`` as ``[groups, 32]``, the last group padded with zeros."""
+def grouped(x: Tensor) -> Tensor:
+    """Flat ``x`` as ``[groups, 32]`` (the moments' scale groups), the last group padded with zeros."""
     x = x.reshape(-1)
     pad = (-x.numel()) % MOM8_GROUP
     if pad:
@@ -199,7 +199,7 @@ def _r16_grouped(r16: Tensor | int | None, like: Tensor) -> Tensor:
     if r16 is None or isinstance(r16, int):
         return torch.full(like.shape, 0x8000 if r16 is None else int(r16) & 0xFFFF, dtype=torch.int64,
                           device=like.device)
-    return _grouped(r16.reshape(-1).to(torch.int64))
+    return grouped(r16.reshape(-1).to(torch.int64))
 
 
 def _encode_group(x: Tensor, r: Tensor, ladder: tuple[int, int, int, int], sign_at: int | None,
@@ -237,7 +237,7 @@ def moment8_decode(codes: Tensor, scales: Tensor) -> Tensor:
         raise ValueError(f"moment8_decode: scales must be bfloat16 with ceil(numel / 32) = "
                          f"{moment8_groups(codes.numel())} elements, got {scales.dtype} with {scales.numel()}")
     n = codes.numel()
-    q = _grouped(codes.reshape(-1).view(torch.uint8).to(torch.int64))
+    q = grouped(codes.reshape(-1).view(torch.uint8).to(torch.int64))
     x = _decode_group(q, scales.reshape(-1, 1).float(), 4, 7 if codes.dtype == torch.int8 else None)
     return x.reshape(-1)[:n].reshape(codes.shape)
 
@@ -254,7 +254,7 @@ def moment8_encode(values: Tensor, kind: str, r16: Tensor | int | None = None) -
     if kind not in ("exp_avg", "exp_avg_sq"):
         raise ValueError(f"moment8_encode: kind must be 'exp_avg' or 'exp_avg_sq', got {kind!r}")
     n = values.numel()
-    x = _grouped(values.detach().reshape(-1).to(torch.float32))
+    x = grouped(values.detach().reshape(-1).to(torch.float32))
     r = _r16_grouped(r16, x)
     if kind == "exp_avg":
         q, b = _encode_group(x, r, LADDER_M8, 7)
@@ -279,7 +279,7 @@ def moment4_decode(packed: Tensor, scales: Tensor, numel: int) -> Tensor:
                          f"elements, got {scales.dtype} with {scales.numel()}")
     b = packed.reshape(-1).to(torch.int64)
     nib = torch.stack([b & 0xF, b >> 4], dim=1).reshape(-1)[:numel]
-    x = _decode_group(_grouped(nib), scales.reshape(-1, 1).float(), 1, 3)
+    x = _decode_group(grouped(nib), scales.reshape(-1, 1).float(), 1, 3)
     return x.reshape(-1)[:numel]
 
 
@@ -289,7 +289,7 @@ def moment4_encode(values: Tensor, r16: Tensor | int | None = None) -> tuple[Ten
     puts the group's maximum at or below the top value 11, each code rounded stochastically between
     neighbouring values from ``r16`` (as :func:`moment8_encode`; None rounds to the nearest value)."""
     n = values.numel()
-    x = _grouped(values.detach().reshape(-1).to(torch.float32))
+    x = grouped(values.detach().reshape(-1).to(torch.float32))
     q, b = _encode_group(x, _r16_grouped(r16, x), LADDER_M4, 3)
     c = q.reshape(-1)[:n]
     if n % 2:

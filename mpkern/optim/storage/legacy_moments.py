@@ -25,17 +25,9 @@ from typing import ClassVar, NoReturn
 
 import torch
 
+from ...reference_codecs import grouped
 from .base import State, Tensor
-from .moments import MOMENT8_GROUP, Int8Moments, moment8_groups
-
-
-def _grouped(x: Tensor) -> Tensor:
-    """Flat ``x`` as ``[groups, 32]``, the last group padded with zeros."""
-    x = x.reshape(-1)
-    pad = (-x.numel()) % MOMENT8_GROUP
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad)])
-    return x.reshape(-1, MOMENT8_GROUP)
+from .moments import Int8Moments, moment8_groups
 
 
 def _check_scales(scales: Tensor, numel: int, where: str) -> None:
@@ -58,7 +50,7 @@ def legacy_moment8_decode(codes: Tensor, scales: Tensor) -> Tensor:
     _check_scales(scales, codes.numel(), "legacy_moment8_decode")
     n = codes.numel()
     s = scales.reshape(-1, 1).to(torch.float32)
-    c = _grouped(codes.reshape(-1).to(torch.float32))
+    c = grouped(codes.reshape(-1).to(torch.float32))
     c2 = c * c
     x = s * (c * c.abs()) if codes.dtype == torch.int8 else (s * c2) * c2
     return x.reshape(-1)[:n].reshape(codes.shape)
@@ -77,7 +69,7 @@ def legacy_moment4_decode(packed: Tensor, scales: Tensor, numel: int) -> Tensor:
     _check_scales(scales, numel, "legacy_moment4_decode")
     b = packed.reshape(-1).to(torch.int32)
     nib = torch.stack([b & 0xF, b >> 4], dim=1).reshape(-1)[:numel]
-    c = _grouped(torch.where(nib >= 8, nib - 16, nib).to(torch.float32))
+    c = grouped(torch.where(nib >= 8, nib - 16, nib).to(torch.float32))
     x = scales.reshape(-1, 1).to(torch.float32) * (c * c.abs())
     return x.reshape(-1)[:numel]
 
