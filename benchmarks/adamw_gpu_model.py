@@ -46,13 +46,14 @@ GRID_PER_SM = 8             # grid_for(chunks, 8)
 PREP_LAUNCH_US = 4.0        # the prep kernel: one launch (~2-3 us) + one block over the tensor table
 #: storage mode: (bytes read per element in the update, bytes per param of the whole step, blocks per
 #: SM, SASS instructions per element of the main loop or None where not counted: the compact ones by
-#: benchmarks/cuda_sass_count.py --arch sm_90, 2026-12-04, RESULTS "Compact-moment CUDA kernel")
+#: benchmarks/cuda_sass_count.py --arch sm_90, 2026-12-06 after codec 2, RESULTS "Codec 2"; codec 1 had 198.5
+#: and 201.1, RESULTS "Compact-moment CUDA kernel")
 MODES = {
     "fp32 master + fp32 moments": (14, 30.0, 4, None),
     "remainder + bf16 moments": (10, 20.0, 4, None),
     "8-bit master + bf16 moments": (7, 18.0, 4, None),
-    "8-bit master + 8-bit moments": (4.125, 14.25, 2, 198.5),
-    "8-bit master + 4-bit m + 8-bit v": (3.625, 13.25, 2, 201.1),
+    "8-bit master + 8-bit moments": (4.125, 14.25, 2, 125.2),
+    "8-bit master + 4-bit m + 8-bit v": (3.625, 13.25, 2, 124.9),
 }
 CLOCK_GHZ = 1.98            # Hopper SXM boost clock
 ISSUE_PER_SM_CLK = 4 * 32   # 4 warp schedulers x 32 threads: thread-instructions per SM per clock
