@@ -135,10 +135,10 @@ def master8_encode(w: Tensor, dtype: torch.dtype, word: Tensor | None = None) ->
 # ---- 8-bit moments and the 4-bit exp_avg: ladder codes (math.h Ladder, ladder_*, mom8_*, mom4_*) ----------
 MOM8_GROUP = 32
 MOM8_NAN_SCALE = 0x7FC0
-#: (mantissa bits b, top magnitude code, floor(log2 u_max), u_max's 23 mantissa bits) of math.h's ladders
-LADDER_M8 = (4, 127, 7, 0x770000)  # exp_avg, 8-bit: u_max = 247
-LADDER_V8 = (4, 255, 15, 0x77FF00)  # exp_avg_sq, 8-bit: u_max = 63487
-LADDER_M4 = (1, 7, 3, 0x300000)  # exp_avg, 4-bit: u_max = 11
+#: (mantissa bits b, floor(log2 u_max), u_max's 23 mantissa bits) of math.h's ladders
+LADDER_M8 = (4, 7, 0x770000)  # exp_avg, 8-bit: u_max = 247
+LADDER_V8 = (4, 15, 0x77FF00)  # exp_avg_sq, 8-bit: u_max = 63487
+LADDER_M4 = (1, 3, 0x300000)  # exp_avg, 4-bit: u_max = 11
 _ONE_BITS = 0x3F800000
 
 
@@ -161,11 +161,11 @@ def _bits(x: Tensor) -> Tensor:
     return x.view(torch.int32).to(torch.int64) & _M32
 
 
-def ladder_scale_bits(x: Tensor, ladder: tuple[int, int, int, int]) -> Tensor:
+def ladder_scale_bits(x: Tensor, ladder: tuple[int, int, int]) -> Tensor:
     """math.h ``ladder_scale_bits`` of grouped fp32 ``x`` [G, 32]: int64 bf16 bits of each group's
     scale, the smallest power of two 2^e (e >= -126) with amax / 2^e <= u_max; 0 for a group of zeros,
     NaN (0x7fc0) for a group holding a non-finite value."""
-    _, _, uexp, umant = ladder
+    _, uexp, umant = ladder
     amax = (_bits(x) & 0x7FFFFFFF).amax(dim=1)  # NaN > inf > finite, as bits
     e = ((amax + (0x7FFFFF - umant)) >> 23) - uexp
     b = torch.where(amax == 0, torch.zeros_like(e), e.clamp(min=1) << 7)  # a group of zeros: scale 0
@@ -202,7 +202,7 @@ def _r16_grouped(r16: Tensor | int | None, like: Tensor) -> Tensor:
     return grouped(r16.reshape(-1).to(torch.int64))
 
 
-def _encode_group(x: Tensor, r: Tensor, ladder: tuple[int, int, int, int], sign_at: int | None,
+def _encode_group(x: Tensor, r: Tensor, ladder: tuple[int, int, int], sign_at: int | None,
                   at_least_one: bool = False) -> tuple[Tensor, Tensor]:
     """(int64 codes [G, 32], int64 scale bits [G]) of grouped fp32 ``x``: magnitude codes of the ladder,
     the sign bit at ``sign_at`` (None: unsigned), the codes of a NaN-scale group 0."""
@@ -215,10 +215,10 @@ def _encode_group(x: Tensor, r: Tensor, ladder: tuple[int, int, int, int], sign_
     return torch.where((b == MOM8_NAN_SCALE)[:, None], torch.zeros_like(q), q), b
 
 
-def _decode_group(q: Tensor, s: Tensor, mbits: int, sign_at: int | None) -> Tensor:
+def _decode_group(q: Tensor, s: Tensor, ladder: tuple[int, int, int], sign_at: int | None) -> Tensor:
     """fp32 values of grouped int64 codes ``q`` [G, 32] with fp32 scales ``s`` [G, 1]."""
     mag = q if sign_at is None else q & ((1 << sign_at) - 1)
-    x = ladder_value(mag, mbits) * s
+    x = ladder_value(mag, ladder[0]) * s
     if sign_at is None:
         return x
     return _as_f32(_bits(x) | (((q >> sign_at) & 1) << 31))
@@ -238,7 +238,8 @@ def moment8_decode(codes: Tensor, scales: Tensor) -> Tensor:
                          f"{moment8_groups(codes.numel())} elements, got {scales.dtype} with {scales.numel()}")
     n = codes.numel()
     q = grouped(codes.reshape(-1).view(torch.uint8).to(torch.int64))
-    x = _decode_group(q, scales.reshape(-1, 1).float(), 4, 7 if codes.dtype == torch.int8 else None)
+    x = (_decode_group(q, scales.reshape(-1, 1).float(), LADDER_M8, 7) if codes.dtype == torch.int8
+         else _decode_group(q, scales.reshape(-1, 1).float(), LADDER_V8, None))
     return x.reshape(-1)[:n].reshape(codes.shape)
 
 
@@ -279,7 +280,7 @@ def moment4_decode(packed: Tensor, scales: Tensor, numel: int) -> Tensor:
                          f"elements, got {scales.dtype} with {scales.numel()}")
     b = packed.reshape(-1).to(torch.int64)
     nib = torch.stack([b & 0xF, b >> 4], dim=1).reshape(-1)[:numel]
-    x = _decode_group(grouped(nib), scales.reshape(-1, 1).float(), 1, 3)
+    x = _decode_group(grouped(nib), scales.reshape(-1, 1).float(), LADDER_M4, 3)
     return x.reshape(-1)[:numel]
 
 

@@ -398,18 +398,17 @@ MPK_HD uint32_t rand16(uint32_t seed, uint32_t stream, uint64_t elem, uint32_t s
 constexpr int kMom8Group = 32;
 constexpr uint32_t kMom8NaNScale = 0x7fc0u;
 
-// A ladder format: mantissa bits, the largest magnitude code, and u_max's fp32 exponent and mantissa
-// (for the scale).
+// A ladder format: its mantissa bits, and u_max's fp32 exponent and mantissa (for the scale; the top
+// code needs no field: no encoding goes past it).
 struct Ladder {
   int mbits;
-  uint32_t qmax;
   int umax_exp;        // floor(log2(u_max))
   uint32_t umax_mant;  // the 23 mantissa bits of u_max
 };
 // (functions, not constants: device code may call them, it may not take a host constant's address)
-MPK_HD constexpr Ladder ladder_m8() { return {4, 127u, 7, 0x770000u}; }  // u_max = 247   = 1.9296875 * 2^7
-MPK_HD constexpr Ladder ladder_v8() { return {4, 255u, 15, 0x77ff00u}; }  // u_max = 63487 = 1.937469482421875 * 2^15
-MPK_HD constexpr Ladder ladder_m4() { return {1, 7u, 3, 0x300000u}; }  // u_max = 11    = 1.375 * 2^3
+MPK_HD constexpr Ladder ladder_m8() { return {4, 7, 0x770000u}; }  // u_max = 247   = 1.9296875 * 2^7
+MPK_HD constexpr Ladder ladder_v8() { return {4, 15, 0x77ff00u}; }  // u_max = 63487 = 1.937469482421875 * 2^15
+MPK_HD constexpr Ladder ladder_m4() { return {1, 3, 0x300000u}; }  // u_max = 11    = 1.375 * 2^3
 
 // The bf16 scale bits of a group from its amax bits (|x| as (bits & 0x7fffffff), maxed unsigned:
 // NaN above inf above every finite value).
@@ -441,20 +440,20 @@ MPK_HD uint32_t ladder_encode(float ax, float inv, uint32_t r16, int mbits) {
 MPK_HD uint32_t sign_at(float x, int at) { return (f32_bits(x) >> 31) << at; }
 
 MPK_HD float mom8_decode_m(uint8_t c, float s) {
-  const float x = ladder_value(c & 0x7fu, 4) * s;
+  const float x = ladder_value(c & 0x7fu, ladder_m8().mbits) * s;
   return f32_from_bits(f32_bits(x) | (static_cast<uint32_t>(c & 0x80u) << 24));
 }
 
-MPK_HD float mom8_decode_v(uint8_t c, float s) { return ladder_value(c, 4) * s; }
+MPK_HD float mom8_decode_v(uint8_t c, float s) { return ladder_value(c, ladder_v8().mbits) * s; }
 
 // exp_avg code (sign-magnitude byte) of m given inv = ladder_inv_scale(s_m) and 16 random bits.
 MPK_HD uint8_t mom8_encode_m(float m, float inv, uint32_t r16) {
-  return static_cast<uint8_t>(ladder_encode(fabsf(m), inv, r16, 4) | sign_at(m, 7));
+  return static_cast<uint8_t>(ladder_encode(fabsf(m), inv, r16, ladder_m8().mbits) | sign_at(m, 7));
 }
 
 // exp_avg_sq code of v >= 0 given inv = ladder_inv_scale(s_v) and 16 random bits.
 MPK_HD uint8_t mom8_encode_v(float v, float inv, uint32_t r16) {
-  const uint32_t q = ladder_encode(v, inv, r16, 4);
+  const uint32_t q = ladder_encode(v, inv, r16, ladder_v8().mbits);
   return static_cast<uint8_t>(q == 0u && v > 0.0f ? 1u : q);
 }
 
@@ -471,13 +470,13 @@ MPK_HD uint8_t mom8_encode_v(float v, float inv, uint32_t r16) {
 MPK_HD uint32_t mom4_code(uint8_t byte, int64_t i) { return (i & 1) ? (byte >> 4) : (byte & 0xfu); }
 
 MPK_HD float mom4_decode_m(uint32_t nib, float s) {
-  const float x = ladder_value(nib & 7u, 1) * s;
+  const float x = ladder_value(nib & 7u, ladder_m4().mbits) * s;
   return f32_from_bits(f32_bits(x) | ((nib & 8u) << 28));
 }
 
 // The nibble of m given inv = ladder_inv_scale(s_m) and 16 random bits (rand_b16).
 MPK_HD uint32_t mom4_encode_m(float m, float inv, uint32_t r16) {
-  return ladder_encode(fabsf(m), inv, r16, 1) | sign_at(m, 3);
+  return ladder_encode(fabsf(m), inv, r16, ladder_m4().mbits) | sign_at(m, 3);
 }
 
 // The byte of the nibbles of elements 2j (c0) and 2j + 1 (c1).
