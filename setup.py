@@ -169,6 +169,8 @@ def main() -> None:
     setup(
         packages=packages + ["mpkern.triton_kernels"],
         package_dir={"mpkern.triton_kernels": "triton_kernels"},
+        # the codec table: compiled into the extension and read by mpkern.codecs at import
+        package_data={"mpkern": ["codecs.def"]},
         ext_modules=_extensions(with_cuda, why_not),
         cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     )

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import mpkern  # noqa: F401 -- registers the ops
-from mpkern import _backend, _ops
+from mpkern import _backend, codecs
 
 BF16, F32 = torch.bfloat16, torch.float32
 MOM8 = "8-bit"  # int8 exp_avg + uint8 exp_avg_sq codes with bf16 scales per 32 elements
@@ -66,7 +66,7 @@ def _setup(params: list[torch.Tensor], grads: list[torch.Tensor], dev: torch.dev
     steps = [torch.zeros((), device=dev) for _ in sizes]
     ps = [p.clone() for p in params]
     one, zero = torch.tensor(1.0, device=dev), torch.tensor(0.0, device=dev)
-    master_codec = {m: name for name, m in _ops.MASTER_MODES.items()}[mode]
+    master_codec = {c.mode: name for name, c in codecs.MASTER_CODECS.items()}[mode]
     moment_codec = {MOM8: "8bit", MOM4: "4bit_m", torch.float32: "float32", BF16: "bfloat16"}[sdt]
     sm, sv = scales if sdt in (MOM8, MOM4) else (None, None)
 

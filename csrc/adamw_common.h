@@ -6,59 +6,72 @@
 
 namespace mpkern {
 
-enum MasterMode : int { kMasterNone = 0, kMasterF32 = 1, kMasterRemainder = 2, kMaster8bit = 3 };
-
-// The op's master_codec argument ("none", "fp32", "remainder", "8bit") as the kernels' MasterMode.
-inline int64_t master_mode_of(const char* op, c10::string_view codec) {
-  if (codec == "none") return kMasterNone;
-  if (codec == "fp32") return kMasterF32;
-  if (codec == "remainder") return kMasterRemainder;
-  if (codec == "8bit") return kMaster8bit;
-  TORCH_CHECK_VALUE(false, op, ": master_codec must be 'none', 'fp32', 'remainder' or '8bit', got '",
-                    std::string(codec), "'");
-  return kMasterNone;
-}
-
-// The op's moment_codec argument ("float32", "bfloat16", "8bit", "4bit_m") as the kernels' moment
-// code (kF32, kBF16, kMom8, kMom4), checked against the moment tensors it names (float32 / bfloat16
-// exp_avgs, int8 exp_avgs, uint8 exp_avgs of packed 4-bit codes). Parsed once, by the registered op
-// (csrc/ops.cpp): the kernels take the code it returns instead of reading it from a dtype, so two
-// formats may one day share a dtype; the per-tensor layout checks are check_adamw_args'.
-inline int64_t moment_mode_of(const char* op, c10::string_view codec, at::TensorList exp_avgs) {
-  at::ScalarType want;
-  int64_t mode;
-  if (codec == "float32") {
-    want = at::kFloat, mode = kF32;
-  } else if (codec == "bfloat16") {
-    want = at::kBFloat16, mode = kBF16;
-  } else if (codec == "8bit") {
-    want = at::kChar, mode = kMom8;
-  } else if (codec == "4bit_m") {
-    want = at::kByte, mode = kMom4;
-  } else {
-    TORCH_CHECK_VALUE(false, op, ": moment_codec must be 'float32', 'bfloat16', '8bit' or '4bit_m', got '",
-                      std::string(codec), "'");
-    return kF32;
+// A codec row's dtype (csrc/include/mpkern/codecs.h) as the torch dtype.
+inline at::ScalarType scalar_type_of(CodecDType d) {
+  switch (d) {
+    case CodecDType::Float: return at::kFloat;
+    case CodecDType::Half: return at::kHalf;
+    case CodecDType::BFloat16: return at::kBFloat16;
+    case CodecDType::Char: return at::kChar;
+    case CodecDType::Byte: return at::kByte;
+    case CodecDType::Short: return at::kShort;
+    default: return at::ScalarType::Undefined;
   }
-  for (size_t i = 0; i < exp_avgs.size(); ++i)
-    TORCH_CHECK_TYPE(exp_avgs[i].scalar_type() == want, op, ": moment_codec '", std::string(codec),
-                     "' needs ", want, " exp_avgs; exp_avgs[", i, "] is ", exp_avgs[i].scalar_type());
-  return mode;
 }
 
+// A dtype by its table name ("Float", "Char", ...; codec_dtype_name's inverse), for a codec row
+// that comes from Python (a codec registered for the torch backend).
+inline CodecDType codec_dtype_of(const char* op, const std::string& name) {
+  for (CodecDType d : {CodecDType::Float, CodecDType::Half, CodecDType::BFloat16, CodecDType::Char, CodecDType::Byte,
+                       CodecDType::Short, CodecDType::Undefined})
+    if (name == codec_dtype_name(d)) return d;
+  TORCH_CHECK_TYPE(false, op, ": unknown codec dtype '", name, "'");
+  return CodecDType::Undefined;
+}
+
+// 'a', 'b' or 'c' -- the names of a codec table, for the error of an unknown name.
+template <typename Row, size_t N>
+std::string codec_names(const Row (&rows)[N]) {
+  std::string out;
+  for (size_t i = 0; i < N; ++i) out += (i ? (i + 1 == N ? " or '" : ", '") : "'") + std::string(rows[i].name) + "'";
+  return out;
+}
+
+// The op's master_codec argument as its row of the table (ValueError naming the codecs otherwise).
+inline const MasterCodec& master_codec_of(const char* op, c10::string_view codec) {
+  for (const MasterCodec& c : kMasterCodecs)
+    if (codec == c.name) return c;
+  TORCH_CHECK_VALUE(false, op, ": master_codec must be ", codec_names(kMasterCodecs), ", got '", std::string(codec),
+                    "'");
+  return kMasterCodecs[0];
+}
+
+// The op's moment_codec argument as its row of the table. Parsed once, by the registered op
+// (csrc/ops.cpp): the kernels take the mode it names instead of reading it from a dtype, so two
+// formats may share a dtype; check_adamw_args checks every moment tensor against the row.
+inline const MomentCodec& moment_codec_of(const char* op, c10::string_view codec) {
+  for (const MomentCodec& c : kMomentCodecs)
+    if (codec == c.name) return c;
+  TORCH_CHECK_VALUE(false, op, ": moment_codec must be ", codec_names(kMomentCodecs), ", got '", std::string(codec),
+                    "'");
+  return kMomentCodecs[0];
+}
+
+// Every argument of one call against the codecs' rows: list lengths, the streams, each tensor's
+// device, layout, size and dtype (the moments' as the moment codec's row says, with a bf16 scale per
+// group when it groups; the masters' as the master codec's), the scalars.
 inline void check_adamw_args(const char* op, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                              at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters,
                              at::TensorList steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
-                             const std::optional<at::Tensor>& lr_tensor, int64_t master_mode,
-                             at::IntArrayRef stream_ids = {}, at::IntArrayRef elem_offsets = {},
-                             at::TensorList exp_avg_scales = {}, at::TensorList exp_avg_sq_scales = {}) {
+                             const std::optional<at::Tensor>& lr_tensor, const MasterCodec& master,
+                             const MomentCodec& moments, at::IntArrayRef stream_ids = {},
+                             at::IntArrayRef elem_offsets = {}, at::TensorList exp_avg_scales = {},
+                             at::TensorList exp_avg_sq_scales = {}) {
   const size_t n = params.size();
   TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n, op,
               ": params, grads, exp_avgs, exp_avg_sqs and steps must have the same length");
   TORCH_CHECK_VALUE(max_exp_avg_sqs.empty() || max_exp_avg_sqs.size() == n, op,
               ": max_exp_avg_sqs must be empty or one per param");
-  TORCH_CHECK_VALUE(master_mode >= kMasterNone && master_mode <= kMaster8bit, op, ": bad master_mode ", master_mode,
-                    " (0 none, 1 fp32, 2 int16 remainder, 3 int8 correction)");
   TORCH_CHECK_VALUE(stream_ids.empty() || stream_ids.size() == n, op,
                     ": stream_ids must be empty or one per param, got ", stream_ids.size(), " for ", n, " params");
   TORCH_CHECK_VALUE(elem_offsets.empty() || elem_offsets.size() == n, op,
@@ -68,24 +81,23 @@ inline void check_adamw_args(const char* op, at::TensorList params, at::TensorLi
                       stream_ids[i], " is not in [0, 2^32)");
   for (size_t i = 0; i < elem_offsets.size(); ++i)
     TORCH_CHECK_VALUE(elem_offsets[i] >= 0, op, ": elem_offsets[", i, "] = ", elem_offsets[i], " is negative");
-  TORCH_CHECK_VALUE(master_mode == kMasterNone ? masters.empty() : masters.size() == n, op,
-              ": masters must be one per param (empty when master_codec is 'none')");
-  // companded moments with group scales: selected by int8 exp_avgs (8-bit) or uint8 exp_avgs (4-bit
-  // exp_avg, two codes per byte), for every param of the call or none
-  const at::ScalarType sdt0 = n ? exp_avgs[0].scalar_type() : at::kFloat;
-  const bool mom4 = sdt0 == at::kByte;
-  const bool mom8 = sdt0 == at::kChar || mom4;
-  const char* kind = mom4 ? "4-bit exp_avg (uint8 exp_avgs)" : "8-bit (int8 exp_avgs)";
-  if (mom8) {
-    TORCH_CHECK_VALUE(max_exp_avg_sqs.empty(), op, ": amsgrad is not supported with ", kind,
-                      " moments (max_exp_avg_sqs must be empty)");
-    TORCH_CHECK_VALUE(exp_avg_scales.size() == n && exp_avg_sq_scales.size() == n, op, ": ", kind,
-                      " moments need exp_avg_scales and exp_avg_sq_scales, one per param; got ",
-                      exp_avg_scales.size(), " and ", exp_avg_sq_scales.size(), " for ", n, " params");
+  const at::ScalarType master_dt = scalar_type_of(master.state);
+  const bool has_master = master_dt != at::ScalarType::Undefined;
+  TORCH_CHECK_VALUE(has_master ? masters.size() == n : masters.empty(), op,
+              ": masters must be one per param (empty when master_codec is '", master.name, "')");
+  const std::string codec = moments.name;
+  const at::ScalarType m_dt = scalar_type_of(moments.exp_avg), v_dt = scalar_type_of(moments.exp_avg_sq);
+  const bool grouped = moments.group > 0, packed = moments.per_byte == 2;
+  if (grouped) {
+    TORCH_CHECK_VALUE(max_exp_avg_sqs.empty(), op, ": amsgrad is not supported with moment_codec '", codec,
+                      "' (max_exp_avg_sqs must be empty)");
+    TORCH_CHECK_VALUE(exp_avg_scales.size() == n && exp_avg_sq_scales.size() == n, op, ": moment_codec '", codec,
+                      "' needs exp_avg_scales and exp_avg_sq_scales, one per param; got ", exp_avg_scales.size(),
+                      " and ", exp_avg_sq_scales.size(), " for ", n, " params");
   } else {
     TORCH_CHECK_VALUE(exp_avg_scales.empty() && exp_avg_sq_scales.empty(), op,
-                      ": exp_avg_scales and exp_avg_sq_scales must be empty unless the moments are 8-bit "
-                      "(int8 exp_avgs, uint8 exp_avg_sqs)");
+                      ": exp_avg_scales and exp_avg_sq_scales must be empty with moment_codec '", codec,
+                      "' (only grouped codes have scales)");
   }
   const c10::Device dev = n ? params[0].device() : grad_factor.device();
   check_scalar_f32(op, "grad_factor", grad_factor, dev);
@@ -110,52 +122,42 @@ inline void check_adamw_args(const char* op, at::TensorList params, at::TensorLi
     };
     same(p, "params");
     same(grads[i], "grads");
-    same(exp_avgs[i], "exp_avgs", mom4);  // 4-bit: two codes per byte
-    same(exp_avg_sqs[i], "exp_avg_sqs");
     dtype_code(p.scalar_type());
     dtype_code(grads[i].scalar_type());
-    const auto sdt = exp_avgs[i].scalar_type();
-    if (mom8) {
-      TORCH_CHECK_TYPE(sdt == sdt0, op, ": exp_avgs[", i, "] is ", sdt, ", but exp_avgs[0] is ", sdt0, " (", kind,
-                       " moments): every param of a call has the same moment kind");
-      TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == at::kByte, op, ": exp_avg_sqs[", i,
-                       "] must be uint8 with ", kind, " exp_avgs, got ", exp_avg_sqs[i].scalar_type());
-      const int64_t groups = (numel + kMom8Group - 1) / kMom8Group;
+    TORCH_CHECK_TYPE(exp_avgs[i].scalar_type() == m_dt, op, ": moment_codec '", codec, "' needs ", m_dt,
+                     " exp_avgs; exp_avgs[", i, "] is ", exp_avgs[i].scalar_type());
+    TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == v_dt, op, ": moment_codec '", codec, "' needs ", v_dt,
+                     " exp_avg_sqs; exp_avg_sqs[", i, "] is ", exp_avg_sqs[i].scalar_type());
+    same(exp_avgs[i], "exp_avgs", packed);  // packed: two codes per byte
+    same(exp_avg_sqs[i], "exp_avg_sqs");
+    if (grouped) {
+      const int64_t groups = (numel + moments.group - 1) / moments.group;
       auto scale = [&](const at::Tensor& s, const char* what) {
         TORCH_CHECK_VALUE(s.layout() == at::kStrided, op, ": ", what, "[", i, "] must be a strided (dense) tensor");
         TORCH_CHECK_TYPE(s.scalar_type() == at::kBFloat16, op, ": ", what, "[", i, "] must be bfloat16, got ",
                          s.scalar_type());
         TORCH_CHECK_VALUE(s.device() == dev, op, ": ", what, "[", i, "] is on ", s.device(), ", expected ", dev);
         TORCH_CHECK_VALUE(s.numel() == groups, op, ": ", what, "[", i, "] has ", s.numel(),
-                          " elements, expected ceil(numel / 32) = ", groups);
+                          " elements, expected ceil(numel / ", moments.group, ") = ", groups);
         TORCH_CHECK_VALUE(s.is_contiguous(), op, ": ", what, "[", i, "] must be contiguous");
       };
       scale(exp_avg_scales[i], "exp_avg_scales");
       scale(exp_avg_sq_scales[i], "exp_avg_sq_scales");
-    } else {
-      TORCH_CHECK_TYPE(sdt == at::kFloat || sdt == at::kBFloat16, op, ": exp_avgs[", i,
-                       "]: moments must be float32, bfloat16, 8-bit (int8 exp_avgs + uint8 exp_avg_sqs) or 4-bit "
-                       "exp_avg (uint8 exp_avgs of ceil(numel / 2) bytes + uint8 exp_avg_sqs), got ", sdt);
-      TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == sdt, op, ": exp_avg and exp_avg_sq dtypes differ");
     }
     if (!max_exp_avg_sqs.empty()) {
       same(max_exp_avg_sqs[i], "max_exp_avg_sqs");
       TORCH_CHECK_TYPE(max_exp_avg_sqs[i].scalar_type() == at::kFloat, op, ": max_exp_avg_sqs must be float32");
     }
-    if (master_mode == kMasterF32) {
-      same(masters[i], "masters");
-      TORCH_CHECK_TYPE(masters[i].scalar_type() == at::kFloat, op, ": fp32 masters must be float32");
-    } else if (master_mode == kMasterRemainder) {
-      same(masters[i], "masters");
-      TORCH_CHECK_TYPE(masters[i].scalar_type() == at::kShort, op, ": remainders must be int16");
+    if (master.mode == kMasterRemainder)
       TORCH_CHECK_TYPE(p.scalar_type() == at::kBFloat16, op, ": remainder masters need bfloat16 params");
-    } else if (master_mode == kMaster8bit) {
+    if (master.mode == kMaster8bit)
       TORCH_CHECK_TYPE(p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf, op,
                        ": master_codec '8bit' (8-bit master corrections) needs bfloat16 or float16 params; params[", i,
                        "] is ", p.scalar_type(), ", which is its own fp32 master (use master_codec 'none')");
+    if (has_master) {
       same(masters[i], "masters");
-      TORCH_CHECK_TYPE(masters[i].scalar_type() == at::kChar, op, ": 8-bit master corrections must be int8, got ",
-                       masters[i].scalar_type());
+      TORCH_CHECK_TYPE(masters[i].scalar_type() == master_dt, op, ": master_codec '", master.name, "' needs ",
+                       master_dt, " masters; masters[", i, "] is ", masters[i].scalar_type());
     }
     TORCH_CHECK_VALUE(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat && steps[i].device() == dev, op,
                 ": steps[", i, "] must be a one-element float32 tensor on ", dev);
@@ -167,12 +169,12 @@ inline c10::Device check_adamw_args_on(const char* op, at::TensorList params, at
                                        at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                                        at::TensorList max_exp_avg_sqs, at::TensorList masters, at::TensorList steps,
                                        const at::Tensor& grad_factor, const at::Tensor& found_inf,
-                                       const std::optional<at::Tensor>& lr_tensor, int64_t master_mode,
-                                       at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets,
-                                       at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales,
-                                       c10::DeviceType device_type) {
+                                       const std::optional<at::Tensor>& lr_tensor, const MasterCodec& master,
+                                       const MomentCodec& moments, at::IntArrayRef stream_ids,
+                                       at::IntArrayRef elem_offsets, at::TensorList exp_avg_scales,
+                                       at::TensorList exp_avg_sq_scales, c10::DeviceType device_type) {
   check_adamw_args(op, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
-                   lr_tensor, master_mode, stream_ids, elem_offsets, exp_avg_scales, exp_avg_sq_scales);
+                   lr_tensor, master, moments, stream_ids, elem_offsets, exp_avg_scales, exp_avg_sq_scales);
   const c10::Device dev = params.empty() ? grad_factor.device() : params[0].device();
   TORCH_CHECK_VALUE(dev.type() == device_type, op, ": tensors are on ", dev, ", expected ", device_type);
   return dev;

@@ -23,27 +23,21 @@ std::string kernel_image_error(int64_t device_index);
 #endif
 
 TORCH_LIBRARY(mpkern, m) {
-  // Read-only statistics pass of unscale_: per tensor, the sum of squares of grad * inv_scale and
-  // the max |grad| (inf/NaN propagate, so it doubles as the non-finite flag).
-  m.def("grad_stats(Tensor[] grads, Tensor inv_scale) -> (Tensor sumsq, Tensor amax)");
-  // In-place multiply of every tensor by a one-element float32 tensor on the same device.
-  m.def("scale_(Tensor(a!)[] tensors, Tensor scale) -> ()");
-  // Fused AdamW over a tensor list (one param group on one device): updates params, moments,
-  // max_exp_avg_sqs (amsgrad; empty list otherwise), masters (as master_codec says: "fp32" float32
-  // masters, "remainder" int16 remainders, "8bit" int8 corrections; an empty list for "none") and
-  // the per-param step counters -- or nothing when found_inf != 0. moment_codec names how the
-  // moments are kept: "float32" / "bfloat16" tensors, "8bit" companded codes (int8 exp_avgs,
-  // uint8 exp_avg_sqs) or "4bit_m" (uint8 exp_avgs of two 4-bit codes per byte, uint8
-  // exp_avg_sqs), the compact ones with one bf16 scale per 32 elements in exp_avg_scales /
-  // exp_avg_sq_scales (None otherwise). stream_ids / elem_offsets (one per tensor, or empty: index
-  // in the list, 0) name the random stream of each tensor: element i draws the bits of element
-  // elem_offsets[t] + i of stream stream_ids[t] (see math.h, rng_key). The scalars are keyword-only.
-  m.def(
-      "adamw_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-      "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] masters, Tensor(f!)[] steps, Tensor grad_factor, "
-      "Tensor found_inf, Tensor? lr_tensor, Tensor(g!)[]? exp_avg_scales=None, Tensor(h!)[]? exp_avg_sq_scales=None, "
-      "*, float lr, float beta1, float beta2, float eps, float weight_decay, bool maximize, str master_codec, "
-      "str moment_codec, bool stochastic_rounding, int seed, int[] stream_ids=[], int[] elem_offsets=[]) -> ()");
+  // The schemas are mpkern/codecs.def's (codecs.h kOpSchemas), which Python reads too:
+  // * grad_stats: read-only statistics pass of unscale_: per tensor, the sum of squares of
+  //   grad * inv_scale and the max |grad| (inf/NaN propagate, so it doubles as the non-finite flag).
+  // * scale_: in-place multiply of every tensor by a one-element float32 tensor on the same device.
+  // * adamw_step_: fused AdamW over a tensor list (one param group on one device): updates params,
+  //   moments, max_exp_avg_sqs (amsgrad; empty list otherwise), masters (as master_codec says: "fp32"
+  //   float32 masters, "remainder" int16 remainders, "8bit" int8 corrections; an empty list for
+  //   "none") and the per-param step counters -- or nothing when found_inf != 0. moment_codec names
+  //   how the moments are kept (a row of codecs.def: "float32" / "bfloat16" tensors, "8bit" ladder
+  //   codes, "4bit_m" packed 4-bit exp_avg codes + 8-bit exp_avg_sq codes, the grouped ones with one
+  //   bf16 scale per group in exp_avg_scales / exp_avg_sq_scales, None otherwise). stream_ids /
+  //   elem_offsets (one per tensor, or empty: index in the list, 0) name the random stream of each
+  //   tensor: element i draws the bits of element elem_offsets[t] + i of stream stream_ids[t] (see
+  //   math.h, rng_key). The scalars are keyword-only.
+  for (const mpkern::OpSchema& s : mpkern::kOpSchemas) m.def(s.schema);
 }
 
 namespace mpkern {
@@ -61,14 +55,14 @@ void adamw_step_op(at::TensorList params, at::TensorList grads, at::TensorList e
                    double eps, double weight_decay, bool maximize, c10::string_view master_codec,
                    c10::string_view moment_codec, bool stochastic_rounding, int64_t seed, at::IntArrayRef stream_ids,
                    at::IntArrayRef elem_offsets) {
-  const int64_t mode = master_mode_of(kAdamwOp, master_codec);
-  const int64_t moments = moment_mode_of(kAdamwOp, moment_codec, exp_avgs);
+  const MasterCodec& master = master_codec_of(kAdamwOp, master_codec);
+  const MomentCodec& moments = moment_codec_of(kAdamwOp, moment_codec);
   check_adamw_args_on(kAdamwOp, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor,
-                      found_inf, lr_tensor, mode, stream_ids, elem_offsets, list_or_empty(exp_avg_scales),
+                      found_inf, lr_tensor, master, moments, stream_ids, elem_offsets, list_or_empty(exp_avg_scales),
                       list_or_empty(exp_avg_sq_scales), Dev);
   Kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf, lr_tensor, lr,
-         beta1, beta2, eps, weight_decay, maximize, mode, moments, stochastic_rounding, seed, stream_ids, elem_offsets,
-         exp_avg_scales, exp_avg_sq_scales);
+         beta1, beta2, eps, weight_decay, maximize, master.mode, moments.mode, stochastic_rounding, seed, stream_ids,
+         elem_offsets, exp_avg_scales, exp_avg_sq_scales);
 }
 // The Autograd kernels: the ops are not differentiable (nothing to record), so they go straight to
 // the device kernel. Without them the dispatcher's boxed autograd fallback would box every tensor
@@ -173,6 +167,9 @@ PYBIND11_MODULE(_C, mod) {
         mpkern::check_list_op("mpkern::scale_", "tensors", tensors, "scale", scale);
       },
       "Raise like mpkern::scale_ does on bad arguments");
+  // moment_codec: a row of the table by name, or (for a codec Python registered for the torch
+  // backend, mpkern.codecs.register_moment_codec) the row itself: (name, exp_avg dtype, exp_avg_sq
+  // dtype, group, codes per byte), the dtypes by their table names ("Char", ...)
   mod.def(
       "check_adamw_args",
       [](const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -181,14 +178,25 @@ PYBIND11_MODULE(_C, mod) {
          const std::vector<at::Tensor>& steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
          const std::optional<at::Tensor>& lr_tensor, const std::optional<std::vector<at::Tensor>>& exp_avg_scales,
          const std::optional<std::vector<at::Tensor>>& exp_avg_sq_scales, const std::string& master_codec,
-         const std::string& moment_codec, const std::vector<int64_t>& stream_ids,
+         const pybind11::object& moment_codec, const std::vector<int64_t>& stream_ids,
          const std::vector<int64_t>& elem_offsets) {
         const std::vector<at::Tensor> none;
         const char* op = "mpkern::adamw_step_";
-        const int64_t mode = mpkern::master_mode_of(op, master_codec);
-        mpkern::moment_mode_of(op, moment_codec, exp_avgs);
+        const mpkern::MasterCodec& master = mpkern::master_codec_of(op, master_codec);
+        std::string name;
+        mpkern::MomentCodec moments;
+        if (pybind11::isinstance<pybind11::str>(moment_codec)) {
+          name = moment_codec.cast<std::string>();
+          moments = mpkern::moment_codec_of(op, name);
+        } else {
+          auto row = moment_codec.cast<std::tuple<std::string, std::string, std::string, int32_t, int32_t>>();
+          name = std::get<0>(row);
+          moments = mpkern::MomentCodec{name.c_str(), -1, mpkern::codec_dtype_of(op, std::get<1>(row)),
+                                        mpkern::codec_dtype_of(op, std::get<2>(row)), std::get<3>(row),
+                                        std::get<4>(row)};
+        }
         mpkern::check_adamw_args(op, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps,
-                                 grad_factor, found_inf, lr_tensor, mode, stream_ids, elem_offsets,
+                                 grad_factor, found_inf, lr_tensor, master, moments, stream_ids, elem_offsets,
                                  exp_avg_scales.value_or(none), exp_avg_sq_scales.value_or(none));
       },
       pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("exp_avgs"), pybind11::arg("exp_avg_sqs"),
@@ -198,6 +206,27 @@ PYBIND11_MODULE(_C, mod) {
       pybind11::kw_only(), pybind11::arg("master_codec"), pybind11::arg("moment_codec"),
       pybind11::arg("stream_ids") = std::vector<int64_t>{}, pybind11::arg("elem_offsets") = std::vector<int64_t>{},
       "Raise like mpkern::adamw_step_ does on bad arguments (the tensor arguments, the codecs, the streams)");
+  // The table this extension was compiled with (mpkern/codecs.def), for mpkern.codecs to compare
+  // with the file it reads: {"master": [(name, mode, state dtype)], "moment": [(name, mode, exp_avg
+  // dtype, exp_avg_sq dtype, group, codes per byte)], "schemas": {op: schema}}.
+  mod.def(
+      "codec_table",
+      []() {
+        pybind11::list master, moment;
+        pybind11::dict schemas;
+        for (const mpkern::MasterCodec& c : mpkern::kMasterCodecs)
+          master.append(pybind11::make_tuple(c.name, c.mode, mpkern::codec_dtype_name(c.state)));
+        for (const mpkern::MomentCodec& c : mpkern::kMomentCodecs)
+          moment.append(pybind11::make_tuple(c.name, c.mode, mpkern::codec_dtype_name(c.exp_avg),
+                                             mpkern::codec_dtype_name(c.exp_avg_sq), c.group, c.per_byte));
+        for (const mpkern::OpSchema& s : mpkern::kOpSchemas) schemas[s.op] = s.schema;
+        pybind11::dict out;
+        out["master"] = master;
+        out["moment"] = moment;
+        out["schemas"] = schemas;
+        return out;
+      },
+      "The codec table and op schemas this extension was compiled with (mpkern/codecs.def)");
   mpkern::register_fastpath(mod);  // FusedAdamWMP.step's cached fast path (csrc/fastpath.cpp)
 #if defined(MPKERN_WITH_CUDA) && MPKERN_WITH_CUDA
   mod.def("cuda_table_cache_stats", &mpkern::cuda::table_cache_stats,

@@ -19,27 +19,12 @@ from typing import Any
 
 import torch
 
-from . import _backend, reference
+from . import _backend, codecs, reference
 from .triton_kernels.tables import StreamUse
 
 Tensor = torch.Tensor
 
-_ADAMW_SCHEMA = (
-    "adamw_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-    "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] masters, Tensor(f!)[] steps, Tensor grad_factor, "
-    "Tensor found_inf, Tensor? lr_tensor, Tensor(g!)[]? exp_avg_scales=None, Tensor(h!)[]? exp_avg_sq_scales=None, "
-    "*, float lr, float beta1, float beta2, float eps, float weight_decay, bool maximize, str master_codec, "
-    "str moment_codec, bool stochastic_rounding, int seed, int[] stream_ids=[], int[] elem_offsets=[]) -> ()")
-#: ``master_codec`` of ``adamw_step_`` -> the reference and Triton kernels' master mode
-MASTER_MODES = {"none": reference.MASTER_NONE, "fp32": reference.MASTER_F32, "remainder": reference.MASTER_REMAINDER,
-                "8bit": reference.MASTER_8BIT}
-#: ``moment_codec`` of ``adamw_step_`` -> the dtype of its ``exp_avgs``
-MOMENT_CODECS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "8bit": torch.int8, "4bit_m": torch.uint8}
-_SCHEMAS = {
-    "grad_stats": "grad_stats(Tensor[] grads, Tensor inv_scale) -> (Tensor sumsq, Tensor amax)",
-    "scale_": "scale_(Tensor(a!)[] tensors, Tensor scale) -> ()",
-    "adamw_step_": _ADAMW_SCHEMA,
-}
+_ADAMW_SCHEMA = codecs.SCHEMAS["adamw_step_"]  # the one declaration: mpkern/codecs.def
 
 _libs: list[torch.library.Library] = []  # keep registrations alive
 
@@ -49,17 +34,17 @@ def _reference_adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
                            weight_decay, maximize, master_codec, moment_codec, stochastic_rounding, seed,
                            stream_ids=(), elem_offsets=()) -> None:
     """``mpkern::adamw_step_``'s schema on :func:`mpkern.reference.adamw_step_` (which takes the
-    master codec as a mode and reads the moment codec from the moment dtypes)."""
+    master codec as its mode)."""
     reference.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor,
                           found_inf, lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize,
-                          MASTER_MODES[master_codec], stochastic_rounding, seed, stream_ids, elem_offsets,
-                          exp_avg_scales, exp_avg_sq_scales)
+                          codecs.master_codec(master_codec).mode, stochastic_rounding, seed, stream_ids, elem_offsets,
+                          exp_avg_scales, exp_avg_sq_scales, moment_codec=codecs.moment_codec(moment_codec))
 
 
 def _define_fallback_schemas() -> None:
     """Without the native extension, define the mpkern schemas here with reference kernels."""
     lib = torch.library.Library("mpkern", "DEF")
-    for schema in _SCHEMAS.values():
+    for schema in codecs.SCHEMAS.values():
         lib.define(schema)
     for key in ("CPU", "CUDA"):
         lib.impl("grad_stats", lambda grads, inv_scale: reference.grad_stats(grads, inv_scale), key)
@@ -70,6 +55,8 @@ def _define_fallback_schemas() -> None:
 
 if _backend.native() is None:
     _define_fallback_schemas()
+else:
+    codecs.check_native(_backend.native().codec_table())  # a stale extension is refused, not run
 
 
 def _fake_grad_stats(grads: Sequence[Tensor], inv_scale: Tensor) -> tuple[Tensor, Tensor]:
@@ -91,33 +78,34 @@ def _fake_adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, mas
     # the checks that need no data, so a traced call fails like an eager one (the eager kernels
     # run the full check_adamw_args)
     op = "mpkern::adamw_step_"
-    torch._check(master_codec in MASTER_MODES, lambda: f"{op}: master_codec must be 'none', 'fp32', 'remainder' or "
-                                                      f"'8bit', got {master_codec!r}")
-    torch._check(moment_codec in MOMENT_CODECS, lambda: f"{op}: moment_codec must be 'float32', 'bfloat16', '8bit' or "
-                                                        f"'4bit_m', got {moment_codec!r}")
-    code = MOMENT_CODECS[moment_codec]
+    mc, mo = codecs.master_codec(master_codec), codecs.moment_codec(moment_codec)  # ValueError naming the codecs
     for i, m in enumerate(exp_avgs):
-        torch._check(m.dtype == code, lambda i=i, m=m: f"{op}: moment_codec {moment_codec!r} needs {code} exp_avgs; "
-                                                       f"exp_avgs[{i}] is {m.dtype}")
+        torch._check(m.dtype == mo.exp_avg_dtype, lambda i=i, m=m: (
+            f"{op}: moment_codec {moment_codec!r} needs {mo.exp_avg_dtype} exp_avgs; exp_avgs[{i}] is {m.dtype}"))
+        torch._check(exp_avg_sqs[i].dtype == mo.exp_avg_sq_dtype, lambda i=i: (
+            f"{op}: moment_codec {moment_codec!r} needs {mo.exp_avg_sq_dtype} exp_avg_sqs; exp_avg_sqs[{i}] is "
+            f"{exp_avg_sqs[i].dtype}"))
     sm, sv = exp_avg_scales, exp_avg_sq_scales
-    if moment_codec in ("8bit", "4bit_m"):
-        torch._check(not max_exp_avg_sqs, lambda: f"{op}: amsgrad is not supported with 8-bit moments")
+    if mo.grouped:
+        torch._check(not max_exp_avg_sqs, lambda: f"{op}: amsgrad is not supported with moment_codec {moment_codec!r}")
         torch._check(sm is not None and sv is not None and len(sm) == len(params) and len(sv) == len(params),
-                     lambda: f"{op}: 8-bit moments need exp_avg_scales and exp_avg_sq_scales, one per param")
+                     lambda: f"{op}: moment_codec {moment_codec!r} needs exp_avg_scales and exp_avg_sq_scales, one "
+                             f"per param")
         for i in range(len(params)):
-            torch._check(exp_avg_sqs[i].dtype == torch.uint8, lambda: (
-                f"{op}: 8-bit moments are int8 exp_avgs (4-bit: uint8) and uint8 exp_avg_sqs"))
             torch._check(sm[i].dtype == torch.bfloat16 and sv[i].dtype == torch.bfloat16,
-                         lambda: f"{op}: 8-bit moment scales must be bfloat16")
+                         lambda: f"{op}: the moment scales must be bfloat16")
     else:
         torch._check(not sm and not sv, lambda: (
-            f"{op}: exp_avg_scales and exp_avg_sq_scales must be empty unless the moments are 8-bit"))
+            f"{op}: exp_avg_scales and exp_avg_sq_scales must be empty with moment_codec {moment_codec!r}"))
+    if mc.state_dtype is not None:
+        for i, t in enumerate(masters):
+            torch._check(t.dtype == mc.state_dtype, lambda i=i, t=t: (
+                f"{op}: master_codec {master_codec!r} needs {mc.state_dtype} masters; masters[{i}] is {t.dtype}"))
     if master_codec == "8bit":
         for i, p in enumerate(params):
             torch._check(p.dtype in (torch.bfloat16, torch.float16), lambda i=i, p=p: (
                 f"{op}: master_codec '8bit' (8-bit master corrections) needs bfloat16 or float16 params; "
                 f"params[{i}] is {p.dtype}"))
-            torch._check(masters[i].dtype == torch.int8, lambda: f"{op}: 8-bit master corrections must be int8")
 
 
 torch.library.register_fake("mpkern::grad_stats")(_fake_grad_stats)
@@ -152,14 +140,17 @@ def check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, mast
                      lr_tensor, exp_avg_scales=None, exp_avg_sq_scales=None, *, master_codec, moment_codec,
                      stream_ids=(), elem_offsets=(), **_scalars: Any) -> None:
     """Raise exactly like the C++ ``mpkern::adamw_step_`` kernels do; the arguments are the op's
-    (the scalars, which the kernels do not check, are accepted and ignored)."""
+    (the scalars, which the kernels do not check, are accepted and ignored). A codec registered from
+    Python is checked against its row, the native ones by name."""
+    codecs.master_codec(master_codec)
+    mo = codecs.moment_codec(moment_codec)
     ext = _native_checks()
     if ext is not None:
         ext.check_adamw_args(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
                              list(masters), list(steps), grad_factor, found_inf, lr_tensor,
                              None if exp_avg_scales is None else list(exp_avg_scales),
                              None if exp_avg_sq_scales is None else list(exp_avg_sq_scales),
-                             master_codec=master_codec, moment_codec=moment_codec,
+                             master_codec=master_codec, moment_codec=moment_codec if mo.native else mo.row(),
                              stream_ids=[int(x) for x in stream_ids], elem_offsets=[int(x) for x in elem_offsets])
 
 
@@ -299,8 +290,9 @@ def _triton_adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, m
                      lr_tensor, exp_avg_scales, exp_avg_sq_scales, master_codec=master_codec,
                      moment_codec=moment_codec, stream_ids=stream_ids, elem_offsets=elem_offsets)
     adamw.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
-                      lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, MASTER_MODES[master_codec],
-                      stochastic_rounding, seed, stream_ids, elem_offsets, exp_avg_scales, exp_avg_sq_scales)
+                      lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, codecs.master_codec(master_codec).mode,
+                      stochastic_rounding, seed, stream_ids, elem_offsets, exp_avg_scales, exp_avg_sq_scales,
+                      moment_mode=codecs.moment_codec(moment_codec).mode)
 
 
 for _key in ("CPU", "CUDA"):

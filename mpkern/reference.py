@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from . import codecs
+from .codecs import MomentCodec
 from .reference_codecs import (
     RAND_EXP_AVG,
     RAND_EXP_AVG_SQ,
@@ -18,10 +20,6 @@ from .reference_codecs import (
     bf16_sr,
     master8_decode,
     master8_encode,
-    moment4_decode,
-    moment4_encode,
-    moment8_decode,
-    moment8_encode,
     rand_field16,
     rand_word,
     sqrt32,
@@ -142,39 +140,30 @@ def scale_(tensors: Sequence[Tensor], scale: Tensor) -> None:
             t.copy_(t.to(torch.float32) * s)
 
 
-MASTER_NONE, MASTER_F32, MASTER_REMAINDER, MASTER_8BIT = 0, 1, 2, 3
-
-def _moments_in(p: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *scales: Tensor) -> tuple[Tensor, Tensor]:
-    """fp32 ``exp_avg``, ``exp_avg_sq`` of ``p``'s shape from the stored moments: fp32 / bf16, or codes
-    with their two scale tensors (int8 exp_avg: 8-bit; uint8: the 4-bit exp_avg, two codes per byte)."""
-    if not scales:
-        return exp_avg.float(), exp_avg_sq.float()
-    if exp_avg.dtype == torch.uint8:
-        m = moment4_decode(exp_avg, scales[0], p.numel())
-    else:
-        m = moment8_decode(exp_avg, scales[0])
-    return m.reshape(p.shape), moment8_decode(exp_avg_sq, scales[1]).reshape(p.shape)
+#: the master modes (mpkern/codecs.def)
+MASTER_NONE, MASTER_F32, MASTER_REMAINDER, MASTER_8BIT = (codecs.MASTER_CODECS[n].mode
+                                                          for n in ("none", "fp32", "remainder", "8bit"))
 
 
-def _moments_out(m: Tensor, v: Tensor, word: Tensor, ok: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
-                 *scales: Tensor) -> None:
-    """Store the updated fp32 moments where ``ok``: codes (and their scales) or bf16, rounded
-    stochastically from the elements' random words (fields B and C), fp32 as they are."""
-    if exp_avg.dtype == torch.float32:
-        r_m = r_v = None
-    else:
-        r_m, r_v = rand_field16(word, RAND_EXP_AVG), rand_field16(word, RAND_EXP_AVG_SQ)
-    if scales:
-        m_new, sm = moment4_encode(m, r_m) if exp_avg.dtype == torch.uint8 else moment8_encode(m, "exp_avg", r_m)
-        v_new, sv = moment8_encode(v, "exp_avg_sq", r_v)
-        for dst, src in zip(scales, (sm, sv)):
+def _moments_in(codec: MomentCodec, p: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, m_scale: Tensor | None,
+                v_scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    """fp32 ``exp_avg``, ``exp_avg_sq`` of ``p``'s shape from the moments stored as ``codec`` says."""
+    n = p.numel()
+    return (codec.decode_exp_avg(exp_avg, m_scale, n).reshape(p.shape),
+            codec.decode_exp_avg_sq(exp_avg_sq, v_scale, n).reshape(p.shape))
+
+
+def _moments_out(codec: MomentCodec, m: Tensor, v: Tensor, word: Tensor, ok: Tensor, exp_avg: Tensor,
+                 exp_avg_sq: Tensor, m_scale: Tensor | None, v_scale: Tensor | None) -> None:
+    """Store the updated fp32 moments where ``ok``, encoded as ``codec`` says from the elements'
+    random words (fields B and C: stochastic rounding of codes and bf16 moments)."""
+    m_new, sm = codec.encode_exp_avg(m, rand_field16(word, RAND_EXP_AVG))
+    v_new, sv = codec.encode_exp_avg_sq(v, rand_field16(word, RAND_EXP_AVG_SQ))
+    for dst, src in ((m_scale, sm), (v_scale, sv)):
+        if dst is not None and src is not None:
             dst.copy_(torch.where(ok, src.reshape(dst.shape), dst))
-    elif exp_avg.dtype == torch.bfloat16:  # stochastic rounding: unbiased small changes
-        m_new, v_new = bf16_sr(m, r_m), bf16_sr(v, r_v)
-    else:
-        m_new, v_new = m, v
-    exp_avg.copy_(torch.where(ok, m_new, exp_avg))
-    exp_avg_sq.copy_(torch.where(ok, v_new, exp_avg_sq))
+    exp_avg.copy_(torch.where(ok, m_new.reshape(exp_avg.shape), exp_avg))
+    exp_avg_sq.copy_(torch.where(ok, v_new.reshape(exp_avg_sq.shape), exp_avg_sq))
 
 
 def pow_int(b: float, n: Tensor) -> Tensor:
@@ -196,7 +185,8 @@ def adamw_step_(
     found_inf: Tensor, lr_tensor: Tensor | None, lr: float, beta1: float, beta2: float, eps: float,
     weight_decay: float, maximize: bool, master_mode: int, stochastic_rounding: bool, seed: int,
     stream_ids: Sequence[int] = (), elem_offsets: Sequence[int] = (),
-    exp_avg_scales: Sequence[Tensor] | None = None, exp_avg_sq_scales: Sequence[Tensor] | None = None,
+    exp_avg_scales: Sequence[Tensor] | None = None, exp_avg_sq_scales: Sequence[Tensor] | None = None, *,
+    moment_codec: str | MomentCodec,
 ) -> None:
     """Pure-PyTorch version of the fused AdamW step (same contract as the C++/CUDA kernels).
 
@@ -206,9 +196,10 @@ def adamw_step_(
     stream (one :func:`rand_word` per element, split into fields by :func:`rand_field16`), computed with
     integer tensor ops: element i of tensor t draws the bits of element ``elem_offsets[t] + i`` of stream
     ``stream_ids[t]`` (defaults: t and 0).
-    8-bit moments (int8 exp_avgs, uint8 exp_avg_sqs, bf16 scales per 32 elements) are decoded with
-    :func:`moment8_decode` and re-encoded as :func:`moment8_encode` with the kernels' random bits.
+    The moments are kept as ``moment_codec`` (a name or a row of :data:`mpkern.codecs.MOMENT_CODECS`)
+    says: decoded and re-encoded by its torch-backend codec with the kernels' random bits.
     """
+    codec = moment_codec if isinstance(moment_codec, MomentCodec) else codecs.moment_codec(moment_codec)
     ok = found_inf.reshape(()) == 0
     factor = grad_factor.reshape(()).to(torch.float32)
     if maximize:
@@ -241,9 +232,10 @@ def adamw_step_(
             w = master8_decode(p, masters[i])
         else:
             w = p.float()
-        grouped = (exp_avgs[i], exp_avg_sqs[i]) + ((exp_avg_scales[i], exp_avg_sq_scales[i])
-                                                    if exp_avgs[i].dtype in (torch.int8, torch.uint8) else ())
-        m, v = _moments_in(p, *grouped)
+        scales = ((exp_avg_scales[i], exp_avg_sq_scales[i]) if codec.grouped and exp_avg_scales is not None
+                  and exp_avg_sq_scales is not None else (None, None))
+        stored = (exp_avgs[i], exp_avg_sqs[i], *scales)
+        m, v = _moments_in(codec, p, *stored)
         w = w * decay
         m = m + (1 - beta1) * (g - m)
         v = v * beta2 + (1 - beta2) * g * g
@@ -253,7 +245,7 @@ def adamw_step_(
             max_exp_avg_sqs[i].copy_(torch.where(ok, vv, max_exp_avg_sqs[i]))
         denom = sqrt32(vv) * inv_bc2 + eps
         w = w - step_size * m / denom
-        _moments_out(m, v, word, ok, *grouped)
+        _moments_out(codec, m, v, word, ok, *stored)
         if master_mode == MASTER_F32:
             masters[i].copy_(torch.where(ok, w, masters[i]))
             new_p = w.to(p.dtype)

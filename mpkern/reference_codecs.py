@@ -297,3 +297,45 @@ def moment4_encode(values: Tensor, r16: Tensor | int | None = None) -> tuple[Ten
         c = torch.cat([c, c.new_zeros(1)])
     pairs = c.reshape(-1, 2)
     return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8), _bits_to_bf16(b)
+
+
+# ---- each moment codec of mpkern/codecs.def as the torch backend runs it ---------------------------
+# (decode exp_avg, decode exp_avg_sq, encode exp_avg, encode exp_avg_sq) by codec name; mpkern.codecs
+# attaches them to the table's rows. Decoders: (codes, scales or None, numel) -> 1-D fp32 of numel;
+# encoders: (fp32 values, int64 random 16 bits of their shape) -> (codes as stored, 1-D bf16 scales or None).
+def _dense_decode(codes: Tensor, scales: Tensor | None, numel: int) -> Tensor:
+    return codes.reshape(-1).float()
+
+
+def _f32_encode(x: Tensor, r16: Tensor) -> tuple[Tensor, None]:
+    return x, None
+
+
+def _bf16_encode(x: Tensor, r16: Tensor) -> tuple[Tensor, None]:
+    return bf16_sr(x, r16), None  # stochastic rounding: unbiased small changes
+
+
+def _m8_decode(codes: Tensor, scales: Tensor | None, numel: int) -> Tensor:
+    assert scales is not None
+    return moment8_decode(codes, scales).reshape(-1)
+
+
+def _m4_decode(codes: Tensor, scales: Tensor | None, numel: int) -> Tensor:
+    assert scales is not None
+    return moment4_decode(codes, scales, numel)
+
+
+def _m8_encode(x: Tensor, r16: Tensor) -> tuple[Tensor, Tensor]:
+    return moment8_encode(x, "exp_avg", r16)
+
+
+def _v8_encode(x: Tensor, r16: Tensor) -> tuple[Tensor, Tensor]:
+    return moment8_encode(x, "exp_avg_sq", r16)
+
+
+REFERENCE_MOMENT_CODECS = {
+    "float32": (_dense_decode, _dense_decode, _f32_encode, _f32_encode),
+    "bfloat16": (_dense_decode, _dense_decode, _bf16_encode, _bf16_encode),
+    "8bit": (_m8_decode, _m8_decode, _m8_encode, _v8_encode),
+    "4bit_m": (_m4_decode, _m8_decode, moment4_encode, _v8_encode),
+}

@@ -23,7 +23,7 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("MPKERN_CACHE_DIR", tempfile.mkdtemp(prefix="mpkern-test-cache-"))
 
-from mpkern import _backend, _ops  # noqa: E402 -- imported after TRITON_INTERPRET is set above
+from mpkern import _backend, codecs  # noqa: E402 -- imported after TRITON_INTERPRET is set above
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
@@ -70,8 +70,17 @@ def triton_cuda_compiler_missing() -> str | None:
     return None
 
 
-_MASTER_CODECS = {mode: name for name, mode in _ops.MASTER_MODES.items()}
-_MOMENT_CODECS = {dtype: name for name, dtype in _ops.MOMENT_CODECS.items()}
+_MASTER_CODECS = {c.mode: name for name, c in codecs.MASTER_CODECS.items()}
+# the built-in moment codec of each exp_avg dtype (the first row of mpkern/codecs.def that stores it)
+_MOMENT_CODECS: dict = {}
+for _name, _codec in codecs.MOMENT_CODECS.items():
+    _MOMENT_CODECS.setdefault(_codec.exp_avg_dtype, _name)
+
+
+def moment_codec_for(exp_avgs) -> str:
+    """The built-in moment codec whose exp_avg dtype ``exp_avgs`` have (``"float32"`` for none): what the
+    kernel tests, which build their moment tensors by dtype, pass as ``moment_codec``."""
+    return _MOMENT_CODECS.get(exp_avgs[0].dtype, "float32") if len(exp_avgs) else "float32"
 
 
 def adamw_op_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
@@ -80,7 +89,7 @@ def adamw_op_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters
     """The kernel tests' arguments, in the order of ``mpkern.reference.adamw_step_`` (master mode as
     its number, moment codec from the moment dtype), as the ``mpkern::adamw_step_`` op takes them:
     ``(positional, keywords)``."""
-    codec = _MOMENT_CODECS.get(exp_avgs[0].dtype, "float32") if len(exp_avgs) else "float32"
+    codec = moment_codec_for(exp_avgs)
     return ((params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf, lr_tensor,
              exp_avg_scales, exp_avg_sq_scales),
             dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import _ladder64
-from conftest import DEVICE, available_backends, call_adamw_op
+from conftest import DEVICE, available_backends, call_adamw_op, moment_codec_for
 from mpkern import _ops, reference, reference_codecs
 from test_kernels_compact import (
     BF16,
@@ -126,7 +126,8 @@ def test_m4_reference_matches_kernels(mode, pdt, sr):
     state0, streams, offsets = _case4(mode, pdt, seed=60 + mode, sizes=(1, 31, 33, 1000, 300))
     k = _run4(bs[0], _clone(state0), mode, sr, streams, offsets)
     r = _clone(state0)
-    reference.adamw_step_(*_args4(r, mode, sr, streams, offsets))
+    a = _args4(r, mode, sr, streams, offsets)
+    reference.adamw_step_(*a, moment_codec=moment_codec_for(a[2]))
     reference_close(k, r, mode, lambda c, p: _codes64(c, p.numel()).int())
 
 

@@ -39,8 +39,11 @@ _CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # random stream id, global index of the tensor's element 0 in that stream, exp_avg scales,
 # exp_avg_sq scales (8-bit moments; else 0)
 _ROW = 14
-MOM8 = 8  # moment code of the 8-bit moments (math.h kMom8)
-MOM4 = 9  # ... of the 4-bit exp_avg + 8-bit exp_avg_sq (math.h kMom4)
+# The moment modes this kernel implements beyond the dense ones (0 fp32, 2 bf16: their dtype codes):
+# the rows kMom8 / kMom4 of mpkern/codecs.def (the mode arrives with the call, from that table;
+# tests/test_codecs.py checks these numbers against it -- this package may not import mpkern)
+MOM8 = 8  # the 8-bit ladder codes
+MOM4 = 9  # the 4-bit exp_avg + 8-bit exp_avg_sq
 GROUP = 32
 # math.h Ladder: mantissa bits of the 8-bit (4) and 4-bit (1) ladders; floor(log2 u_max) and u_max's 23
 # mantissa bits of the 8-bit exp_avg (u_max 247), 8-bit exp_avg_sq (63487) and 4-bit exp_avg (11)
@@ -419,7 +422,7 @@ def _addr(t: torch.Tensor | None) -> int:
 
 
 def _build_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, stream_ids, elem_offsets, device,
-                exp_avg_scales=(), exp_avg_sq_scales=()):
+                moment_mode, exp_avg_scales=(), exp_avg_sq_scales=()):
     """(device table, launches) for one layout; launches: (pdt, gdt, sdt, aligned, grad aligned, first
     row, rows). The aligned body starts where the param and its state are 16-byte aligned; the grad,
     read only, may sit at another alignment (its rows say so). 8-bit moments (sdt MOM8): rows start
@@ -436,10 +439,8 @@ def _build_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, 
         sizes = [4 if b is None else b.element_size() for b in bufs]
         head = common_head([(a, es) for k, (a, es) in enumerate(zip(addrs, sizes)) if k != 1], VEC)
         grad_al = head >= 0 and (addrs[1] + head * sizes[1]) % 16 == 0
-        mom4 = exp_avgs[i].dtype == torch.uint8  # 4-bit exp_avg, two codes per byte
-        mom8 = exp_avgs[i].dtype == torch.int8 or mom4
-        key = (_CODES[p.dtype], _CODES[grads[i].dtype],
-               MOM4 if mom4 else (MOM8 if mom8 else _CODES[exp_avgs[i].dtype]))
+        mom8 = moment_mode in (MOM8, MOM4)  # grouped codes (MOM4: the 4-bit exp_avg, two codes per byte)
+        key = (_CODES[p.dtype], _CODES[grads[i].dtype], moment_mode)
         scales = [_addr(exp_avg_scales[i]), _addr(exp_avg_sq_scales[i])] if mom8 else [0, 0]
         if mom8:
             body = n // GROUP * GROUP if head == 0 else 0
@@ -464,8 +465,13 @@ def _build_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, 
 
 def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
                 lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, master_mode, stochastic_rounding,
-                seed, stream_ids=(), elem_offsets=(), exp_avg_scales=None, exp_avg_sq_scales=None) -> None:
-    """Triton version of ``mpkern::adamw_step_`` (same contract)."""
+                seed, stream_ids=(), elem_offsets=(), exp_avg_scales=None, exp_avg_sq_scales=None, *,
+                moment_mode: int) -> None:
+    """Triton version of ``mpkern::adamw_step_`` (same contract), the codecs as their modes (the
+    ``mode`` of their rows in ``mpkern/codecs.def``): ``master_mode``, and ``moment_mode`` -- 0
+    (float32), 2 (bfloat16), :data:`MOM8` or :data:`MOM4`."""
+    if moment_mode not in (0, 2, MOM8, MOM4):
+        raise ValueError(f"triton adamw_step_: moment_mode must be 0, 2, {MOM8} or {MOM4}, got {moment_mode!r}")
     n = len(params)
     if n == 0:
         return
@@ -474,21 +480,21 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, 
         _adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
                     lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, master_mode, stochastic_rounding, seed,
                     tuple(int(x) for x in stream_ids), tuple(int(x) for x in elem_offsets),
-                    list(exp_avg_scales or ()), list(exp_avg_sq_scales or ()))
+                    list(exp_avg_scales or ()), list(exp_avg_sq_scales or ()), int(moment_mode))
 
 
 def _adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
                 lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, master_mode, stochastic_rounding,
-                seed, stream_ids, elem_offsets, exp_avg_scales, exp_avg_sq_scales) -> None:
+                seed, stream_ids, elem_offsets, exp_avg_scales, exp_avg_sq_scales, moment_mode) -> None:
     n = len(params)
     device = params[0].device
-    key = ("adamw", device, layout(params), layout(grads), layout(exp_avgs), layout(exp_avg_sqs),
+    key = ("adamw", device, moment_mode, layout(params), layout(grads), layout(exp_avgs), layout(exp_avg_sqs),
            layout(max_exp_avg_sqs), layout(masters), stream_ids, elem_offsets, layout(exp_avg_scales),
            layout(exp_avg_sq_scales))
     table, launches = TABLES.get(key, device, lambda: _build_plan(params, grads, exp_avgs, exp_avg_sqs,
                                                                   max_exp_avg_sqs, masters, stream_ids,
-                                                                  elem_offsets, device, exp_avg_scales,
-                                                                  exp_avg_sq_scales))
+                                                                  elem_offsets, device, moment_mode,
+                                                                  exp_avg_scales, exp_avg_sq_scales))
     ok = (found_inf.reshape(()) == 0).to(torch.float32)
     step_new = torch.stack([s.reshape(()) for s in steps]).double() + 1.0
     # lr: the tensor (read on the device) or the Python float, a kernel argument in double

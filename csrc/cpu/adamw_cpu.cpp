@@ -35,6 +35,7 @@ using adamw_impl::Flags;
 using adamw_impl::TensorPtrs;
 using adamw_impl::adamw_scalar;
 using adamw_impl::adamw_scalar_mom8;
+using adamw_impl::cpu_has_moment_mode;
 #if MPK_X86
 using adamw_impl::pick_avx2;
 using adamw_impl::pick_avx512;
@@ -52,7 +53,10 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
                      const std::optional<at::TensorList>& exp_avg_sq_scales_opt) {
   const at::TensorList exp_avg_scales = list_or_empty(exp_avg_scales_opt);
   const at::TensorList exp_avg_sq_scales = list_or_empty(exp_avg_sq_scales_opt);
-  // arguments checked by the registered op (csrc/ops.cpp, adamw_step_op)
+  // arguments checked by the registered op (csrc/ops.cpp, adamw_step_op); a moment mode of the table
+  // without a CPU variant is refused before anything is written
+  TORCH_CHECK_NOT_IMPLEMENTED(cpu_has_moment_mode(static_cast<int32_t>(moment_mode)),
+                              "mpkern::adamw_step_: the CPU kernel has no variant for moment mode ", moment_mode);
   // CPU tensors: plain memory reads (no dispatcher round trips, no device sync)
   if (*found_inf.data_ptr<float>() != 0.0f) return;
   if (lr_tensor.has_value()) lr = *lr_tensor->data_ptr<float>();
@@ -75,7 +79,7 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
     x.pdt = dtype_code(params[t].scalar_type());
     x.gdt = dtype_code(grads[t].scalar_type());
     x.sdt = static_cast<int32_t>(moment_mode);
-    const bool grouped = x.sdt == kMom8 || x.sdt == kMom4;
+    const bool grouped = moment_grouped(x.sdt);
     x.sm = grouped ? static_cast<uint16_t*>(exp_avg_scales[t].data_ptr()) : nullptr;
     x.sv = grouped ? static_cast<uint16_t*>(exp_avg_sq_scales[t].data_ptr()) : nullptr;
     const double step = static_cast<double>(*steps[t].data_ptr<float>()) + 1.0;
@@ -104,11 +108,12 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
       const WorkItem& w = items[k];
       const TensorPtrs& x = tp[w.tensor];
 #if MPK_X86
-      if (avx) {
+      // the vector path of the tensor's dtypes and moment mode (none: the scalar path runs it)
+      const AvxFn fn = !avx ? nullptr : avx512 ? pick_avx512(x.pdt, x.gdt, x.sdt) : pick_avx2(x.pdt, x.gdt, x.sdt);
+      if (fn != nullptr) {
         // one random key per call: split the range where the global element index crosses a
         // multiple of 2^32 (a chunk crosses at most one)
-        const AvxFn fn = avx512 ? pick_avx512(x.pdt, x.gdt, x.sdt) : pick_avx2(x.pdt, x.gdt, x.sdt);
-        if (x.sdt == kMom8 || x.sdt == kMom4) {  // group-aligned: the kernel handles a crossing of 2^32 itself
+        if (moment_grouped(x.sdt)) {  // group-aligned: the kernel handles a crossing of 2^32 itself
           fn(x, w.begin, w.end, f);
           continue;
         }
@@ -121,7 +126,7 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
         continue;
       }
 #endif
-      if (x.sdt == kMom8 || x.sdt == kMom4) {
+      if (moment_grouped(x.sdt)) {
         adamw_scalar_mom8(x, w.begin, w.end, f);
       } else {
         adamw_scalar(x, w.begin, w.end, f);

@@ -388,7 +388,9 @@ template <int PDT, int GDT>
 AvxFn pick512_s(int32_t sdt) {
   if (sdt == kMom8) return &adamw_avx512_mom8<PDT, GDT, false>;
   if (sdt == kMom4) return &adamw_avx512_mom8<PDT, GDT, true>;
-  return sdt == kF32 ? &adamw_avx512<PDT, GDT, kF32> : &adamw_avx512<PDT, GDT, kBF16>;
+  if (sdt == kF32) return &adamw_avx512<PDT, GDT, kF32>;
+  if (sdt == kBF16) return &adamw_avx512<PDT, GDT, kBF16>;
+  return nullptr;  // a mode without a vector version: the scalar path runs it
 }
 template <int PDT>
 AvxFn pick512_g(int32_t gdt, int32_t sdt) {

@@ -50,7 +50,9 @@ inline bool needs_word(const TensorPtrs& t, const Flags& f) { return needs_word0
 
 using AvxFn = void (*)(const TensorPtrs&, int64_t, int64_t, const Flags&);
 
-// the scalar path (adamw_cpu_scalar.cpp): every mode; the vector paths' tails and partial groups
+// the scalar path (adamw_cpu_scalar.cpp): every mode; the vector paths' tails and partial groups.
+// cpu_has_moment_mode: the moment modes it implements (the CPU op refuses any other).
+bool cpu_has_moment_mode(int32_t sdt);
 void adamw_scalar(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f);
 void adamw_scalar_mom8(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f);
 

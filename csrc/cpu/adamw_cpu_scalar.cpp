@@ -48,6 +48,8 @@ inline void store_w(const TensorPtrs& t, const Flags& f, int64_t i, float p, uin
 
 }  // namespace
 
+bool cpu_has_moment_mode(int32_t sdt) { return sdt == kMomF32 || sdt == kMomBF16 || sdt == kMom8 || sdt == kMom4; }
+
 void adamw_scalar(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f) {
   const bool w0 = needs_word0(t, f), w1 = t.sdt == kBF16, w = needs_word(t, f);
   const RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));

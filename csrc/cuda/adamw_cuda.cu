@@ -402,7 +402,7 @@ __device__ __forceinline__ void adam_vec(const AdamMeta& t, int64_t i, const Ada
 // per lane) take 100-112 registers spill-free and spill at 80: 2 blocks (512 threads, each with
 // ~60 bytes of loads in flight: ~30 KB per SM).
 constexpr int adam_min_blocks(int sdt, int mode) {
-  return sdt == kMom8 || sdt == kMom4 ? 2 : (sdt == kF32 && mode == kMasterNone ? 3 : 0);
+  return moment_grouped(sdt) ? 2 : (sdt == kF32 && mode == kMasterNone ? 3 : 0);
 }
 
 template <int PDT, int GDT, int SDT, int MODE>
@@ -421,10 +421,10 @@ __global__ void __launch_bounds__(kAdamBlock, adam_min_blocks(SDT, MODE))
     const int64_t end = min(t.numel, begin + kChunk);
     // random keys for this chunk's elements (math.h, rng_keys): a few multiplies per thread and chunk
     RngKeys keys{};
-    if (SDT == kBF16 || SDT == kMom8 || SDT == kMom4 || needs_word0<PDT, SDT, MODE>(s.sr))
+    if (SDT == kBF16 || moment_grouped(SDT) || needs_word0<PDT, SDT, MODE>(s.sr))
       keys = rng_keys(s.seed, t.stream, consts[ti].step,
                       static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(begin));
-    if constexpr (SDT == kMom8 || SDT == kMom4) {
+    if constexpr (moment_grouped(SDT)) {
       adam_mom_chunk<PDT, GDT, SDT, MODE>(t, begin, end, cs, factor, s.sr, keys);
       continue;
     }
@@ -527,6 +527,10 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
   if (params.empty()) return;
   const c10::Device dev = params[0].device();
   const c10::cuda::CUDAGuard guard(dev);
+  // the moment modes this kernel has variants for (pick_s): anything else is refused before any launch
+  TORCH_CHECK_NOT_IMPLEMENTED(moment_mode == kMomF32 || moment_mode == kMomBF16 || moment_mode == kMom8 ||
+                                  moment_mode == kMom4,
+                              "mpkern::adamw_step_: the CUDA kernel has no variant for moment mode ", moment_mode);
   const size_t n = params.size();
   // Rows grouped by dtype combination (one launch each), in list order inside a group. Every
   // tensor has a row (empty ones too: their step counters still advance); only non-empty ones
@@ -567,7 +571,8 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
     const int64_t ptrs[6] = {a.p, 0, a.m, a.v, a.vmax, a.master};  // any grad offset: load8_shifted
     const int sizes[6] = {esize(params[i]), esize(grads[i]), esize(exp_avgs[i]), esize(exp_avg_sqs[i]), 4,
                           masters.empty() ? 4 : esize(masters[i])};
-    a.head = L.sdt == kMom8 || L.sdt == kMom4 ? compact_head(ptrs, sizes, L.sdt == kMom4) : common_head(ptrs, sizes);
+    a.head = moment_grouped(L.sdt) ? compact_head(ptrs, sizes, moment_codes_per_byte(L.sdt) == 2)
+                                    : common_head(ptrs, sizes);
     a.offset = static_cast<int64_t>(offset_of(elem_offsets, i));
     a.stream = stream_of(stream_ids, i);
     L.chunks += (a.numel + kChunk - 1) / kChunk;

@@ -9,6 +9,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "codecs.h"
+
 #if defined(__CUDACC__)
 #define MPK_HD __host__ __device__ __forceinline__
 #else
@@ -134,11 +136,10 @@ MPK_HD uint16_t f32_to_f16_rne(float f) {
 // Element codes used in the multi-tensor tables (same numbering in Python).
 // ----------------------------------------------------------------------------------------------
 enum DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
-// Moment "dtype" code of the 8-bit companded moments (int8 exp_avg + uint8 exp_avg_sq + bf16 scales).
-constexpr int32_t kMom8 = 8;
-// ... of the 4-bit exp_avg + 8-bit exp_avg_sq moments (uint8 exp_avg of two codes per byte + uint8
-// exp_avg_sq + bf16 scales; mom4_* below).
-constexpr int32_t kMom4 = 9;
+// The moment modes (codecs.h, from mpkern/codecs.def): a dense codec's mode is its moments' dtype code
+// (the kernels load and store them by it); kMom8 the 8-bit ladder codes (int8 exp_avg + uint8
+// exp_avg_sq + bf16 scales), kMom4 the 4-bit exp_avg + 8-bit exp_avg_sq (mom4_* below).
+static_assert(kMomF32 == kF32 && kMomBF16 == kBF16, "mpkern/codecs.def: a dense moment mode is its dtype code");
 
 // Load one element of a 16/32-bit float buffer as float.
 MPK_HD float load_as_f32(const void* base, int64_t i, int32_t dt) {
@@ -396,6 +397,8 @@ MPK_HD uint32_t rand16(uint32_t seed, uint32_t stream, uint64_t elem, uint32_t s
 // Per element: encode 5-7 integer / fp32 operations, decode 4-5, no division, root or conversion.
 // ----------------------------------------------------------------------------------------------
 constexpr int kMom8Group = 32;
+static_assert(moment_group(kMom8) == kMom8Group && moment_group(kMom4) == kMom8Group,
+              "mpkern/codecs.def: the compact codecs group 32 elements per scale");
 constexpr uint32_t kMom8NaNScale = 0x7fc0u;
 
 // A ladder format: its mantissa bits, and u_max's fp32 exponent and mantissa (for the scale; the top

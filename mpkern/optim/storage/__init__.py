@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ... import codecs
 from .base import (
     ALL_BACKENDS,
     KernelMoments,
@@ -112,6 +113,14 @@ def register_moment_kind(kind: MomentKind) -> MomentKind:
         raise TypeError(f"register_moment_kind: want a MomentKind with a name and keys, got {kind!r}")
     if kind.name in MOMENT_KINDS:
         raise ValueError(f"register_moment_kind: state_dtype {kind.name!r} is already registered")
+    row = codecs.MOMENT_CODECS.get(kind.codec)
+    if row is None:
+        raise ValueError(f"register_moment_kind: {kind.name!r} stores moment codec {kind.codec!r}, which is neither "
+                         f"a row of mpkern/codecs.def nor registered (mpkern.codecs.register_moment_codec)")
+    if not row.native and set(kind.kernel_backends) - {"torch"}:
+        raise ValueError(f"register_moment_kind: {kind.name!r}'s codec {kind.codec!r} runs on the torch backend only "
+                         f"(the native kernels know codecs.def's rows); kernel_backends "
+                         f"{sorted(kind.kernel_backends)} must be {{'torch'}}")
     MOMENT_KINDS[kind.name] = kind
     for alias in kind.aliases:
         if isinstance(alias, torch.dtype):

@@ -25,6 +25,7 @@ from typing import ClassVar, NoReturn
 
 import torch
 
+from ... import codecs
 from ...reference_codecs import grouped
 from .base import State, Tensor
 from .moments import Int8Moments, moment8_groups
@@ -86,6 +87,11 @@ class Codec1Moments(Int8Moments):
     _CODE: ClassVar[dict[str, tuple[str, str]]] = {"exp_avg": ("exp_avg_code", "exp_avg_scale"),
                                                    "exp_avg_sq": ("exp_avg_sq_code", "exp_avg_sq_scale")}
 
+    @property
+    def row(self) -> codecs.MomentCodec:
+        """Codec 1 kept its codes in the tensors of codec 2's kind (dtypes, sizes, groups): that row."""
+        return codecs.moment_codec("8bit")
+
     def _decode_m(self, codes: Tensor, scales: Tensor, numel: int) -> Tensor:
         return legacy_moment8_decode(codes, scales)
 
@@ -114,6 +120,10 @@ class Codec1Moments4(Codec1Moments):
     m_code_bytes: ClassVar[float] = 0.5
     _CODE: ClassVar[dict[str, tuple[str, str]]] = {"exp_avg": ("exp_avg_code4", "exp_avg_scale"),
                                                    "exp_avg_sq": ("exp_avg_sq_code", "exp_avg_sq_scale")}
+
+    @property
+    def row(self) -> codecs.MomentCodec:
+        return codecs.moment_codec("4bit_m")
 
     def _decode_m(self, codes: Tensor, scales: Tensor, numel: int) -> Tensor:
         return legacy_moment4_decode(codes, scales, numel)

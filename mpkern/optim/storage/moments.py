@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ... import distributed, reference_codecs
+from ... import codecs, distributed, reference_codecs
 from ...distributed import local as _local
 from .base import ALL_BACKENDS, KernelMoments, MomentKind, State, Tensor, flat_view, laid, like
 
@@ -109,10 +109,16 @@ class Int8Moments(MomentKind):
         group costs its whole scale)."""
         return self.m_code_bytes + 1.0 + 2.0 * torch.bfloat16.itemsize / MOMENT8_GROUP
 
-    # ---- how exp_avg is coded (the 8-bit kind: int8, laid out like the param) ----
+    @property
+    def row(self) -> codecs.MomentCodec:
+        """The op's codec of this kind (its tensors' dtypes and layout): :attr:`codec`'s row of
+        :data:`mpkern.codecs.MOMENT_CODECS`."""
+        return codecs.moment_codec(self.codec)
+
+    # ---- how exp_avg is coded (the 8-bit kind: one code per element, laid out like the param) ----
     def _m_code(self, p: Tensor) -> Tensor:
         """An empty exp_avg code tensor for ``p``."""
-        return like(p, torch.int8)
+        return like(p, self.row.exp_avg_dtype)
 
     def _encode_m(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(codes, scales) of 1-D fp32 ``x`` (a buffer in memory order), to the nearest code."""
@@ -131,7 +137,7 @@ class Int8Moments(MomentKind):
 
     def create(self, p: Tensor) -> State:
         mk, vk, ms, vs = self.keys
-        return {mk: self._m_code(p).zero_(), vk: like(p, torch.uint8).zero_(), ms: self._scales(p),
+        return {mk: self._m_code(p).zero_(), vk: like(p, self.row.exp_avg_sq_dtype).zero_(), ms: self._scales(p),
                 vs: self._scales(p)}
 
     def from_fp32(self, p: Tensor, m: Tensor, v: Tensor) -> State:
@@ -243,12 +249,13 @@ def check_moment8(p: Tensor, st: State, whose: str, kind: Int8Moments | None = N
     scale per group), naming the first entry that does not: missing, or of another size or dtype."""
     kind = kind if kind is not None else INT8
     mk, vk, ms, vs = kind.keys
+    row = kind.row
     n = p.numel()
     local = _local(p).numel() if distributed.is_dtensor(st.get(vk)) else n
-    groups = moment8_groups(local)
-    m4 = kind.m_code_bytes < 1
-    for key, want, dtype in ((mk, (local + 1) // 2 if m4 else n, torch.uint8 if m4 else torch.int8),
-                             (vk, n, torch.uint8), (ms, groups, torch.bfloat16), (vs, groups, torch.bfloat16)):
+    groups = -(-local // row.group)
+    m4 = row.codes_per_byte == 2
+    for key, want, dtype in ((mk, row.exp_avg_numel(local) if m4 else n, row.exp_avg_dtype),
+                             (vk, n, row.exp_avg_sq_dtype), (ms, groups, torch.bfloat16), (vs, groups, torch.bfloat16)):
         t = st.get(key)
         if not isinstance(t, Tensor) or t.numel() != want or t.dtype != dtype:
             got = "missing" if not isinstance(t, Tensor) else f"{t.numel()} elements of {t.dtype}"
@@ -256,7 +263,7 @@ def check_moment8(p: Tensor, st: State, whose: str, kind: Int8Moments | None = N
                     "element")
             raise ValueError(f"FusedAdamWMP.load_state_dict: {whose} {key} is {got}; a param of shape "
                              f"{tuple(p.shape)} needs {want} elements of {dtype} ({kind.label}; {what}, one bf16 "
-                             f"scale per {MOMENT8_GROUP})")
+                             f"scale per {row.group})")
 
 
 INT8 = Int8Moments()
