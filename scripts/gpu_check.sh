@@ -71,7 +71,8 @@ case $PROFILE in
     "precheck|10|ninja, torch CUDA vs nvcc --version, GPU capability (tools/gpu_check/precheck.py)"
     "build|120|MPKERN_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=<this GPU> pip install --no-build-isolation --no-deps -e . (cached when unchanged)"
     "device|10|CUDA kernels built + selected, mpkern info, copy bandwidth (1 GiB copy_, CUDA events)"
-    "e2e_llama7b|100+|the seeds' 7B sentence: Llama-7B shape, bf16 init on the GPU, checkpointing, 1 x 2048; 5 recipes, OOM rows with mpkern plan's bytes"
+    "sweep_adamw|30|the CUDA AdamW kernel's launch shape (block x grid/SM x chunk, 16 shapes), fp32 + 8-bit modes, 32M and GPT-2 layouts; the best -> kArchConfigs row"
+    "e2e_llama7b|70+|the seeds' 7B sentence: Llama-7B shape, bf16 init on the GPU, checkpointing, 1 x 2048; 5 recipes, OOM rows with mpkern plan's bytes"
     "compare|50|mpkern compare --device cuda at its built-in default"
     "e2e_batch|50|GPT-2 small: the largest batch AMP and mpkern 8-bit + 4-bit m + release fit under 12 GB, from batch 1"
     "matmul_routes|25|every route of mpkern.matmul beside torch.matmul (cuBLAS): 4096^3, GPT-2 and Llama-7B layer GEMMs"
@@ -120,7 +121,7 @@ GPU_TESTS=(test_gpu_paths:all test_kernels_compact:all test_kernels_m4:all test_
            test_unscale:k test_release:all test_backend:all test_grad_offsets:all test_step_cache:all
            test_optim:k test_optim_generic:k test_math:k test_compact_state:k test_dropin:k test_matmul:k
            test_matmul_routes:all test_scaler:k test_review:k test_bias_correction:all test_seam:all test_bench:k
-           test_gpu_check:k test_codec_legacy:all)
+           test_gpu_check:k test_codec_legacy:all test_adamw_shapes:all test_codecs:all)
 # the test files that mention cuda but stay off the GPU check, and why (CI runs them on every change)
 NOT_ON_GPU=("test_distributed: its NCCL variants need >= 2 GPUs; gloo on CPU runs in CI"
             "test_compare: the compare stage (scale profile) runs mpkern compare on the GPU itself"
@@ -313,6 +314,7 @@ run_stage() {  # run_stage NAME: the command of each stage
     e2e_batch) stage e2e_batch "$PY" -m tools.gpu_check.e2e gpt2 --find-batch --batch 1 --memory-cap 12GB \
       --recipes amp-bf16,mpkern-8bit-4bitm-release --device cuda --out "$OUT" ;;
     e2e_llama7b) stage e2e_llama7b "$PY" -m tools.gpu_check.e2e llama7b --device cuda --out "$OUT" ;;
+    sweep_adamw) stage sweep_adamw "$PY" -m tools.gpu_check.sweep --out "$OUT" ;;
     compare) stage compare "$PY" -m mpkern compare --device cuda --no-progress --out "$OUT/compare" ;;
     sanitizer) stage sanitizer "$PY" -m tools.gpu_check.sanitizer --out "$OUT" ;;
     *) echo "gpu_check.sh: no command for stage $1" >&2; return 2 ;;

@@ -47,8 +47,8 @@ def _dry_run(*args: str) -> subprocess.CompletedProcess:
 
 PROFILES = {
     "proof": ["precheck", "build", "device", "tests_gpu", "unscale", "adamw_cuda", "e2e_gpt2", "sanitizer", "summary"],
-    "scale": ["precheck", "build", "device", "e2e_llama7b", "compare", "e2e_batch", "matmul_routes", "adamw_triton",
-              "release", "summary"],
+    "scale": ["precheck", "build", "device", "sweep_adamw", "e2e_llama7b", "compare", "e2e_batch", "matmul_routes",
+              "adamw_triton", "release", "summary"],
 }
 
 

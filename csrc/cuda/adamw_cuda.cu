@@ -14,6 +14,13 @@
 // tensor's last pass use per-element loads (adam_mom_chunk).
 #include <torch/library.h>
 
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
 #include "../adamw_common.h"
 #include "../kernels.h"
 #include "multi_tensor.cuh"
@@ -28,6 +35,27 @@ constexpr int kVE = 8;  // elements per thread-iteration of the vector body
 constexpr int kMomSpan = 32 * kVE;  // compact moments: elements of one warp pass (8 groups of 32)
 static_assert(kChunk % kMomSpan == 0 && kAdamBlock % 32 == 0 && kVE * 4 == kMom8Group,
               "compact moments: four lanes per group, whole passes per chunk");
+
+// The launch shape of the update kernel, chosen per GPU arch (kArchConfigs) or set for a sweep
+// (set_adamw_config): threads per block (a multiple of 32, at most kAdamBlock, the launch bound the
+// kernels are compiled for), grid blocks per SM (the grid is min(chunks, SMs x grid_per_sm) blocks
+// striding over the chunks), elements per chunk (a multiple of kMomSpan, at most kChunk). Every
+// shape gives the same results bit for bit: the arithmetic and the random bits are per element.
+struct AdamConfig {
+  int block, grid_per_sm;
+  int64_t chunk;
+};
+// The measured best shape per arch (major, minor; minor -1: any of that major), with the run that
+// measured it: `python -m tools.gpu_check.stages_kernels adamw_sweep` (gpu_check.sh --profile scale)
+// prints the row to put here. The last row, arch 0, is the default of every other arch.
+struct ArchConfig {
+  int major, minor;
+  AdamConfig config;
+  const char* source;
+};
+constexpr ArchConfig kArchConfigs[] = {
+    {0, -1, {kAdamBlock, 8, kChunk}, "built-in default: no sweep of this arch recorded yet"},
+};
 
 struct AdamMeta {
   int64_t p, g, m, v, vmax, master, step;  // addresses (vmax / master may be 0)
@@ -49,6 +77,7 @@ struct AdamScalars {
   double beta1, beta2, eps, weight_decay;
   bool maximize, sr;
   uint32_t seed;
+  int64_t chunk;  // elements per chunk (AdamConfig)
 };
 
 struct TensorConsts {  // a tensor's constants for this step, computed once per tensor by prep_kernel
@@ -417,8 +446,8 @@ __global__ void __launch_bounds__(kAdamBlock, adam_min_blocks(SDT, MODE))
     const int ti = find_tensor(meta, count, c);
     const AdamMeta t = meta[ti];
     const AdamWConsts cs = consts[ti].c;
-    const int64_t begin = (c - t.chunk_begin) * kChunk;
-    const int64_t end = min(t.numel, begin + kChunk);
+    const int64_t begin = (c - t.chunk_begin) * s.chunk;
+    const int64_t end = min(t.numel, begin + s.chunk);
     // random keys for this chunk's elements (math.h, rng_keys): a few multiplies per thread and chunk
     RngKeys keys{};
     if (SDT == kBF16 || moment_grouped(SDT) || needs_word0<PDT, SDT, MODE>(s.sr))
@@ -510,7 +539,51 @@ int32_t compact_head(const int64_t (&ptrs)[6], const int (&sizes)[6], bool mom4)
   return 0;
 }
 
+// The shape set for a sweep (set_adamw_config), if any; else each device's from kArchConfigs, looked up
+// once per device: (shape, where it comes from).
+std::mutex g_config_mutex;
+std::optional<AdamConfig> g_config_override;
+std::pair<AdamConfig, std::string> config_for(int device_index) {
+  static std::vector<std::optional<std::pair<AdamConfig, std::string>>> per_device(64);
+  const std::lock_guard<std::mutex> lock(g_config_mutex);
+  if (g_config_override.has_value()) return {*g_config_override, "set_adamw_config"};
+  TORCH_CHECK(device_index >= 0 && device_index < 64, "mpkern: CUDA device index ", device_index, " out of range");
+  auto& slot = per_device[device_index];
+  if (!slot.has_value()) {
+    const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device_index);
+    // this arch's row, else its major's (minor -1), else the default (the last row)
+    const ArchConfig* best = &kArchConfigs[sizeof(kArchConfigs) / sizeof(kArchConfigs[0]) - 1];
+    for (const ArchConfig& a : kArchConfigs)
+      if (a.major == prop->major && a.minor < 0) best = &a;
+    for (const ArchConfig& a : kArchConfigs)
+      if (a.major == prop->major && a.minor == prop->minor) best = &a;
+    slot = std::make_pair(best->config, std::string(best->source));
+  }
+  return *slot;
+}
+
 }  // namespace
+
+std::tuple<int64_t, int64_t, int64_t, std::string> adamw_config(int64_t device_index) {
+  const auto cfg = config_for(static_cast<int>(device_index));
+  return {cfg.first.block, cfg.first.grid_per_sm, cfg.first.chunk, cfg.second};
+}
+
+void set_adamw_config(int64_t block, int64_t grid_per_sm, int64_t chunk) {
+  TORCH_CHECK_VALUE(block >= 32 && block <= kAdamBlock && block % 32 == 0, "set_adamw_config: block must be a "
+                    "multiple of 32 in [32, ", kAdamBlock, "] (the kernels' launch bound), got ", block);
+  TORCH_CHECK_VALUE(grid_per_sm >= 1 && grid_per_sm <= 64, "set_adamw_config: grid_per_sm must be in [1, 64], got ",
+                    grid_per_sm);
+  TORCH_CHECK_VALUE(chunk >= kMomSpan && chunk <= kChunk && chunk % kMomSpan == 0, "set_adamw_config: chunk must be a "
+                    "multiple of ", kMomSpan, " in [", kMomSpan, ", ", kChunk, "], got ", chunk);
+  const std::lock_guard<std::mutex> lock(g_config_mutex);
+  g_config_override = AdamConfig{static_cast<int>(block), static_cast<int>(grid_per_sm), chunk};
+}
+
+void clear_adamw_config() {
+  const std::lock_guard<std::mutex> lock(g_config_mutex);
+  g_config_override.reset();
+}
 
 void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                       at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters,
@@ -531,6 +604,7 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
   TORCH_CHECK_NOT_IMPLEMENTED(moment_mode == kMomF32 || moment_mode == kMomBF16 || moment_mode == kMom8 ||
                                   moment_mode == kMom4,
                               "mpkern::adamw_step_: the CUDA kernel has no variant for moment mode ", moment_mode);
+  const AdamConfig cfg = config_for(dev.index()).first;
   const size_t n = params.size();
   // Rows grouped by dtype combination (one launch each), in list order inside a group. Every
   // tensor has a row (empty ones too: their step counters still advance); only non-empty ones
@@ -575,7 +649,7 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
                                     : common_head(ptrs, sizes);
     a.offset = static_cast<int64_t>(offset_of(elem_offsets, i));
     a.stream = stream_of(stream_ids, i);
-    L.chunks += (a.numel + kChunk - 1) / kChunk;
+    L.chunks += (a.numel + cfg.chunk - 1) / cfg.chunk;
   }
   const AdamMeta* meta = cached_rows(dev, rows);
   AdamScalars s;
@@ -590,6 +664,7 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
   s.maximize = maximize;
   s.sr = stochastic_rounding;
   s.seed = static_cast<uint32_t>(seed);
+  s.chunk = cfg.chunk;
   auto stream = at::cuda::getCurrentCUDAStream();
   // the step's per-tensor constants: a stream-ordered scratch buffer (from the graph pool under capture)
   const int count = static_cast<int>(n);
@@ -600,7 +675,7 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   for (const Launch& L : launches) {
     if (L.chunks == 0) continue;
-    pick(L.pdt, L.gdt, L.sdt, master_mode)<<<grid_for(L.chunks, 8), kAdamBlock, 0, stream>>>(
+    pick(L.pdt, L.gdt, L.sdt, master_mode)<<<grid_for(L.chunks, cfg.grid_per_sm), cfg.block, 0, stream>>>(
         meta + L.first, consts + L.first, L.count, L.chunks, s);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
