@@ -37,24 +37,25 @@ std::string codec_names(const Row (&rows)[N]) {
   return out;
 }
 
-// The op's master_codec argument as its row of the table (ValueError naming the codecs otherwise).
+// The row called `name` of a codec table; ValueError naming `arg` and the table's names otherwise.
+template <typename Row, size_t N>
+const Row& codec_row(const char* op, const char* arg, const Row (&rows)[N], c10::string_view name) {
+  for (const Row& c : rows)
+    if (name == c.name) return c;
+  TORCH_CHECK_VALUE(false, op, ": ", arg, " must be ", codec_names(rows), ", got '", std::string(name), "'");
+  return rows[0];
+}
+
+// The op's master_codec argument as its row of the table.
 inline const MasterCodec& master_codec_of(const char* op, c10::string_view codec) {
-  for (const MasterCodec& c : kMasterCodecs)
-    if (codec == c.name) return c;
-  TORCH_CHECK_VALUE(false, op, ": master_codec must be ", codec_names(kMasterCodecs), ", got '", std::string(codec),
-                    "'");
-  return kMasterCodecs[0];
+  return codec_row(op, "master_codec", kMasterCodecs, codec);
 }
 
 // The op's moment_codec argument as its row of the table. Parsed once, by the registered op
 // (csrc/ops.cpp): the kernels take the mode it names instead of reading it from a dtype, so two
 // formats may share a dtype; check_adamw_args checks every moment tensor against the row.
 inline const MomentCodec& moment_codec_of(const char* op, c10::string_view codec) {
-  for (const MomentCodec& c : kMomentCodecs)
-    if (codec == c.name) return c;
-  TORCH_CHECK_VALUE(false, op, ": moment_codec must be ", codec_names(kMomentCodecs), ", got '", std::string(codec),
-                    "'");
-  return kMomentCodecs[0];
+  return codec_row(op, "moment_codec", kMomentCodecs, codec);
 }
 
 // Every argument of one call against the codecs' rows: list lengths, the streams, each tensor's
