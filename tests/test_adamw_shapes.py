@@ -68,6 +68,49 @@ def test_sweep_command_line_refuses_bad_layouts(tmp_path):
     assert e.value.code == 2
 
 
+def test_sweep_stage_plumbing_on_the_cpu(tmp_path, monkeypatch):
+    """The stage on the cpu backend with small layouts, a stand-in shape override and a stand-in timer
+    whose times depend on the shape in force: every (layout, mode, shape) timed once, the shape set while
+    it is timed and unset after, the winner and its table row in the JSON."""
+    import contextlib
+    import json
+
+    from mpkern import measure
+
+    state = {"shape": None}
+    seen = []
+    fast = (128, 4, 16384)
+
+    @contextlib.contextmanager
+    def shape_set(block, grid, chunk):
+        state["shape"] = (block, grid, chunk)
+        try:
+            yield
+        finally:
+            state["shape"] = None
+
+    def event_time(fn, device, **kw):
+        fn()
+        seen.append(state["shape"])
+        return {"kernel_ms": 0.5 if state["shape"] == fast else 1.0, "wall_ms": 2.0}
+
+    monkeypatch.setattr(launch_shape, "adamw_shape", lambda dev=None: launch_shape.LaunchShape(256, 8, 65536, "t"))
+    monkeypatch.setattr(launch_shape, "adamw_shape_set", shape_set)
+    monkeypatch.setattr(measure, "event_time", event_time)
+    sizes = {"uniform": [300, 64], "gpt2": [1000, 7, 33]}
+    assert sweep.stage_sweep(str(tmp_path), ("uniform", "gpt2"), device="cpu", backend="cpu",
+                             sizes_of=sizes.__getitem__) == 0
+    data = json.loads((tmp_path / "sweep_adamw.json").read_text())
+    assert data["status"] == "done"
+    rows = data["rows"]
+    assert len(rows) == 2 * len(sweep.MODES) * 16 and not any("error" in r for r in rows)
+    assert seen.count(None) == 0 and len(seen) == len(rows) and state["shape"] is None
+    assert {tuple(r["shape"]) for r in rows} == set(sweep.shapes())
+    assert rows[0]["shape"] == [256, 8, 65536]  # the arch's shape first: the baseline of every case
+    assert data["best"]["shape"] == list(fast) and data["best"]["relative_time"] == pytest.approx(0.5)
+    assert data["best"]["table_row"].startswith('    {0, 0, {128, 4, 16384}, "gpu_check sweep ')
+
+
 # ---- the override's checks (the CUDA build, no GPU) ---------------------------------------------------
 @needs_cuda_build
 @pytest.mark.parametrize("shape,match", [((300, 8, 65536), "block must be a multiple of 32"),

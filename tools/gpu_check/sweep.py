@@ -22,7 +22,8 @@ import itertools
 import math
 import os
 import sys
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .gpu import free, log, meta, resolve
@@ -100,10 +101,11 @@ def table_row(major: int, minor: int, shape: Sequence[int], source: str) -> str:
     return f'    {{{major}, {minor}, {{{block}, {grid}, {chunk}}}, "{source}"}},'
 
 
-def stage_sweep(out: str, layouts: Sequence[str] = DEFAULT_LAYOUTS, *, calls: int = CALLS,
-                device: Any = None) -> int:
-    """Time ``FusedAdamWMP.step`` (cuda backend) under every shape for every layout x mode ->
-    ``sweep_adamw.json``; restores the arch's shape at the end."""
+def stage_sweep(out: str, layouts: Sequence[str] = DEFAULT_LAYOUTS, *, calls: int = CALLS, device: Any = None,
+                backend: str = "cuda", sizes_of: Callable[[str], list[int]] = layout_sizes) -> int:
+    """Time ``FusedAdamWMP.step`` on ``backend`` under every shape for every layout x mode ->
+    ``sweep_adamw.json``; the arch's shape is back in force at the end. ``device`` / ``backend`` /
+    ``sizes_of``: the current GPU, ``"cuda"`` and :func:`layout_sizes` unless a test says otherwise."""
     import torch
 
     import mpkern
@@ -112,26 +114,27 @@ def stage_sweep(out: str, layouts: Sequence[str] = DEFAULT_LAYOUTS, *, calls: in
     from mpkern.launch_shape import adamw_shape, adamw_shape_set
     from mpkern.measure import event_time
 
-    for name in layouts:
-        layout_sizes(name)  # ValueError for an unknown name, before anything runs
+    for lay in layouts:
+        sizes_of(lay)  # ValueError for an unknown name, before anything runs
     dev = resolve(device)
     block, grid, chunk, source = adamw_shape(dev)
     current: Shape = (block, grid, chunk)
-    sf = StageFile(os.path.join(out, "sweep_adamw.json"), "sweep_adamw", kernel="adamw", backend="cuda")
-    cap = torch.cuda.get_device_capability(dev)
+    sf = StageFile(os.path.join(out, "sweep_adamw.json"), "sweep_adamw", kernel="adamw", backend=backend)
+    cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
+    gpu_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
     sf.set(meta=meta(dev, capability=list(cap), current_shape=list(current), current_source=source, lr=ADAMW_LR,
                      calls=calls, rounds=ROUNDS, warmup=WARMUP, layouts=list(layouts)),
            planned=[f"{lay} / {mode_label(mw, sd)} / {s}" for lay in layouts for mw, sd in MODES for s in shapes()])
     rows: list[dict[str, Any]] = []
     for lay in layouts:
-        sizes = layout_sizes(lay)
+        sizes = sizes_of(lay)
         grads16, init = adamw_problem(dev, sizes)
         for mw, sd in MODES:
             label = mode_label(mw, sd)
             bpp = step_bytes_per_param(mw, sd)
             opt = None
             try:
-                with mpkern.use_backend("cuda"):
+                with mpkern.use_backend(backend):
                     ps = [torch.nn.Parameter(w.to(torch.bfloat16)) for w in init]
                     for p, g in zip(ps, grads16):
                         p.grad = g
@@ -154,7 +157,7 @@ def stage_sweep(out: str, layouts: Sequence[str] = DEFAULT_LAYOUTS, *, calls: in
         free(dev)
     best = best_shape(rows, current)
     best["table_row"] = table_row(cap[0], cap[1], best["shape"],
-                                  f"gpu_check sweep, {torch.cuda.get_device_name(dev)}: "
+                                  f"gpu_check sweep {time.strftime('%Y-%m-%d')}, {gpu_name}: "
                                   f"{100 * (1 - best['relative_time']):.1f} % less time than {tuple(current)}")
     sf.set(best=best)
     log(f"sweep best shape {tuple(best['shape'])}: {best['relative_time']:.3f} x the time of {current} "
