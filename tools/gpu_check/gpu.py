@@ -13,7 +13,8 @@ from typing import Any
 
 from .harness import short_error
 
-__all__ = ["CALLS", "INV_SCALE", "ROUNDS", "WARMUP", "backend_ok", "free", "gpu", "log", "meta", "resolve", "times"]
+__all__ = ["CALLS", "INV_SCALE", "ROUNDS", "WARMUP", "adamw_optimizer", "backend_ok", "free", "gpu", "log", "meta",
+           "resolve", "times"]
 
 #: timing: back-to-back calls per round, rounds (median), warm-up calls
 CALLS, ROUNDS, WARMUP = 20, 5, 3
@@ -61,6 +62,21 @@ def times(fn: Callable[[], object], dev: Any, graph: bool = True) -> tuple[dict,
     except Exception as e:  # noqa: BLE001 -- a capture that fails is a result of the run, written down
         measure.sync(dev)
         return t, None, short_error(e)
+
+
+def adamw_optimizer(init: Any, grads16: Any, master_weights: Any, state_dtype: str, lr: float) -> Any:
+    """``FusedAdamWMP`` (capturable) over bf16 params made from the fp32 ``init`` tensors, with the bf16
+    ``grads16`` as their grads, keeping its state as ``master_weights`` / ``state_dtype`` say (call it
+    inside the backend it is to run on)."""
+    import torch
+
+    import mpkern
+    from mpkern.bench.modes import optimizer_kwargs
+
+    ps = [torch.nn.Parameter(w.to(torch.bfloat16)) for w in init]
+    for p, g in zip(ps, grads16):
+        p.grad = g
+    return mpkern.FusedAdamWMP(ps, lr=lr, capturable=True, **optimizer_kwargs(master_weights, state_dtype))
 
 
 def free(dev: Any) -> None:

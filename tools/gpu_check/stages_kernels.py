@@ -34,7 +34,7 @@ import time
 import traceback
 from typing import Any
 
-from .gpu import INV_SCALE, backend_ok, free, log, meta, resolve, times
+from .gpu import INV_SCALE, adamw_optimizer, backend_ok, free, log, meta, resolve, times
 from .harness import StageFile, run_stage, short_error
 from .rows import mem_row
 
@@ -156,7 +156,7 @@ def stage_adamw(out: str, backend: str, *, peer: bool = False, params: int | Non
     import mpkern
     from mpkern import BACKENDS, bytemodel
     from mpkern.bench.common import ADAMW_LR, ADAMW_MAX_NORM, adamw_problem, amp_fp32_recipe, tensor_sizes
-    from mpkern.bench.modes import adamw_modes, mode_label, optimizer_kwargs, step_bytes_per_param
+    from mpkern.bench.modes import adamw_modes, mode_label, step_bytes_per_param
     from mpkern.measure import sync
     from mpkern.optim import storage
 
@@ -185,10 +185,7 @@ def stage_adamw(out: str, backend: str, *, peer: bool = False, params: int | Non
         opt = None
         try:
             with mpkern.use_backend(backend):
-                ps = [torch.nn.Parameter(w.to(torch.bfloat16)) for w in init]
-                for p, x in zip(ps, grads16):
-                    p.grad = x
-                opt = mpkern.FusedAdamWMP(ps, lr=ADAMW_LR, capturable=True, **optimizer_kwargs(mw, sd))
+                opt = adamw_optimizer(init, grads16, mw, sd, ADAMW_LR)
 
                 def step(opt: Any = opt) -> None:
                     mpkern.unscale_(opt, inv, max_norm=ADAMW_MAX_NORM)  # deferred into the step: grads only read

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .gpu import free, log, meta, resolve
+from .gpu import adamw_optimizer, free, log, meta, resolve
 from .harness import StageFile, run_stage, short_error
 
 __all__ = ["BLOCKS", "CHUNKS", "GRIDS", "LAYOUTS", "MODES", "best_shape", "layout_sizes", "main", "shapes",
@@ -110,7 +110,7 @@ def stage_sweep(out: str, layouts: Sequence[str] = DEFAULT_LAYOUTS, *, calls: in
 
     import mpkern
     from mpkern.bench.common import ADAMW_LR, adamw_problem
-    from mpkern.bench.modes import mode_label, optimizer_kwargs, step_bytes_per_param
+    from mpkern.bench.modes import mode_label, step_bytes_per_param
     from mpkern.launch_shape import adamw_shape, adamw_shape_set
     from mpkern.measure import event_time
 
@@ -135,10 +135,7 @@ def stage_sweep(out: str, layouts: Sequence[str] = DEFAULT_LAYOUTS, *, calls: in
             opt = None
             try:
                 with mpkern.use_backend(backend):
-                    ps = [torch.nn.Parameter(w.to(torch.bfloat16)) for w in init]
-                    for p, g in zip(ps, grads16):
-                        p.grad = g
-                    opt = mpkern.FusedAdamWMP(ps, lr=ADAMW_LR, capturable=True, **optimizer_kwargs(mw, sd))
+                    opt = adamw_optimizer(init, grads16, mw, sd, ADAMW_LR)
                     opt.step()  # the state
                     for shape in [current, *[s for s in shapes() if s != current]]:
                         with adamw_shape_set(*shape):
