@@ -19,6 +19,7 @@ import torch
 from . import (
     _backend,
     _ops,  # noqa: F401 -- imported for its effect: it registers the op schemas and fakes
+    launch_shape,
     nn,
     reference,
     versions,
@@ -86,7 +87,9 @@ def info() -> dict[str, Any]:
     else None), ``native``: the compiled extension (``imported``, ``error`` when it is not,
     ``cuda_built``, ``cuda_archs``, ``cuda_problem``: why its CUDA kernels cannot run on this GPU, ""
     when they can), ``selected_backend``: the backend an op on this device takes now (``"error: ..."``
-    when a forced one cannot run here).
+    when a forced one cannot run here), ``adamw_launch_shape``: the CUDA AdamW kernel's launch shape on
+    this GPU (``block``, ``grid_per_sm``, ``chunk``, ``source``: :mod:`mpkern.launch_shape`; None
+    without a GPU the CUDA kernels run on).
     """
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda") if cuda else torch.device("cpu")
@@ -115,6 +118,9 @@ def info() -> dict[str, Any]:
         selected = _backend.select(dev)
     except (RuntimeError, ValueError) as e:
         selected = f"error: {e}"
+    shape = None  # the CUDA AdamW kernel's launch shape on this GPU (mpkern.launch_shape) and where it comes from
+    if cuda and cuda_built and not native["cuda_problem"]:
+        shape = launch_shape.adamw_shape(dev)._asdict()
     return {
         "version": __version__,
         "torch": torch.__version__,
@@ -129,6 +135,7 @@ def info() -> dict[str, Any]:
         "forced_backend": forced,
         "native": native,
         "selected_backend": selected,
+        "adamw_launch_shape": shape,
         "backends": {b: {"available": s.available, "reason": s.reason}
                      for b, s in ((b, _backend.status(b)) for b in _backend.BACKENDS)},
         "matmul": dict(_matmul_notes()),

@@ -110,6 +110,10 @@ def _cmd_info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for name, st in data["backends"].items():
         mark = "yes" if st["available"] else "no "
         print(f"  {name:<7} {mark}  {st['reason']}")
+    shape = data.get("adamw_launch_shape")
+    if shape:
+        print(f"adamw CUDA launch: block {shape['block']}, {shape['grid_per_sm']} blocks per SM, chunk "
+              f"{shape['chunk']} ({shape['source']})")
     print("matmul / linear routes (MPKERN_MATMUL_ROUTE; auto: the faster per problem, timed once):")
     for name, note in data["matmul"].items():
         print(f"  {name:<7} {note}")

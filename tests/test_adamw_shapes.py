@@ -130,6 +130,14 @@ def test_a_shape_must_be_ints():
 
 
 # ---- on a GPU --------------------------------------------------------------------------------------
+def test_info_reports_the_launch_shape_only_where_the_cuda_kernels_run():
+    info = mpkern.info()
+    if not (HAS_CUDA and CUDA_BUILT) or info["native"]["cuda_problem"]:
+        assert info["adamw_launch_shape"] is None
+    else:
+        assert info["adamw_launch_shape"] == launch_shape.adamw_shape()._asdict()
+
+
 @needs_gpu
 def test_the_arch_takes_its_table_row_and_a_set_shape_wins_inside_the_block():
     shape = launch_shape.adamw_shape()
