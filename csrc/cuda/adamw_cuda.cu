@@ -18,7 +18,6 @@
 #include <optional>
 #include <string>
 #include <tuple>
-#include <utility>
 #include <vector>
 
 #include "../adamw_common.h"
@@ -46,7 +45,7 @@ struct AdamConfig {
   int64_t chunk;
 };
 // The measured best shape per arch (major, minor; minor -1: any of that major), with the run that
-// measured it: `python -m tools.gpu_check.stages_kernels adamw_sweep` (gpu_check.sh --profile scale)
+// measured it: `python -m tools.gpu_check.sweep` (the sweep_adamw stage of gpu_check.sh --profile scale)
 // prints the row to put here. The last row, arch 0, is the default of every other arch.
 struct ArchConfig {
   int major, minor;
@@ -539,34 +538,37 @@ int32_t compact_head(const int64_t (&ptrs)[6], const int (&sizes)[6], bool mom4)
   return 0;
 }
 
-// The shape set for a sweep (set_adamw_config), if any; else each device's from kArchConfigs, looked up
-// once per device: (shape, where it comes from).
+// The shape set for a sweep (set_adamw_config), if any; else the device's row of kArchConfigs, looked up
+// once per device. No allocation: this runs on every step.
+struct ConfigChoice {
+  AdamConfig config;
+  const char* source;  // the row's, or "set_adamw_config"
+};
 std::mutex g_config_mutex;
 std::optional<AdamConfig> g_config_override;
-std::pair<AdamConfig, std::string> config_for(int device_index) {
-  static std::vector<std::optional<std::pair<AdamConfig, std::string>>> per_device(64);
+ConfigChoice config_for(int device_index) {
+  static const ArchConfig* per_device[64] = {};
   const std::lock_guard<std::mutex> lock(g_config_mutex);
   if (g_config_override.has_value()) return {*g_config_override, "set_adamw_config"};
   TORCH_CHECK(device_index >= 0 && device_index < 64, "mpkern: CUDA device index ", device_index, " out of range");
-  auto& slot = per_device[device_index];
-  if (!slot.has_value()) {
+  const ArchConfig*& row = per_device[device_index];
+  if (row == nullptr) {
     const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device_index);
     // this arch's row, else its major's (minor -1), else the default (the last row)
-    const ArchConfig* best = &kArchConfigs[sizeof(kArchConfigs) / sizeof(kArchConfigs[0]) - 1];
+    row = &kArchConfigs[sizeof(kArchConfigs) / sizeof(kArchConfigs[0]) - 1];
     for (const ArchConfig& a : kArchConfigs)
-      if (a.major == prop->major && a.minor < 0) best = &a;
+      if (a.major == prop->major && a.minor < 0) row = &a;
     for (const ArchConfig& a : kArchConfigs)
-      if (a.major == prop->major && a.minor == prop->minor) best = &a;
-    slot = std::make_pair(best->config, std::string(best->source));
+      if (a.major == prop->major && a.minor == prop->minor) row = &a;
   }
-  return *slot;
+  return {row->config, row->source};
 }
 
 }  // namespace
 
 std::tuple<int64_t, int64_t, int64_t, std::string> adamw_config(int64_t device_index) {
-  const auto cfg = config_for(static_cast<int>(device_index));
-  return {cfg.first.block, cfg.first.grid_per_sm, cfg.first.chunk, cfg.second};
+  const ConfigChoice c = config_for(static_cast<int>(device_index));
+  return {c.config.block, c.config.grid_per_sm, c.config.chunk, std::string(c.source)};
 }
 
 void set_adamw_config(int64_t block, int64_t grid_per_sm, int64_t chunk) {
@@ -604,7 +606,7 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
   TORCH_CHECK_NOT_IMPLEMENTED(moment_mode == kMomF32 || moment_mode == kMomBF16 || moment_mode == kMom8 ||
                                   moment_mode == kMom4,
                               "mpkern::adamw_step_: the CUDA kernel has no variant for moment mode ", moment_mode);
-  const AdamConfig cfg = config_for(dev.index()).first;
+  const AdamConfig cfg = config_for(dev.index()).config;
   const size_t n = params.size();
   // Rows grouped by dtype combination (one launch each), in list order inside a group. Every
   // tensor has a row (empty ones too: their step counters still advance); only non-empty ones
