@@ -124,7 +124,9 @@ MPK_AVX2 __attribute__((always_inline)) inline void store_w8(const TensorPtrs& t
 }
 
 template <int PDT, int GDT, int SDT>
-MPK_AVX2 void adamw_avx2(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f) {
+MPK_AVX2 void adamw_avx2(const TensorPtrs& t_in, int64_t begin, int64_t end, const Flags& f_in) {
+  const TensorPtrs t = t_in;  // local copies, never passed out of line (the scalar tail gets the caller's):
+  const Flags f = f_in;       // the stores below cannot alias them, so nothing is reloaded in the loop
   // g = -(grad * factor) when maximizing, as the scalar code: a sign flip after the multiply
   // (g * (-factor) differs from it in the sign of a NaN)
   const __m256 factor = _mm256_set1_ps(f.factor);
@@ -169,7 +171,7 @@ MPK_AVX2 void adamw_avx2(const TensorPtrs& t, int64_t begin, int64_t end, const 
     }
     store_w8<PDT>(t, f, i, p, need0, rw);
   }
-  if (i < end) adamw_scalar(t, i, end, f);
+  if (i < end) adamw_scalar(t_in, i, end, f_in);
 }
 
 // ---- 8-bit moments, AVX2: one group of 32 = 4 x 8 lanes in registers -----------------------------
@@ -259,9 +261,14 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256i scale_bits8(__m256i x, La
 // one unpack tree gives the 8 group maxima and one vector pass the 8 scales and 1 / s.
 // M4: the 4-bit exp_avg (kMom4: two sign-magnitude nibbles per byte, the 1-mantissa-bit ladder).
 template <int PDT, int GDT, int MODE, bool M4>
-MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f_in) {
+MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t_in, int64_t begin, int64_t end, const Flags& f_in) {
+  // Local copies whose address never leaves this function (the scalar fallbacks get the caller's):
+  // the code stores through char pointers below cannot alias them, so the pointers stay in registers
+  // and the mode is a compile-time constant in load_w8 / store_w8 (a copy passed to an out-of-line
+  // call is reloaded, and its mode compared, on every iteration).
+  const TensorPtrs t = t_in;
   Flags f = f_in;
-  f.mode = MODE;  // a compile-time constant in load_w8 / store_w8
+  f.mode = MODE;
   // g = -(grad * factor) when maximizing, as the scalar code: a sign flip after the multiply
   // (g * (-factor) differs from it in the sign of a NaN)
   const __m256 factor = _mm256_set1_ps(f.factor);
@@ -288,7 +295,7 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
     const uint64_t e0 = t.offset + static_cast<uint64_t>(gb);
     const uint32_t hi0 = static_cast<uint32_t>(e0 >> 32);
     if (static_cast<uint32_t>((e0 + kMom8Group - 1) >> 32) != hi0) {  // the group crosses 2^32: scalar
-      adamw_scalar_mom8(t, gb, gb + kMom8Group, f);
+      adamw_scalar_mom8(t_in, gb, gb + kMom8Group, f_in);
       gb += kMom8Group;
       continue;
     }
@@ -384,7 +391,7 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t, int64_t begin, int64_t e
     }
     gb += static_cast<int64_t>(kMom8Group) * n;
   }
-  if (gb < end) adamw_scalar_mom8(t, gb, end, f);
+  if (gb < end) adamw_scalar_mom8(t_in, gb, end, f_in);
 }
 
 template <int PDT, int GDT, bool M4>

@@ -104,7 +104,8 @@ MPK_AVX512 __attribute__((always_inline)) inline void store_w16(const TensorPtrs
 
 template <int PDT, int GDT, int SDT>
 MPK_AVX512 void adamw_avx512(const TensorPtrs& t_in, int64_t begin, int64_t end, const Flags& f_in) {
-  const TensorPtrs t = t_in;  // local copies: the stores below cannot alias them, no reloads
+  const TensorPtrs t = t_in;  // local copies, never passed out of line (the scalar tails get the caller's):
+  // the stores below cannot alias them, so nothing is reloaded in the loops
   const Flags f = f_in;
   const __m512 factor = _mm512_set1_ps(f.factor);  // -(g * factor) when maximizing, as in the AVX2 path
   const __m512 gsign = _mm512_castsi512_ps(_mm512_set1_epi32(f.maximize ? static_cast<int>(0x80000000u) : 0));
@@ -146,7 +147,7 @@ MPK_AVX512 void adamw_avx512(const TensorPtrs& t_in, int64_t begin, int64_t end,
     }
     store_w16<PDT>(t, f, i, p, need0, rw);
   }
-  if (i < end) adamw_scalar(t, i, end, f);
+  if (i < end) adamw_scalar(t_in, i, end, f_in);
 }
 
 // ---- ladder codes on 16 lanes (math.h ladder_*, mom8_*, mom4_*), bit-identical to the scalar code.
@@ -360,7 +361,8 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const Tensor
 
 template <int PDT, int GDT, bool M4>
 MPK_AVX512 void adamw_avx512_mom8(const TensorPtrs& t_in, int64_t begin, int64_t end, const Flags& f_in) {
-  const TensorPtrs t = t_in;  // local copies: the stores below cannot alias them, no reloads
+  const TensorPtrs t = t_in;  // local copies, never passed out of line (the scalar tails get the caller's):
+  // the stores below cannot alias them, so nothing is reloaded in the loops
   const Flags f = f_in;
   const Consts512 k = consts512(t, f);
   const bool need0 = needs_word0(t, f);
@@ -370,7 +372,7 @@ MPK_AVX512 void adamw_avx512_mom8(const TensorPtrs& t_in, int64_t begin, int64_t
     const uint64_t e0 = t.offset + static_cast<uint64_t>(gb);
     const uint32_t hi0 = static_cast<uint32_t>(e0 >> 32);
     if (static_cast<uint32_t>((e0 + kMom8Group - 1) >> 32) != hi0) {  // the group crosses 2^32: scalar
-      adamw_scalar_mom8(t, gb, gb + kMom8Group, f);
+      adamw_scalar_mom8(t_in, gb, gb + kMom8Group, f_in);
       gb += kMom8Group;
       continue;
     }
@@ -381,7 +383,7 @@ MPK_AVX512 void adamw_avx512_mom8(const TensorPtrs& t_in, int64_t begin, int64_t
                             _mm512_set1_epi32(static_cast<int>(keys.key)));
     gb += static_cast<int64_t>(kMom8Group) * n;
   }
-  if (gb < end) adamw_scalar_mom8(t, gb, end, f);
+  if (gb < end) adamw_scalar_mom8(t_in, gb, end, f_in);
 }
 
 template <int PDT, int GDT>
