@@ -315,13 +315,18 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t_in, int64_t begin, int64_
       __m256i gm = _mm256_setzero_si256(), gv = _mm256_setzero_si256();
       alignas(16) int8_t sq4[kMom8Group];  // M4: 2 u(q) with the sign of the group's m codes
       if constexpr (M4) nibble_u2_32(cm4 + ((gb + g * kMom8Group) >> 1), sq4);
+      // the group's random words first, one each, into rb: the update pass reads them (the master
+      // encoder) and so does the encode pass (computed inside the update loop, GCC's loop
+      // distribution moved the rb stores into a loop of their own that hashed every element again)
+      __m256i elo = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(e0) +
+                                                                         static_cast<uint32_t>(g * kMom8Group))),
+                                     lanes);
+      for (int q = 0; q < 4; ++q, elo = _mm256_add_epi32(elo, _mm256_set1_epi32(8)))
+        _mm256_store_si256(reinterpret_cast<__m256i*>(rb + g * kMom8Group + 8 * q), mix32x8(_mm256_xor_si256(key, elo)));
 #pragma GCC unroll 1
       for (int q = 0; q < 4; ++q) {
         const int o = g * kMom8Group + 8 * q;
         const int64_t i = gb + o;
-        const __m256i elo = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(e0) +
-                                                                                static_cast<uint32_t>(o))),
-                                             lanes);
         const __m256 gr = _mm256_xor_ps(_mm256_mul_ps(load8<GDT>(t.g, i), factor), gsign);
         __m256 p = load_w8<PDT>(t, f, i);
         __m256 mm;
@@ -337,11 +342,9 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t_in, int64_t begin, int64_
         vv = _mm256_add_ps(_mm256_mul_ps(vv, b2), _mm256_mul_ps(_mm256_mul_ps(omb2, gr), gr));
         const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vv), ibc2), eps);
         p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(ss, mm), denom));
-        const __m256i rw = mix32x8(_mm256_xor_si256(key, elo));  // the one random word of each element
-        store_w8<PDT>(t, f, i, p, need0, rw);
+        store_w8<PDT>(t, f, i, p, need0, _mm256_load_si256(reinterpret_cast<const __m256i*>(rb + o)));
         _mm256_store_ps(mb + o, mm);
         _mm256_store_ps(vb + o, vv);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(rb + o), rw);
         gm = _mm256_max_epu32(gm, _mm256_and_si256(_mm256_castps_si256(mm), abs_mask));
         gv = _mm256_max_epu32(gv, _mm256_and_si256(_mm256_castps_si256(vv), abs_mask));
       }
