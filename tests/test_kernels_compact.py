@@ -707,32 +707,50 @@ def test_mom8_codec_unbiased_and_scaled():
             assert bool((torch.sign(mean[nz]) == torch.sign(target[nz])).all())
 
 
-def test_mom8_zero_groups_and_nan_group(backend):
+# (groups of 32 elements, the all-zero groups, the NaN group): "short" is shorter than one vector block
+# (every path's scalar tail), "blocks" puts the NaN and a zero group inside a whole block of 8 / 16
+# groups of the AVX2 / AVX-512 paths, with a partial group at the end
+NAN_LAYOUTS = {"short": (5, (1, 4, 5), 2), "blocks": (40, (9, 16, 40), 10)}
+
+
+@pytest.mark.parametrize("layout", sorted(NAN_LAYOUTS))
+def test_mom8_zero_groups_and_nan_group(backend, layout):
     """All-zero groups stay exactly zero (codes and scales); a NaN in one group makes only that
-    group's scales NaN (codes 0), on every backend."""
+    group's scales NaN (codes 0), on every backend and CPU path."""
     name = {"cpu-scalar": "cpu"}.get(backend, backend)
-    n = 5 * G32 + 7
+    whole, zeros, nan_group = NAN_LAYOUTS[layout]
+    n = whole * G32 + 7
     gen = torch.Generator().manual_seed(3)
     g = torch.randn(n, generator=gen) * 0.1
-    g[G32:2 * G32] = 0.0
-    g[4 * G32:] = 0.0  # the tail group and the one before it
-    g[2 * G32 + 5] = float("nan")
+    for j in zeros:
+        g[j * G32:(j + 1) * G32] = 0.0
+    g[nan_group * G32 + 5] = float("nan")
     g = g.to(DEVICE)
-    cm, cv, sm, sv = _mom8_state(n, None, zero=True)
-    p = torch.zeros(n, device=DEVICE)
-    one, zero = torch.tensor(1.0, device=DEVICE), torch.tensor(0.0, device=DEVICE)
-    call_adamw_op(partial(_ops.adamw_step_, name), [p], [g], [cm], [cv], [], [], [torch.zeros((), device=DEVICE)], one,
-                  zero, None, 1e-3, B1, B2, EPS, 0.0, False, 0, False, 5, [], [], [sm], [sv])
-    for s in (sm, sv):
-        bits = s.view(torch.int16).cpu()
-        assert bits[1] == 0 and bits[4] == 0 and bits[5] == 0
-        assert bits[2] == 0x7FC0 and bits[0] > 0 and bits[3] > 0
-    for c in (cm, cv):
-        c = c.cpu()
-        assert bool((c[G32:3 * G32] == 0).all() and (c[4 * G32:] == 0).all())
-        assert bool((c[:G32] != 0).any())
-    dec = _decode64(cm, sm)
-    assert bool(dec[2 * G32:3 * G32].isnan().all()) and not bool(dec[:2 * G32].isnan().any())
+    paths = ["cpu", "cpu-avx2"] if backend == "cpu" else [backend]
+    for path in paths:
+        cm, cv, sm, sv = _mom8_state(n, None, zero=True)
+        p = torch.zeros(n, device=DEVICE)
+        one, zero = torch.tensor(1.0, device=DEVICE), torch.tensor(0.0, device=DEVICE)
+        with kernel_path(path if path != "cpu-scalar" else "cpu"):
+            call_adamw_op(partial(_ops.adamw_step_, name), [p], [g], [cm], [cv], [], [], [torch.zeros((), device=DEVICE)],
+                          one, zero, None, 1e-3, B1, B2, EPS, 0.0, False, 0, False, 5, [], [], [sm], [sv])
+        groups = torch.arange(whole + 1)
+        is_zero = torch.isin(groups, torch.tensor(zeros))
+        for s in (sm, sv):
+            bits = s.view(torch.int16).cpu()
+            assert bool((bits[is_zero] == 0).all()), (path, bits)
+            assert bits[nan_group] == 0x7FC0, (path, bits[nan_group])
+            live = ~is_zero & (groups != nan_group)
+            assert bool((bits[live] > 0).all()), (path, bits)
+        for c in (cm, cv):
+            c = c.cpu()
+            dead = torch.repeat_interleave(is_zero | (groups == nan_group), G32)[:n]
+            assert bool((c[dead] == 0).all()), path
+            assert bool((c[~dead] != 0).any()), path
+        dec = _decode64(cm, sm)
+        in_nan = torch.zeros(n, dtype=torch.bool)
+        in_nan[nan_group * G32:(nan_group + 1) * G32] = True
+        assert bool(dec[in_nan].isnan().all()) and not bool(dec[~in_nan].isnan().any()), path
 
 
 def test_mom8_spike_then_decay():

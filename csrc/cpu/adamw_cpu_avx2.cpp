@@ -289,6 +289,7 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t_in, int64_t begin, int64_
   alignas(32) __m256i am[kG], av[kG];
   alignas(32) float ims[kG], ivs[kG];
   alignas(32) uint32_t bms[kG], bvs[kG];
+  alignas(32) int32_t okms[kG], okvs[kG];  // -1: the group's scale is a number, 0: NaN (codes zeroed)
   RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));
   int64_t gb = begin;
   while (gb + kMom8Group <= end) {
@@ -352,21 +353,33 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t_in, int64_t begin, int64_
       av[g] = gv;
     }
     __m256 im, iv;
-    _mm256_store_si256(reinterpret_cast<__m256i*>(bms), scale_bits8(hmax8x8(am), M4 ? ladder_m4() : ladder_m8(), im));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(bvs), scale_bits8(hmax8x8(av), ladder_v8(), iv));
+    // the 8 groups' scales, 1 / s, and the masks that zero a NaN group's codes, each as one vector
+    const __m256i nan_scale = _mm256_set1_epi32(static_cast<int>(kMom8NaNScale));
+    const __m256i bmv = scale_bits8(hmax8x8(am), M4 ? ladder_m4() : ladder_m8(), im);
+    const __m256i bvv = scale_bits8(hmax8x8(av), ladder_v8(), iv);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bms), bmv);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bvs), bvv);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(okms), _mm256_xor_si256(_mm256_cmpeq_epi32(bmv, nan_scale), _mm256_set1_epi32(-1)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(okvs), _mm256_xor_si256(_mm256_cmpeq_epi32(bvv, nan_scale), _mm256_set1_epi32(-1)));
     _mm256_store_ps(ims, im);
     _mm256_store_ps(ivs, iv);
+    if (n == kG) {  // a whole block: the 8 scales of each moment in one store
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(t.sm + j0), pack_u16x8(bmv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(t.sv + j0), pack_u16x8(bvv));
+    } else {
+      for (int g = 0; g < n; ++g) {
+        t.sm[j0 + g] = static_cast<uint16_t>(bms[g]);
+        t.sv[j0 + g] = static_cast<uint16_t>(bvs[g]);
+      }
+    }
     for (int g = 0; g < n; ++g) {
-      t.sm[j0 + g] = static_cast<uint16_t>(bms[g]);
-      t.sv[j0 + g] = static_cast<uint16_t>(bvs[g]);
       const __m256 img = _mm256_set1_ps(ims[g]), ivg = _mm256_set1_ps(ivs[g]);
       const float* mg = mb + g * kMom8Group;
       const float* vg = vb + g * kMom8Group;
       const uint32_t* rg = rb + g * kMom8Group;
       // codes, two vectors of 8 at a time packed to int16 (packs: exact, codes in [0, 255]); a NaN
       // group's codes 0
-      const __m256i okm = _mm256_set1_epi32(bms[g] == kMom8NaNScale ? 0 : -1);
-      const __m256i okv = _mm256_set1_epi32(bvs[g] == kMom8NaNScale ? 0 : -1);
+      const __m256i okm = _mm256_set1_epi32(okms[g]), okv = _mm256_set1_epi32(okvs[g]);
       __m256i pm[2], pv[2];
 #pragma GCC unroll 1
       for (int h = 0; h < 2; ++h) {
