@@ -189,6 +189,41 @@ def test_grad_stats_bits_on_every_backend(dtype):
         pytest.skip("only the reference runs here")
 
 
+# (big lane, first small lane, lane distance of the pair): the two small ones meet each other at the
+# tree level of that distance (8, 4, 2), before either meets the big one's lanes
+# (lanes 2 and 4 beside a big lane 0 would not do: 4 meets 0 at distance 4, before 2)
+LANE_PAIR_CASES = [(big, small, d) for d in (8, 4, 2) for big, small in ((0, 1), (1, 0), (0, 2), (1, 2))
+                   if (big, small, d) != (0, 2, 2)]
+
+
+def _lane_pairing_grads(device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Blocks whose float32 sum of squares tells norm.h's lane pairs from others: a 1 and a 2^-12
+    (squares 1 + 2^-24, a float32 rounding tie) in lanes l and l+8, and two of 11 * 2^-30 (squares
+    121 * 2^-60: each lost against the 1 in fp64, the two together kept) in lanes l' and l'+d, which
+    the halves-tree adds to each other before the 1. Right pairs round the tie up, others to 1. The
+    cases put the small ones in odd lanes beside an even big one and the reverse (the AVX2 bf16 rows
+    keep even and odd elements apart), at each distance."""
+    out = []
+    for big, small, d in LANE_PAIR_CASES:
+        x = torch.zeros(300)  # a whole block and a partial one
+        x[big], x[big + 8] = 1.0, 2.0**-12
+        x[small], x[small + d] = 11 * 2.0**-30, 11 * 2.0**-30
+        out.append(x.to(dtype).to(device))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_grad_stats_lane_pairs(dtype):
+    spec = float(np.float32(1.0 + 2.0**-23))  # the tie rounded up by the kept small squares
+    for g in _lane_pairing_grads(torch.device("cpu"), dtype):  # the cases discriminate
+        x = _np64(g)
+        assert float(np.float32(_norm_order_np(x))) == spec
+        assert float(np.float32((1.0 + 121 * 2.0**-60) + 2.0**-24 + 121 * 2.0**-60)) != spec  # one at a time: lost
+    for p in _stat_paths():
+        s, _ = _stats(p, lambda dev: _lane_pairing_grads(dev, dtype), 1.0)
+        assert s.tolist() == [spec] * len(LANE_PAIR_CASES), f"{p}: {s.tolist()}"
+
+
 def test_grad_stats_order_sensitive_cases():
     inv = 0.125  # a power of two keeps the float32 rounding ties of the cases
     inv2 = inv * inv
