@@ -893,3 +893,39 @@ def test_mom8_reference_helpers_roundtrip():
         lo, hi = _ladder64.neighbours64(y, _ladder64.LADDERS[ladder][0])
         err = (dec.reshape(-1).double().abs() - vals.reshape(-1).double().abs()).abs()
         assert bool((err <= 0.5 * (hi - lo) * sg * 1.0001).all())
+
+
+# ---- the fused ladder forms (math.h ladder_value_scaled / ladder_encode) -----------------------------
+@pytest.mark.parametrize("mbits, codes", [(4, 256), (1, 8)])
+def test_fused_ladder_decode_and_encode_give_the_unfused_bits(mbits, codes):
+    """CUDA and the AVX2 / AVX-512 kernels decode u(q) * s as F * s - s and encode z = ax * inv + 1 with
+    one rounding, the scalar path and the reference with two: math.h's argument that both give the same
+    bits, checked here for every code and every scale of the format (powers of two 2^-126 .. 2^127, 0,
+    NaN) and for magnitudes whose ax * inv falls anywhere from the top code down below 2^-126. The fused
+    value is computed in float64, where the product and the sum are exact (or, for a sum below 2^-24,
+    round to 1 as float32 would); the unfused one in float32 arithmetic."""
+    q = torch.arange(codes, dtype=torch.int64)
+    f = ((q << (23 - mbits)) + 0x3F800000).to(torch.int32).view(torch.float32)  # F(q)
+    e = torch.arange(-126, 128, dtype=torch.float64)
+    s = torch.cat([torch.exp2(e), torch.tensor([0.0, math.nan], dtype=torch.float64)]).float()
+    F, S = f[:, None], s[None, :]
+    with torch.no_grad():
+        unfused = (F - 1.0) * S  # float32: two roundings
+        fused = (F.double() * S.double() - S.double()).float()  # one rounding of the exact value
+    assert torch.equal(unfused.view(torch.int32)[~unfused.isnan()], fused.view(torch.int32)[~fused.isnan()])
+    assert torch.equal(unfused.isnan(), fused.isnan()) and int(fused.isnan().sum()) == codes  # the NaN scale only
+    assert bool(torch.isinf(unfused).any())  # the range's top is in the check (a corrupt code x the top scale)
+
+    # encode: ax * inv spans (0, u_max] for inv = 1 / s over the scales, ax from random mantissas
+    gen = torch.Generator().manual_seed(5)
+    umax = float(f[-1]) - 1.0  # u of the top code
+    inv = torch.exp2(-e).float()
+    y_target = torch.exp2(-torch.rand(4096, generator=gen, dtype=torch.float64) * 160.0) * umax  # down to 2^-153
+    ax = (y_target[:, None] / inv.double()[None, :]).float()  # any float32 magnitude, subnormals included
+    INV = inv[None, :].expand_as(ax)
+    ok = torch.isfinite(ax) & (ax.double() * INV.double() <= umax)
+    a, iv = ax[ok], INV[ok]
+    unfused_z = a * iv + 1.0  # float32, two roundings
+    fused_z = (a.double() * iv.double() + 1.0).float()
+    assert a.numel() > 500_000 and bool((a.double() * iv.double() < 2.0**-126).any())
+    assert torch.equal(unfused_z.view(torch.int32), fused_z.view(torch.int32))

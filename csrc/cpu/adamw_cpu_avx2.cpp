@@ -176,21 +176,26 @@ MPK_AVX2 void adamw_avx2(const TensorPtrs& t_in, int64_t begin, int64_t end, con
 
 // ---- 8-bit moments, AVX2: one group of 32 = 4 x 8 lanes in registers -----------------------------
 
-// ---- ladder codes on 8 lanes (math.h ladder_*, mom8_*, mom4_*; the AVX-512 part's dither16 .. dec_v16
-// with and / or pairs for its ternary-logic ops), bit-identical to the scalar code.
+// ---- ladder codes on 8 lanes (math.h ladder_*, mom8_*, mom4_*; the AVX-512 part's dither16 .. dec_v16),
+// bit-identical to the scalar code.
+
+// The dither's random part: the field (lowest bit FIELD_LO of the word) moved to bits (12 - MB) ..
+// (22 - MB). The cell-centre bit (11 - MB) below it is ladder_enc8's constant.
 template <int FIELD_LO, int MB>
 MPK_AVX2 __attribute__((always_inline)) inline __m256i dither8(__m256i rw) {
   constexpr int sh = FIELD_LO - (12 - MB);
   const __m256i moved = sh >= 0 ? _mm256_srli_epi32(rw, sh) : _mm256_slli_epi32(rw, -sh);
-  return _mm256_or_si256(_mm256_and_si256(moved, _mm256_set1_epi32(0x7ff << (12 - MB))),
-                         _mm256_set1_epi32(1 << (11 - MB)));
+  return _mm256_and_si256(moved, _mm256_set1_epi32(0x7ff << (12 - MB)));
 }
 
+// ladder_encode with the dither's field from dither8: bits(z) + (field | centre) - bits(1.0) as two
+// adds, the centre bit and -bits(1.0) one constant (the field and the centre bit do not overlap).
 template <int MB>
-MPK_AVX2 __attribute__((always_inline)) inline __m256i ladder_enc8(__m256 ax, __m256 inv, __m256i dither) {
-  const __m256 z = _mm256_add_ps(_mm256_mul_ps(ax, inv), _mm256_set1_ps(1.0f));
-  const __m256i t = _mm256_add_epi32(_mm256_castps_si256(z), dither);
-  return _mm256_srli_epi32(_mm256_sub_epi32(t, _mm256_set1_epi32(0x3f800000)), 23 - MB);
+MPK_AVX2 __attribute__((always_inline)) inline __m256i ladder_enc8(__m256 ax, __m256 inv, __m256i field) {
+  const __m256 z = _mm256_fmadd_ps(ax, inv, _mm256_set1_ps(1.0f));  // = y + 1 bit for bit (math.h)
+  const __m256i t = _mm256_add_epi32(_mm256_castps_si256(z), field);
+  return _mm256_srli_epi32(_mm256_add_epi32(t, _mm256_set1_epi32(static_cast<int>((1u << (11 - MB)) - 0x3f800000u))),
+                           23 - MB);
 }
 
 // mom8_encode_m (MB 4, sign at bit 7) / mom4_encode_m (MB 1, sign at bit 3): int32 codes.
@@ -212,7 +217,7 @@ MPK_AVX2 __attribute__((always_inline)) inline __m256i enc_v8(__m256 v, __m256 i
 template <int MB>
 MPK_AVX2 __attribute__((always_inline)) inline __m256 ladder_dec8(__m256i q, __m256 s) {
   const __m256 f = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(q, 23 - MB), _mm256_set1_epi32(0x3f800000)));
-  return _mm256_mul_ps(_mm256_sub_ps(f, _mm256_set1_ps(1.0f)), s);
+  return _mm256_fmsub_ps(f, s, s);  // = (f - 1) * s bit for bit (math.h, ladder_value_scaled)
 }
 
 // mom8_decode_m of 8 sign-magnitude bytes.

@@ -166,7 +166,7 @@ MPK_AVX512 __attribute__((always_inline)) inline __m512i dither16(__m512i rw) {
 // ladder_encode: magnitude codes of ax = |x| given 1 / s and the dither.
 template <int MB>
 MPK_AVX512 __attribute__((always_inline)) inline __m512i ladder_enc16(__m512 ax, __m512 inv, __m512i dither) {
-  const __m512 z = _mm512_add_ps(_mm512_mul_ps(ax, inv), _mm512_set1_ps(1.0f));
+  const __m512 z = _mm512_fmadd_ps(ax, inv, _mm512_set1_ps(1.0f));  // = y + 1 bit for bit (math.h)
   const __m512i t = _mm512_add_epi32(_mm512_castps_si512(z), dither);
   return _mm512_srli_epi32(_mm512_sub_epi32(t, _mm512_set1_epi32(0x3f800000)), 23 - MB);
 }
@@ -190,7 +190,7 @@ MPK_AVX512 __attribute__((always_inline)) inline __m512i enc_v16(__m512 v, __m51
 template <int MB>
 MPK_AVX512 __attribute__((always_inline)) inline __m512 ladder_dec16(__m512i q, __m512 s) {
   const __m512 f = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(q, 23 - MB), _mm512_set1_epi32(0x3f800000)));
-  return _mm512_mul_ps(_mm512_sub_ps(f, _mm512_set1_ps(1.0f)), s);
+  return _mm512_fmsub_ps(f, s, s);  // = (f - 1) * s bit for bit (math.h, ladder_value_scaled)
 }
 
 // mom8_decode_m of 16 sign-magnitude bytes: the magnitude bits masked after the shift, the byte's

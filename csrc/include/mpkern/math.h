@@ -432,10 +432,29 @@ MPK_HD float ladder_inv_scale(uint32_t scale_bits) {
 // u(q) of a magnitude code.
 MPK_HD float ladder_value(uint32_t q, int mbits) { return f32_from_bits(0x3f800000u + (q << (23 - mbits))) - 1.0f; }
 
-// The magnitude code of |x| (ax) given inv = ladder_inv_scale(s) and 16 random bits.
+// u(q) * s, s a scale (a power of two >= 2^-126, 0 or NaN). CUDA (and the AVX2 / AVX-512 kernels, with
+// their FMA intrinsics) computes it as F * s - s in one rounding: F - 1 is exact (F in [1, 2^9), 4
+// mantissa bits) and so is (F - 1) * s (a multiple of 2^-130, below 2^137: a normal or subnormal
+// float, or past the range either way), so the fused form rounds the same exact value -- the same
+// bits (0 * s - 0 = +0; a NaN s gives NaN), one operation fewer. (F * s - s in two roundings could
+// overflow where (F - 1) * s does not: the unfused form stays.)
+MPK_HD float ladder_value_scaled(uint32_t q, int mbits, float s) {
+#if defined(__CUDA_ARCH__)
+  return fmaf(f32_from_bits(0x3f800000u + (q << (23 - mbits))), s, -s);
+#else
+  return ladder_value(q, mbits) * s;
+#endif
+}
+
+// The magnitude code of |x| (ax) given inv = ladder_inv_scale(s) and 16 random bits. z = ax * inv + 1
+// in one rounding (CUDA, the AVX2 / AVX-512 kernels) or two is the same: ax * inv is exact (inv a
+// power of two) unless it falls below 2^-126, and then z rounds to 1 either way.
 MPK_HD uint32_t ladder_encode(float ax, float inv, uint32_t r16, int mbits) {
-  const float y = ax * inv;
-  const float z = y + 1.0f;
+#if defined(__CUDA_ARCH__)
+  const float z = fmaf(ax, inv, 1.0f);
+#else
+  const float z = ax * inv + 1.0f;
+#endif
   return (f32_bits(z) + (r16 << (7 - mbits)) - 0x3f800000u) >> (23 - mbits);
 }
 
@@ -443,11 +462,11 @@ MPK_HD uint32_t ladder_encode(float ax, float inv, uint32_t r16, int mbits) {
 MPK_HD uint32_t sign_at(float x, int at) { return (f32_bits(x) >> 31) << at; }
 
 MPK_HD float mom8_decode_m(uint8_t c, float s) {
-  const float x = ladder_value(c & 0x7fu, ladder_m8().mbits) * s;
+  const float x = ladder_value_scaled(c & 0x7fu, ladder_m8().mbits, s);
   return f32_from_bits(f32_bits(x) | (static_cast<uint32_t>(c & 0x80u) << 24));
 }
 
-MPK_HD float mom8_decode_v(uint8_t c, float s) { return ladder_value(c, ladder_v8().mbits) * s; }
+MPK_HD float mom8_decode_v(uint8_t c, float s) { return ladder_value_scaled(c, ladder_v8().mbits, s); }
 
 // exp_avg code (sign-magnitude byte) of m given inv = ladder_inv_scale(s_m) and 16 random bits.
 MPK_HD uint8_t mom8_encode_m(float m, float inv, uint32_t r16) {
@@ -473,7 +492,7 @@ MPK_HD uint8_t mom8_encode_v(float v, float inv, uint32_t r16) {
 MPK_HD uint32_t mom4_code(uint8_t byte, int64_t i) { return (i & 1) ? (byte >> 4) : (byte & 0xfu); }
 
 MPK_HD float mom4_decode_m(uint32_t nib, float s) {
-  const float x = ladder_value(nib & 7u, ladder_m4().mbits) * s;
+  const float x = ladder_value_scaled(nib & 7u, ladder_m4().mbits, s);
   return f32_from_bits(f32_bits(x) | ((nib & 8u) << 28));
 }
 
