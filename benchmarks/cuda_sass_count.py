@@ -5,8 +5,11 @@ cubin for one arch with nvcc, disassembles it with cuobjdump, and counts the ins
 main loop of the named kernel instances (static count: every instruction between the loop's head
 and its backward branch; out-of-line slow paths -- the IEEE divide/sqrt fallbacks that are CALLs --
 are not in it, cold branches inside it are). The main loop is the innermost loop that has the
-group-amax shuffles and the widest global loads. Per element = loop instructions / elements each
-thread updates per iteration (1 in the one-element-per-lane kernel, kVE = 8 after).
+group-amax shuffles and the widest global loads; where the kernel has two such loops (since issue 43
+stop 50: one for grads 16-byte aligned like the other buffers, the case of every grad autograd
+allocates, one for a grad view at another offset, which shifts its bytes into place), the main loop
+is the aligned one, the smaller, and the other is printed beside it. Per element = loop instructions /
+elements each thread updates per iteration (1 in the one-element-per-lane kernel, kVE = 8 after).
 
     python benchmarks/cuda_sass_count.py --arch sm_90            # working tree
     python benchmarks/cuda_sass_count.py --arch sm_90 --rev HEAD # a revision
@@ -122,18 +125,22 @@ def stats(body: list[str]) -> dict[str, int]:
     return s
 
 
-def main_loop(ins: list[tuple[int, str]]) -> list[str]:
-    best = None
+def wide_loops(ins: list[tuple[int, str]]) -> list[list[str]]:
+    """The loops with the group-amax shuffles and the widest global loads, smallest first."""
+    cands = []
     for lo, hi in loops(ins):
         body = [t for a, t in ins if lo <= a <= hi]
-        if not any("SHFL" in t for t in body):
-            continue
-        key = (max((width(t) for t in body if re.search(r"\bLDG?\.", t)), default=0), len(body))
-        if best is None or key > best[0]:
-            best = (key, body)
-    if best is None:
+        if any("SHFL" in t for t in body):
+            cands.append((max((width(t) for t in body if re.search(r"\bLDG?\.", t)), default=0), body))
+    if not cands:
         sys.exit("no loop with shuffles found")
-    return best[1]
+    widest = max(w for w, _ in cands)
+    return sorted((b for w, b in cands if w == widest), key=len)
+
+
+def main_loop(ins: list[tuple[int, str]]) -> list[str]:
+    """The main loop: the aligned-grad wide loop (the smaller of two), or the one wide loop."""
+    return wide_loops(ins)[0]
 
 
 def histogram(body: list[str], per: int, top: int = 24) -> str:
@@ -173,13 +180,17 @@ def main() -> None:
     for label, pdt, gdt, sdt, mode in INSTANCES:
         tag = f"adamw_kernelILi{pdt}ELi{gdt}ELi{sdt}ELi{mode}E"
         name = next(n for n in funcs if tag in n)
-        body = main_loop(funcs[name])
+        wide = wide_loops(funcs[name])
+        body = wide[0]
         s = stats(body)
         extra = ", ".join(f"{k} {v / per:.2f}" for k, v in s.items() if k != "instructions")
         print(f"  {label:12s} main loop {s['instructions']} instr / {per} elem per thread = "
               f"{s['instructions'] / per:.1f} instr/elem  (per elem: {extra})")
         if args.ops:
             print(histogram(body, per))
+        for other in wide[1:]:
+            n = stats(other)["instructions"]
+            print(f"  {'':12s} the loop for a grad at another offset: {n} instr = {n / per:.1f} instr/elem")
 
 
 if __name__ == "__main__":

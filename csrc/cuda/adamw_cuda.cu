@@ -158,21 +158,34 @@ __device__ __forceinline__ void adam_scalar(const AdamMeta& t, int64_t i, const 
   store_w<PDT, MODE>(t, i, p, r0, w0);
 }
 
-// rng_key out of line: the cold path of rng_words8 (a chunk whose elements leave the high index half
-// its key was computed for), kept out of the hot loop's instructions.
-__device__ __noinline__ uint32_t rng_key_cold(const RngKeys& keys, uint32_t hi) {
-  return rng_key(keys.seed, keys.stream, keys.step, hi);
+// The random keys of a compact-moment chunk's elements (rng_key of their high index half): a chunk
+// (fewer than 2^32 elements) spans at most two halves, so both keys are computed once per chunk and
+// no element needs the key's inputs again.
+struct ChunkKeys {
+  uint32_t hi;    // the high index half of the chunk's first element
+  uint32_t key;   // its key
+  uint32_t next;  // the key of half hi + 1 (= key when the chunk stays in one half)
+};
+
+__device__ __forceinline__ ChunkKeys chunk_keys(const RngKeys& k, uint64_t last) {
+  ChunkKeys c{k.hi, k.key, k.key};
+  if (static_cast<uint32_t>(last >> 32) != k.hi) c.next = rng_key(k.seed, k.stream, k.step, k.hi + 1u);
+  return c;
 }
 
-// The random words of elements e .. e + kVE - 1, one each: rng_word's, with the key of the eight
-// elements' high index half (and of the next half, when they cross a multiple of 2^32) looked up once.
-__device__ __forceinline__ void rng_words8(const RngKeys& keys, uint64_t e, uint32_t (&rw)[kVE]) {
-  const uint32_t lo = static_cast<uint32_t>(e), hi = static_cast<uint32_t>(e >> 32);
-  const uint32_t k0 = hi == keys.hi ? keys.key : rng_key_cold(keys, hi);
-  const bool wrap = lo > 0xffffffffu - (kVE - 1);
-  const uint32_t k1 = wrap ? rng_key_cold(keys, hi + 1u) : k0;
+// The random words of elements e .. e + kVE - 1 of the chunk, one each: rng_word's. SAME_HI: the
+// caller knows that the eight elements' high index half is the chunk's first (keys.hi).
+template <bool SAME_HI>
+__device__ __forceinline__ void rng_words8(const ChunkKeys& keys, uint64_t e, uint32_t (&rw)[kVE]) {
+  const uint32_t lo = static_cast<uint32_t>(e);
+  if constexpr (SAME_HI) {
 #pragma unroll
-  for (int k = 0; k < kVE; ++k) rw[k] = rng_bits(lo + k < lo ? k1 : k0, lo + k);
+    for (int k = 0; k < kVE; ++k) rw[k] = rng_bits(keys.key, lo + k);
+  } else {
+    const uint32_t k0 = static_cast<uint32_t>(e >> 32) == keys.hi ? keys.key : keys.next;
+#pragma unroll
+    for (int k = 0; k < kVE; ++k) rw[k] = rng_bits(lo + k < lo ? keys.next : k0, lo + k);  // wrapped: half hi + 1
+  }
 }
 
 // The fp32 masters of kVE elements starting at i (every buffer aligned there).
@@ -242,25 +255,31 @@ __device__ __forceinline__ void store8_w(const AdamMeta& t, int64_t i, const flo
 // One lane's kVE elements [i, i + kVE) of a compact-moment tensor (SDT kMom8, or kMom4: the 4-bit
 // exp_avg, two codes per byte), loaded: grads times factor, masters, codes (byte k of cm / cv is
 // element i + k's; kMom4: nibble k of cm.x), the group's old scales. WIDE: the buffers are aligned
-// (the grad at any offset: load8_shifted) and the elements inside the tensor: one access per buffer;
-// else per-element loads of the elements before `end` (the others read as 0).
+// and the elements inside the tensor: one access per buffer, the grad's too when GA (it is 16-byte
+// aligned at i; else it may sit at any offset: load8_shifted); else per-element loads of the elements
+// before `end` (the others read as 0).
 struct MomLane {
   float g[kVE], w[kVE];
   uint2 cm, cv;
   float sm, sv;
 };
 
-template <int PDT, int GDT, int SDT, int MODE, bool WIDE>
+template <int PDT, int GDT, int SDT, int MODE, bool WIDE, bool GA = false>
 __device__ __forceinline__ void mom_load(const AdamMeta& t, int64_t i, int64_t end, float factor, MomLane& x) {
   constexpr bool kM4 = SDT == kMom4;
   const uint8_t* __restrict__ CM = reinterpret_cast<const uint8_t*>(t.m);
   const uint8_t* __restrict__ CV = reinterpret_cast<const uint8_t*>(t.v);
   const void* G = reinterpret_cast<const void*>(t.g);
   const bool in = WIDE || i < end;  // a lane past the end reads no scale (its group may not exist)
-  x.sm = in ? bf16_to_f32(reinterpret_cast<const uint16_t*>(t.sm)[i / kMom8Group]) : 0.f;
-  x.sv = in ? bf16_to_f32(reinterpret_cast<const uint16_t*>(t.sv)[i / kMom8Group]) : 0.f;
+  const uint64_t grp = static_cast<uint64_t>(i) / kMom8Group;  // i >= 0: a shift
+  x.sm = in ? bf16_to_f32(reinterpret_cast<const uint16_t*>(t.sm)[grp]) : 0.f;
+  x.sv = in ? bf16_to_f32(reinterpret_cast<const uint16_t*>(t.sv)[grp]) : 0.f;
   if constexpr (WIDE) {
-    load8_shifted<GDT>(G, i, x.g);
+    if constexpr (GA) {
+      load8<GDT>(G, i, x.g);
+    } else {
+      load8_shifted<GDT>(G, i, x.g);
+    }
     load8_w<PDT, MODE>(t, i, x.w);
     x.cm = kM4 ? make_uint2(__ldcg(reinterpret_cast<const unsigned int*>(CM + (i >> 1))), 0u)
                : __ldcg(reinterpret_cast<const uint2*>(CM + i));
@@ -287,10 +306,11 @@ __device__ __forceinline__ uint32_t code_byte(uint2 w, int k) { return ((k < 4 ?
 // Update the lane's elements loaded by mom_load, take the group's amax over its four lanes (lane
 // quads are groups: the elements of a pass start at a multiple of 32), encode and store. Every lane
 // of the warp calls it (the shuffles); elements at or past `end` contribute 0 to the amax and are
-// not stored. The first lane of a quad writes the group's scales.
+// not stored. The first lane of a quad writes the group's scales. WIDE: also, every element of the
+// pass has the chunk key's high index half (mom_wide_passes).
 template <int PDT, int GDT, int SDT, int MODE, bool WIDE>
 __device__ __forceinline__ void mom_update(const AdamMeta& t, int64_t i, int64_t end, int lane, MomLane& x,
-                                           const AdamWConsts& cs, bool sr, const RngKeys& keys) {
+                                           const AdamWConsts& cs, bool sr, const ChunkKeys& keys) {
   constexpr bool kM4 = SDT == kMom4;
   float m[kVE], v[kVE];
   uint32_t am = 0u, av = 0u;
@@ -314,7 +334,7 @@ __device__ __forceinline__ void mom_update(const AdamMeta& t, int64_t i, int64_t
   const uint32_t bm = ladder_scale_bits(am, kM4 ? ladder_m4() : ladder_m8()), bv = ladder_scale_bits(av, ladder_v8());
   const float im = ladder_inv_scale(bm), iv = ladder_inv_scale(bv);
   uint32_t rw[kVE];
-  rng_words8(keys, static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i), rw);
+  rng_words8<WIDE>(keys, static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i), rw);
   uint32_t cm[2] = {0u, 0u}, cv[2] = {0u, 0u};
 #pragma unroll
   for (int k = 0; k < kVE; ++k) {
@@ -353,24 +373,49 @@ __device__ __forceinline__ void mom_update(const AdamMeta& t, int64_t i, int64_t
   }
   __syncwarp();  // every lane of the group has read the old scales (they are in registers) before one writes
   if ((lane & 3) == 0 && i < end) {
-    reinterpret_cast<uint16_t*>(t.sm)[i / kMom8Group] = static_cast<uint16_t>(bm);
-    reinterpret_cast<uint16_t*>(t.sv)[i / kMom8Group] = static_cast<uint16_t>(bv);
+    const uint64_t grp = static_cast<uint64_t>(i) / kMom8Group;
+    reinterpret_cast<uint16_t*>(t.sm)[grp] = static_cast<uint16_t>(bm);
+    reinterpret_cast<uint16_t*>(t.sv)[grp] = static_cast<uint16_t>(bv);
   }
+}
+
+// The whole warp passes of an aligned compact-moment tensor from wb (this warp's first pass) up to
+// `end`, in a chunk whose elements all have the chunk key's high index half: wide accesses, and the
+// random words from the chunk's key without a per-element check of the half. GA: the grad is 16-byte
+// aligned at every pass (one access), else load8_shifted. Returns the first pass not done.
+template <int PDT, int GDT, int SDT, int MODE, bool GA>
+__device__ __forceinline__ int64_t mom_wide_passes(const AdamMeta& t, int64_t wb, int64_t end, int warps, int lane,
+                                                   const AdamWConsts& cs, float factor, bool sr, const ChunkKeys& keys) {
+  for (; wb + kMomSpan <= end; wb += warps * kMomSpan) {
+    MomLane x;
+    mom_load<PDT, GDT, SDT, MODE, true, GA>(t, wb + lane * kVE, end, factor, x);
+    mom_update<PDT, GDT, SDT, MODE, true>(t, wb + lane * kVE, end, lane, x, cs, sr, keys);
+  }
+  return wb;
 }
 
 // The compact-moment elements [begin, end) of a chunk: warp passes of kMomSpan elements from the
 // chunk's start, lane l taking [pass + 8l, pass + 8l + 8) (a pass is 8 whole groups). Whole passes of
-// an aligned tensor use wide accesses; a tensor's last pass and every pass of an unaligned one use
-// per-element loads. (Two passes per iteration, loads first, took 114-162 registers and spilled.)
+// an aligned tensor use wide accesses (mom_wide_passes: for 16-bit grads a loop per grad alignment, so
+// the hot one has no alignment switch); a tensor's last pass, every pass of an unaligned one and every
+// pass of a chunk that crosses a multiple of 2^32 elements of its random stream use per-element loads.
+// (Two passes per iteration, loads first, took 114-162 registers and spilled.)
 template <int PDT, int GDT, int SDT, int MODE>
 __device__ __forceinline__ void adam_mom_chunk(const AdamMeta& t, int64_t begin, int64_t end, const AdamWConsts& cs,
-                                               float factor, bool sr, const RngKeys& keys) {
+                                               float factor, bool sr, const ChunkKeys& keys) {
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   int64_t wb = begin + (threadIdx.x >> 5) * kMomSpan;
-  for (; t.head == 0 && wb + kMomSpan <= end; wb += warps * kMomSpan) {
-    MomLane x;
-    mom_load<PDT, GDT, SDT, MODE, true>(t, wb + lane * kVE, end, factor, x);
-    mom_update<PDT, GDT, SDT, MODE, true>(t, wb + lane * kVE, end, lane, x, cs, sr, keys);
+  // wide passes need every element of the chunk in its first element's high index half (keys.hi): a
+  // chunk that crosses into the next half (once in 2^32 elements of a stream) takes the per-element path
+  const bool one_half = static_cast<uint32_t>((static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(end - 1)) >> 32) ==
+                        keys.hi;
+  if (t.head == 0 && one_half) {
+    // fp32 grads: one loop, load8_shifted's (a second loop took a kernel past its 128 registers: its
+    // chunk counter spilled)
+    if (GDT != kF32 && (t.g & 15) == 0)
+      wb = mom_wide_passes<PDT, GDT, SDT, MODE, GDT != kF32>(t, wb, end, warps, lane, cs, factor, sr, keys);
+    else
+      wb = mom_wide_passes<PDT, GDT, SDT, MODE, false>(t, wb, end, warps, lane, cs, factor, sr, keys);
   }
   for (; wb < end; wb += warps * kMomSpan) {
     MomLane x;
@@ -453,7 +498,8 @@ __global__ void __launch_bounds__(kAdamBlock, adam_min_blocks(SDT, MODE))
       keys = rng_keys(s.seed, t.stream, consts[ti].step,
                       static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(begin));
     if constexpr (moment_grouped(SDT)) {
-      adam_mom_chunk<PDT, GDT, SDT, MODE>(t, begin, end, cs, factor, s.sr, keys);
+      const ChunkKeys ck = chunk_keys(keys, static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(end - 1));
+      adam_mom_chunk<PDT, GDT, SDT, MODE>(t, begin, end, cs, factor, s.sr, ck);
       continue;
     }
     // vector body [vb, ve): starts at the tensor's common aligned element (chunks are multiples of kVE)
