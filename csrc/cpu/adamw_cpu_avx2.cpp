@@ -54,7 +54,10 @@ MPK_AVX2 __attribute__((always_inline)) inline void encode8(const TensorPtrs& t,
     // quiet NaN); c = byte 1 of t
     const __m256i u = _mm256_castps_si256(w);
     const __m256i tt = _mm256_add_epi32(u, _mm256_and_si256(rw, _mm256_set1_epi32(0xff)));
-    const __m256i h = bf16_keep_nan32(_mm256_srli_epi32(_mm256_add_epi32(tt, _mm256_set1_epi32(0x8000)), 16), w);
+    __m256i h = _mm256_srli_epi32(_mm256_add_epi32(tt, _mm256_set1_epi32(0x8000)), 16);
+    // a NaN master (rare: the step's found_inf skips a non-finite grad) keeps its quiet NaN; the
+    // test is one movemask, the blend only when a lane needs it
+    if (__builtin_expect(_mm256_movemask_ps(_mm256_cmp_ps(w, w, _CMP_UNORD_Q)) != 0, 0)) h = bf16_keep_nan32(h, w);
     store_byte8<1>(cdst, tt);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(hdst), pack_u16x8(h));
     return;
