@@ -165,7 +165,11 @@ def main() -> None:
         if args.rev:
             src_root = os.path.join(tmp, "tree")
             os.makedirs(src_root)
-            arch = subprocess.run(["git", "-C", ROOT, "archive", args.rev, "csrc"], capture_output=True, check=True)
+            # csrc/ and the codec table it includes (mpkern/codecs.def, since issue 43 stop 48), where the revision has it
+            has_def = subprocess.run(["git", "-C", ROOT, "cat-file", "-e", f"{args.rev}:mpkern/codecs.def"],
+                                     capture_output=True, check=False).returncode == 0
+            paths = ["csrc", "mpkern/codecs.def"] if has_def else ["csrc"]
+            arch = subprocess.run(["git", "-C", ROOT, "archive", args.rev, *paths], capture_output=True, check=True)
             subprocess.run(["tar", "-x", "-C", src_root], input=arch.stdout, check=True)
         cubin = os.path.join(tmp, "k.cubin")
         ptxas = compile_cubin(src_root, args.arch, cubin)
