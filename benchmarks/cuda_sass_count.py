@@ -165,7 +165,7 @@ def main() -> None:
         if args.rev:
             src_root = os.path.join(tmp, "tree")
             os.makedirs(src_root)
-            # csrc/ and the codec table it includes (mpkern/codecs.def, since issue 43 stop 48), where the revision has it
+            # csrc/ and the codec table it includes (mpkern/codecs.def, since issue 43 stop 48) where it exists
             has_def = subprocess.run(["git", "-C", ROOT, "cat-file", "-e", f"{args.rev}:mpkern/codecs.def"],
                                      capture_output=True, check=False).returncode == 0
             paths = ["csrc", "mpkern/codecs.def"] if has_def else ["csrc"]
