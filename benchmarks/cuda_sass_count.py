@@ -126,7 +126,8 @@ def stats(body: list[str]) -> dict[str, int]:
 
 
 def wide_loops(ins: list[tuple[int, str]]) -> list[list[str]]:
-    """The loops with the group-amax shuffles and the widest global loads, smallest first."""
+    """The loops with the group-amax shuffles and the widest global loads, smallest first: the first is
+    the main loop (the aligned-grad one where there are two)."""
     cands = []
     for lo, hi in loops(ins):
         body = [t for a, t in ins if lo <= a <= hi]
@@ -137,10 +138,6 @@ def wide_loops(ins: list[tuple[int, str]]) -> list[list[str]]:
     widest = max(w for w, _ in cands)
     return sorted((b for w, b in cands if w == widest), key=len)
 
-
-def main_loop(ins: list[tuple[int, str]]) -> list[str]:
-    """The main loop: the aligned-grad wide loop (the smaller of two), or the one wide loop."""
-    return wide_loops(ins)[0]
 
 
 def histogram(body: list[str], per: int, top: int = 24) -> str:

@@ -165,11 +165,13 @@ struct ChunkKeys {
   uint32_t hi;    // the high index half of the chunk's first element
   uint32_t key;   // its key
   uint32_t next;  // the key of half hi + 1 (= key when the chunk stays in one half)
+  bool one_half;  // every element of the chunk is in half hi
 };
 
+// `last`: the global index of the chunk's last element.
 __device__ __forceinline__ ChunkKeys chunk_keys(const RngKeys& k, uint64_t last) {
-  ChunkKeys c{k.hi, k.key, k.key};
-  if (static_cast<uint32_t>(last >> 32) != k.hi) c.next = rng_key(k.seed, k.stream, k.step, k.hi + 1u);
+  ChunkKeys c{k.hi, k.key, k.key, static_cast<uint32_t>(last >> 32) == k.hi};
+  if (!c.one_half) c.next = rng_key(k.seed, k.stream, k.step, k.hi + 1u);
   return c;
 }
 
@@ -407,15 +409,12 @@ __device__ __forceinline__ void adam_mom_chunk(const AdamMeta& t, int64_t begin,
   int64_t wb = begin + (threadIdx.x >> 5) * kMomSpan;
   // wide passes need every element of the chunk in its first element's high index half (keys.hi): a
   // chunk that crosses into the next half (once in 2^32 elements of a stream) takes the per-element path
-  const bool one_half = static_cast<uint32_t>((static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(end - 1)) >> 32) ==
-                        keys.hi;
-  if (t.head == 0 && one_half) {
+  if (t.head == 0 && keys.one_half) {
     // fp32 grads: one loop, load8_shifted's (a second loop took a kernel past its 128 registers: its
     // chunk counter spilled)
-    if (GDT != kF32 && (t.g & 15) == 0)
-      wb = mom_wide_passes<PDT, GDT, SDT, MODE, GDT != kF32>(t, wb, end, warps, lane, cs, factor, sr, keys);
-    else
-      wb = mom_wide_passes<PDT, GDT, SDT, MODE, false>(t, wb, end, warps, lane, cs, factor, sr, keys);
+    const bool aligned_grad = GDT != kF32 && (t.g & 15) == 0;
+    wb = aligned_grad ? mom_wide_passes<PDT, GDT, SDT, MODE, GDT != kF32>(t, wb, end, warps, lane, cs, factor, sr, keys)
+                      : mom_wide_passes<PDT, GDT, SDT, MODE, false>(t, wb, end, warps, lane, cs, factor, sr, keys);
   }
   for (; wb < end; wb += warps * kMomSpan) {
     MomLane x;
