@@ -8,8 +8,10 @@ are not in it, cold branches inside it are). The main loop is the innermost loop
 group-amax shuffles and the widest global loads; where the kernel has two such loops (since issue 43
 stop 50: one for grads 16-byte aligned like the other buffers, the case of every grad autograd
 allocates, one for a grad view at another offset, which shifts its bytes into place), the main loop
-is the aligned one, the smaller, and the other is printed beside it. Per element = loop instructions /
-elements each thread updates per iteration (1 in the one-element-per-lane kernel, kVE = 8 after).
+is the aligned one, the smaller, and the other is printed beside it; so is the two-stage loop (since
+issue 43 stop 51: the next pass's loads copied into shared memory, LDGSTS, while the current one updates;
+AdamConfig::stages 2), where the kernel has one. Per element = loop instructions / elements each thread
+updates per iteration (1 in the one-element-per-lane kernel, kVE = 8 after).
 
     python benchmarks/cuda_sass_count.py --arch sm_90            # working tree
     python benchmarks/cuda_sass_count.py --arch sm_90 --rev HEAD # a revision
@@ -125,6 +127,12 @@ def stats(body: list[str]) -> dict[str, int]:
     return s
 
 
+def staged_loops(ins: list[tuple[int, str]]) -> list[list[str]]:
+    """The loops with the group-amax shuffles whose loads are shared-memory copies (LDGSTS)."""
+    bodies = ([t for a, t in ins if lo <= a <= hi] for lo, hi in loops(ins))
+    return [b for b in bodies if any("SHFL" in t for t in b) and any("LDGSTS" in t for t in b)]
+
+
 def wide_loops(ins: list[tuple[int, str]]) -> list[list[str]]:
     """The loops with the group-amax shuffles and the widest global loads, smallest first: the first is
     the main loop (the aligned-grad one where there are two)."""
@@ -192,6 +200,11 @@ def main() -> None:
         for other in wide[1:]:
             n = stats(other)["instructions"]
             print(f"  {'':12s} the loop for a grad at another offset: {n} instr = {n / per:.1f} instr/elem")
+        for staged in staged_loops(funcs[name]):
+            n = stats(staged)["instructions"]
+            copies = sum("LDGSTS" in t for t in staged)
+            print(f"  {'':12s} the two-stage loop (stages 2): {n} instr = {n / per:.1f} instr/elem, "
+                  f"{copies} shared-memory copies per {per} elements")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ void table_cache_clear();
 std::string kernel_image_error(int64_t device_index);
 // csrc/cuda/adamw_cuda.cu: the AdamW kernel's launch shape (block, grid blocks per SM, chunk) for a
 // device and where it comes from; a shape set for every device (a sweep), and its removal.
-std::tuple<int64_t, int64_t, int64_t, std::string> adamw_config(int64_t device_index);
-void set_adamw_config(int64_t block, int64_t grid_per_sm, int64_t chunk);
+std::tuple<int64_t, int64_t, int64_t, int64_t, std::string> adamw_config(int64_t device_index);
+void set_adamw_config(int64_t block, int64_t grid_per_sm, int64_t chunk, int64_t stages);
 void clear_adamw_config();
 }  // namespace cuda
 }  // namespace mpkern
@@ -241,10 +241,10 @@ PYBIND11_MODULE(_C, mod) {
   mod.def("cuda_kernel_image_error", &mpkern::cuda::kernel_image_error,
           "Empty if this build has a kernel image (SASS or PTX) for the GPU, else the CUDA error");
   mod.def("cuda_adamw_config", &mpkern::cuda::adamw_config, pybind11::arg("device_index"),
-          "(block, grid blocks per SM, chunk, source) of the AdamW kernel's launch on a device: the arch's "
-          "measured row of adamw_cuda.cu's table, or the shape set_cuda_adamw_config set");
+          "(block, grid blocks per SM, chunk, stages, source) of the AdamW kernel's launch on a device: the "
+          "arch's measured row of adamw_cuda.cu's table, or the shape set_cuda_adamw_config set");
   mod.def("set_cuda_adamw_config", &mpkern::cuda::set_adamw_config, pybind11::arg("block"),
-          pybind11::arg("grid_per_sm"), pybind11::arg("chunk"),
+          pybind11::arg("grid_per_sm"), pybind11::arg("chunk"), pybind11::arg("stages"),
           "Launch the AdamW kernel with this shape on every device until clear_cuda_adamw_config (a sweep)");
   mod.def("clear_cuda_adamw_config", &mpkern::cuda::clear_adamw_config,
           "Back to each arch's shape from the table");

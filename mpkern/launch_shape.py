@@ -1,5 +1,8 @@
 """The launch shape of the CUDA AdamW kernel: threads per block, grid blocks per SM (the grid is
-``min(chunks, SMs x grid_per_sm)`` blocks striding over the chunks) and elements per chunk.
+``min(chunks, SMs x grid_per_sm)`` blocks striding over the chunks), elements per chunk, and the
+compact-moment kernels' load stages (1: each warp pass's loads held in registers; 2: the next pass's
+loads copied into shared memory while the current pass updates -- twice the bytes in flight per SM,
+at a few more instructions per element; the fp32 / bf16-moment kernels ignore it).
 
 Each GPU arch takes its shape from the table in ``csrc/cuda/adamw_cuda.cu`` (``kArchConfigs``: the
 measured best, with the run that measured it; the built-in default for an arch no run has swept).
@@ -25,6 +28,7 @@ class LaunchShape(NamedTuple):
     block: int
     grid_per_sm: int
     chunk: int
+    stages: int
     source: str
 
 
@@ -43,20 +47,20 @@ def adamw_shape(device: torch.device | str | int | None = None) -> LaunchShape:
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if dev.type != "cuda":
         raise ValueError(f"adamw_shape: device must be a CUDA device, got {dev}")
-    block, grid, chunk, source = _cuda_ext().cuda_adamw_config(dev.index if dev.index is not None else 0)
-    return LaunchShape(int(block), int(grid), int(chunk), str(source))
+    block, grid, chunk, stages, source = _cuda_ext().cuda_adamw_config(dev.index if dev.index is not None else 0)
+    return LaunchShape(int(block), int(grid), int(chunk), int(stages), str(source))
 
 
 @contextlib.contextmanager
-def adamw_shape_set(block: int, grid_per_sm: int, chunk: int) -> Iterator[None]:
+def adamw_shape_set(block: int, grid_per_sm: int, chunk: int, stages: int = 1) -> Iterator[None]:
     """Launch the AdamW kernel with this shape on every device inside the block, then go back to each
     arch's shape. ValueError (before anything changes) unless ``block`` is a multiple of 32 in [32, 256],
-    ``grid_per_sm`` in [1, 64] and ``chunk`` a multiple of 256 in [256, 65536]."""
-    for name, v in (("block", block), ("grid_per_sm", grid_per_sm), ("chunk", chunk)):
+    ``grid_per_sm`` in [1, 64], ``chunk`` a multiple of 256 in [256, 65536] and ``stages`` 1 or 2."""
+    for name, v in (("block", block), ("grid_per_sm", grid_per_sm), ("chunk", chunk), ("stages", stages)):
         if not isinstance(v, int) or isinstance(v, bool):
             raise TypeError(f"adamw_shape_set: {name} must be an int, got {v!r}")
     ext = _cuda_ext()
-    ext.set_cuda_adamw_config(block, grid_per_sm, chunk)
+    ext.set_cuda_adamw_config(block, grid_per_sm, chunk, stages)
     try:
         yield
     finally:

@@ -71,7 +71,7 @@ case $PROFILE in
     "precheck|10|ninja, torch CUDA vs nvcc --version, GPU capability (tools/gpu_check/precheck.py)"
     "build|120|MPKERN_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=<this GPU> pip install --no-build-isolation --no-deps -e . (cached when unchanged)"
     "device|10|CUDA kernels built + selected, mpkern info, copy bandwidth (1 GiB copy_, CUDA events)"
-    "sweep_adamw|30|the CUDA AdamW kernel's launch shape (block x grid/SM x chunk, 16 shapes), fp32 + 8-bit modes, 32M and GPT-2 layouts; the best -> kArchConfigs row"
+    "sweep_adamw|30|the CUDA AdamW kernel's launch shape (block x grid/SM x chunk x load stages, 32 shapes), fp32 + 8-bit modes, 32M and GPT-2 layouts; the best -> kArchConfigs row"
     "e2e_llama7b|70+|the seeds' 7B sentence: Llama-7B shape, bf16 init on the GPU, checkpointing, 1 x 2048; 5 recipes, OOM rows with mpkern plan's bytes"
     "compare|50|mpkern compare --device cuda at its built-in default"
     "e2e_batch|50|GPT-2 small: the largest batch AMP and mpkern 8-bit + 4-bit m + release fit under 12 GB, from batch 1"

@@ -21,9 +21,11 @@ needs_gpu = pytest.mark.skipif(not HAS_CUDA or not CUDA_BUILT, reason="needs a C
 # ---- the sweep's logic (no GPU) --------------------------------------------------------------------
 def test_sweep_shapes_are_all_valid_and_layouts_have_their_sizes():
     shapes = sweep.shapes()
-    assert len(shapes) == len(set(shapes)) == 16 and (256, 8, 65536) in shapes  # the built-in default among them
-    for block, grid, chunk in shapes:
+    assert len(shapes) == len(set(shapes)) == 32 and (256, 8, 65536, 1) in shapes  # the built-in default among them
+    for block, grid, chunk, stages in shapes:
         assert block % 32 == 0 and 32 <= block <= 256 and 1 <= grid <= 64 and chunk % 256 == 0 and chunk <= 65536
+        assert stages in (1, 2)
+    assert {s[3] for s in shapes} == {1, 2} and len({s[:3] for s in shapes}) == 16  # each shape at both stages
     assert sum(sweep.layout_sizes("uniform")) == 32_000_000
     assert sum(sweep.layout_sizes("gpt2")) == 124_439_808  # GPT-2 small's parameter count (tied embedding)
     # per layer 4 x 4096^2 = 67,108,864 + 3 x 4096 x 11008 = 135,266,304 + 2 x 4096 = 202,383,360; five layers
@@ -38,7 +40,7 @@ def _rows(times):
 
 
 def test_best_shape_is_the_geometric_mean_winner_over_the_cases_that_timed_it():
-    cur, a, b, c = (256, 8, 65536), (128, 4, 16384), (256, 16, 16384), (128, 2, 65536)
+    cur, a, b, c = (256, 8, 65536, 1), (128, 4, 16384, 2), (256, 16, 16384, 1), (128, 2, 65536, 2)
     times = {
         # a: 0.9x everywhere (geomean 0.9); b: 0.5x on one case, 1.2x on the others (0.5 * 1.2^3 = 0.864,
         # geomean 0.964); c: timed in one case only -> not a candidate, however fast
@@ -55,11 +57,11 @@ def test_best_shape_is_the_geometric_mean_winner_over_the_cases_that_timed_it():
     assert best["per_mode"]["fp32"]["relative_time"] == pytest.approx(0.6**0.5)
     assert best["per_mode"]["8bit"]["shape"] == list(a)
     with pytest.raises(ValueError, match="no row timed the current shape"):
-        sweep.best_shape(rows, (64, 1, 256))
+        sweep.best_shape(rows, (64, 1, 256, 1))
 
 
 def test_table_row_is_a_kArchConfigs_row():
-    assert sweep.table_row(9, 0, [128, 4, 16384], "run x") == '    {9, 0, {128, 4, 16384}, "run x"},'
+    assert sweep.table_row(9, 0, [128, 4, 16384, 2], "run x") == '    {9, 0, {128, 4, 16384, 2}, "run x"},'
 
 
 def test_sweep_command_line_refuses_bad_layouts(tmp_path):
@@ -79,11 +81,11 @@ def test_sweep_stage_plumbing_on_the_cpu(tmp_path, monkeypatch):
 
     state = {"shape": None}
     seen = []
-    fast = (128, 4, 16384)
+    fast = (128, 4, 16384, 2)
 
     @contextlib.contextmanager
-    def shape_set(block, grid, chunk):
-        state["shape"] = (block, grid, chunk)
+    def shape_set(block, grid, chunk, stages):
+        state["shape"] = (block, grid, chunk, stages)
         try:
             yield
         finally:
@@ -94,7 +96,7 @@ def test_sweep_stage_plumbing_on_the_cpu(tmp_path, monkeypatch):
         seen.append(state["shape"])
         return {"kernel_ms": 0.5 if state["shape"] == fast else 1.0, "wall_ms": 2.0}
 
-    monkeypatch.setattr(launch_shape, "adamw_shape", lambda dev=None: launch_shape.LaunchShape(256, 8, 65536, "t"))
+    monkeypatch.setattr(launch_shape, "adamw_shape", lambda dev=None: launch_shape.LaunchShape(256, 8, 65536, 1, "t"))
     monkeypatch.setattr(launch_shape, "adamw_shape_set", shape_set)
     monkeypatch.setattr(measure, "event_time", event_time)
     sizes = {"uniform": [300, 64], "gpt2": [1000, 7, 33]}
@@ -103,12 +105,12 @@ def test_sweep_stage_plumbing_on_the_cpu(tmp_path, monkeypatch):
     data = json.loads((tmp_path / "sweep_adamw.json").read_text())
     assert data["status"] == "done"
     rows = data["rows"]
-    assert len(rows) == 2 * len(sweep.MODES) * 16 and not any("error" in r for r in rows)
+    assert len(rows) == 2 * len(sweep.MODES) * 32 and not any("error" in r for r in rows)
     assert seen.count(None) == 0 and len(seen) == len(rows) and state["shape"] is None
     assert {tuple(r["shape"]) for r in rows} == set(sweep.shapes())
-    assert rows[0]["shape"] == [256, 8, 65536]  # the arch's shape first: the baseline of every case
+    assert rows[0]["shape"] == [256, 8, 65536, 1]  # the arch's shape first: the baseline of every case
     assert data["best"]["shape"] == list(fast) and data["best"]["relative_time"] == pytest.approx(0.5)
-    assert data["best"]["table_row"].startswith('    {0, 0, {128, 4, 16384}, "gpu_check sweep ')
+    assert data["best"]["table_row"].startswith('    {0, 0, {128, 4, 16384, 2}, "gpu_check sweep ')
 
 
 # ---- the override's checks (the CUDA build, no GPU) ---------------------------------------------------
@@ -117,7 +119,9 @@ def test_sweep_stage_plumbing_on_the_cpu(tmp_path, monkeypatch):
                                          ((100, 8, 65536), "block must be a multiple of 32"),
                                          ((256, 0, 65536), "grid_per_sm must be in"),
                                          ((256, 8, 1000), "chunk must be a multiple of 256"),
-                                         ((256, 8, 131072), "chunk must be a multiple of 256")])
+                                         ((256, 8, 131072), "chunk must be a multiple of 256"),
+                                         ((256, 8, 65536, 0), "stages must be 1 or 2"),
+                                         ((256, 8, 65536, 3), "stages must be 1 or 2")])
 def test_a_bad_shape_is_refused(shape, match):
     with pytest.raises(ValueError, match=match), launch_shape.adamw_shape_set(*shape):
         pass
@@ -126,6 +130,8 @@ def test_a_bad_shape_is_refused(shape, match):
 @needs_cuda_build
 def test_a_shape_must_be_ints():
     with pytest.raises(TypeError, match="block must be an int"), launch_shape.adamw_shape_set(256.0, 8, 65536):
+        pass
+    with pytest.raises(TypeError, match="stages must be an int"), launch_shape.adamw_shape_set(256, 8, 65536, 2.0):
         pass
 
 
@@ -142,8 +148,8 @@ def test_info_reports_the_launch_shape_only_where_the_cuda_kernels_run():
 def test_the_arch_takes_its_table_row_and_a_set_shape_wins_inside_the_block():
     shape = launch_shape.adamw_shape()
     assert shape.source and shape.source != "set_adamw_config"
-    with launch_shape.adamw_shape_set(128, 2, 16384):
-        assert launch_shape.adamw_shape()[:3] == (128, 2, 16384)
+    with launch_shape.adamw_shape_set(128, 2, 16384, 2):
+        assert launch_shape.adamw_shape()[:4] == (128, 2, 16384, 2)
         assert launch_shape.adamw_shape().source == "set_adamw_config"
     assert launch_shape.adamw_shape() == shape
 
@@ -165,10 +171,13 @@ def _train(master, state_dtype, shape):
 
 @needs_gpu
 @pytest.mark.parametrize("master,state_dtype", [(True, "float32"), ("remainder", "bfloat16"), ("8bit", "8bit"),
-                                                ("8bit", "4bit_m")])
+                                                ("8bit", "4bit_m"), (True, "8bit"), ("remainder", "8bit"),
+                                                (False, "8bit")])
 def test_every_shape_gives_the_same_bits(master, state_dtype):
-    ref_p, ref_s = _train(master, state_dtype, (256, 8, 65536))
-    for shape in [(128, 2, 16384), (256, 16, 256), (64, 1, 65536)]:
+    """Two load stages too: the compact kernels' shared-memory staging (every master kind that has its
+    own copy layout: fp32, remainder, 8-bit, none) against the one-stage default."""
+    ref_p, ref_s = _train(master, state_dtype, (256, 8, 65536, 1))
+    for shape in [(128, 2, 16384, 1), (256, 16, 256, 2), (64, 1, 65536, 1), (256, 8, 65536, 2), (128, 4, 16384, 2)]:
         ps, ss = _train(master, state_dtype, shape)
         for a, b in zip(ps, ref_p):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), shape

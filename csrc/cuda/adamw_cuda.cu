@@ -38,11 +38,14 @@ static_assert(kChunk % kMomSpan == 0 && kAdamBlock % 32 == 0 && kVE * 4 == kMom8
 // The launch shape of the update kernel, chosen per GPU arch (kArchConfigs) or set for a sweep
 // (set_adamw_config): threads per block (a multiple of 32, at most kAdamBlock, the launch bound the
 // kernels are compiled for), grid blocks per SM (the grid is min(chunks, SMs x grid_per_sm) blocks
-// striding over the chunks), elements per chunk (a multiple of kMomSpan, at most kChunk). Every
-// shape gives the same results bit for bit: the arithmetic and the random bits are per element.
+// striding over the chunks), elements per chunk (a multiple of kMomSpan, at most kChunk), and the
+// compact kernels' load stages (1: a warp pass's loads in registers; 2: the next pass's loads copied
+// into shared memory while the current one updates, mom_wide_passes_staged). Every shape gives the
+// same results bit for bit: the arithmetic and the random bits are per element.
 struct AdamConfig {
   int block, grid_per_sm;
   int64_t chunk;
+  int stages;
 };
 // The measured best shape per arch (major, minor; minor -1: any of that major), with the run that
 // measured it: `python -m tools.gpu_check.sweep` (the sweep_adamw stage of gpu_check.sh --profile scale)
@@ -53,7 +56,7 @@ struct ArchConfig {
   const char* source;
 };
 constexpr ArchConfig kArchConfigs[] = {
-    {0, -1, {kAdamBlock, 8, kChunk}, "built-in default: no sweep of this arch recorded yet"},
+    {0, -1, {kAdamBlock, 8, kChunk, 1}, "built-in default: no sweep of this arch recorded yet"},
 };
 
 struct AdamMeta {
@@ -77,6 +80,7 @@ struct AdamScalars {
   bool maximize, sr;
   uint32_t seed;
   int64_t chunk;  // elements per chunk (AdamConfig)
+  int stages;     // the compact kernels' load stages (AdamConfig)
 };
 
 struct TensorConsts {  // a tensor's constants for this step, computed once per tensor by prep_kernel
@@ -396,6 +400,175 @@ __device__ __forceinline__ int64_t mom_wide_passes(const AdamMeta& t, int64_t wb
   return wb;
 }
 
+// ---- the compact kernels' wide passes with the next pass's loads in flight (AdamConfig::stages 2) ----
+// The compact instances fit 2 blocks per SM in registers (more spill: RESULTS "Issue 43, stop 48"), and a
+// lane holds one pass's loads (~56 bytes) in registers: ~15-17 KB in flight per SM where an H200 needs
+// ~25 KB (RESULTS "The CUDA AdamW step on paper"). Staged, each lane copies its bytes of the warp's next
+// pass into its own shared-memory slots (cp.async: LDGSTS, no registers held) before it updates the
+// current pass, so two passes' loads are in flight. Only the lane that copied a slot reads it: a wait on
+// the lane's own copy groups, no barrier. The arithmetic is mom_update's: the same bits as one stage.
+
+// One asynchronous copy of N (4, 8 or 16) bytes from global src to shared dst (both N-byte aligned);
+// before sm_80 (no cp.async) a plain copy. cp_async_commit closes the lane's current group of copies;
+// cp_async_wait<K> returns when at most K of its groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async(void* dst, const void* src) {
+  static_assert(N == 4 || N == 8 || N == 16, "cp.async copies 4, 8 or 16 bytes");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  if constexpr (N == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(d), "l"(src), "n"(N) : "memory");
+  }
+#else
+  if constexpr (N == 16) {
+    *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
+  } else if constexpr (N == 8) {
+    *static_cast<uint2*>(dst) = *static_cast<const uint2*>(src);
+  } else {
+    *static_cast<uint32_t*>(dst) = *static_cast<const uint32_t*>(src);
+  }
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int K>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(K) : "memory");
+#endif
+}
+
+// A block's two stages of slots, one per thread and field: the 16-bit grad (16 bytes), the master or
+// param words (one or two 16-byte words: fp32 masters or params, or the bf16 param and its remainder;
+// the 8-bit master's param, with its correction bytes in c), the exp_avg codes (8 bytes; kMom4: 4), the
+// exp_avg_sq codes and the 4-byte words that hold the group's two bf16 scales. Field-major: a warp's
+// 16-byte reads of one field are 512 contiguous bytes (no bank conflict).
+template <int PDT, int MODE>
+struct MomStage {
+  static constexpr int kW = (MODE == kMasterF32 || MODE == kMasterRemainder || (MODE == kMasterNone && PDT == kF32))
+                                ? 2 : 1;
+  uint4 g[2][kAdamBlock];
+  uint4 w[2][kW][kAdamBlock];
+  uint2 c[2][MODE == kMaster8bit ? kAdamBlock : 1];
+  uint2 cm[2][kAdamBlock];
+  uint2 cv[2][kAdamBlock];
+  uint32_t sc[2][2][kAdamBlock];
+};
+
+// Lane copies of the kVE elements at i (a whole pass of an aligned tensor, its grad 16-byte aligned at i,
+// its scale buffers 4-byte aligned) into stage b, as one copy group.
+template <int PDT, int SDT, int MODE>
+__device__ __forceinline__ void mom_stage_issue(const AdamMeta& t, int64_t i, MomStage<PDT, MODE>& st, int b,
+                                                int tid) {
+  const char* P = reinterpret_cast<const char*>(t.p);
+  const char* W = reinterpret_cast<const char*>(t.master);
+  cp_async<16>(&st.g[b][tid], reinterpret_cast<const char*>(t.g) + 2 * i);
+  if constexpr (MODE == kMasterF32) {
+    cp_async<16>(&st.w[b][0][tid], W + 4 * i);
+    cp_async<16>(&st.w[b][1][tid], W + 4 * i + 16);
+  } else if constexpr (MODE == kMasterRemainder) {
+    cp_async<16>(&st.w[b][0][tid], P + 2 * i);
+    cp_async<16>(&st.w[b][1][tid], W + 2 * i);
+  } else if constexpr (MODE == kMaster8bit) {
+    cp_async<16>(&st.w[b][0][tid], P + 2 * i);
+    cp_async<8>(&st.c[b][tid], W + i);
+  } else if constexpr (PDT == kF32) {
+    cp_async<16>(&st.w[b][0][tid], P + 4 * i);
+    cp_async<16>(&st.w[b][1][tid], P + 4 * i + 16);
+  } else {
+    cp_async<16>(&st.w[b][0][tid], P + 2 * i);
+  }
+  if constexpr (SDT == kMom4) {
+    cp_async<4>(&st.cm[b][tid], reinterpret_cast<const char*>(t.m) + (i >> 1));
+  } else {
+    cp_async<8>(&st.cm[b][tid], reinterpret_cast<const char*>(t.m) + i);
+  }
+  cp_async<8>(&st.cv[b][tid], reinterpret_cast<const char*>(t.v) + i);
+  const uint64_t pair = (static_cast<uint64_t>(i) / kMom8Group) & ~uint64_t{1};  // the scale's 4-byte word
+  cp_async<4>(&st.sc[b][0][tid], reinterpret_cast<const uint16_t*>(t.sm) + pair);
+  cp_async<4>(&st.sc[b][1][tid], reinterpret_cast<const uint16_t*>(t.sv) + pair);
+  cp_async_commit();
+}
+
+__device__ __forceinline__ void cvt8_u16(const uint4 raw, int dt, float (&x)[kVE]) {
+  uint16_t h[kVE];
+  unpack16(raw, h);
+#pragma unroll
+  for (int k = 0; k < kVE; ++k) x[k] = dt == kBF16 ? bf16_to_f32(h[k]) : f16_to_f32(h[k]);
+}
+
+__device__ __forceinline__ void cvt8_f32(const uint4 a, const uint4 b, float (&x)[kVE]) {
+  const uint32_t w[kVE] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+  for (int k = 0; k < kVE; ++k) x[k] = __uint_as_float(w[k]);
+}
+
+// mom_load's MomLane (WIDE, GA) of the kVE elements at i from stage b: the same values from the same bytes.
+template <int PDT, int GDT, int SDT, int MODE>
+__device__ __forceinline__ void mom_stage_read(const MomStage<PDT, MODE>& st, int b, int tid, int64_t i, float factor,
+                                               MomLane& x) {
+  cvt8_u16(st.g[b][tid], GDT, x.g);
+  if constexpr (MODE == kMasterF32 || (MODE == kMasterNone && PDT == kF32)) {
+    cvt8_f32(st.w[b][0][tid], st.w[b][1][tid], x.w);
+  } else if constexpr (MODE == kMasterRemainder) {
+    uint16_t hi[kVE], lo[kVE];
+    unpack16(st.w[b][0][tid], hi);
+    unpack16(st.w[b][1][tid], lo);
+#pragma unroll
+    for (int k = 0; k < kVE; ++k) x.w[k] = join_master(hi[k], static_cast<int16_t>(lo[k]));
+  } else if constexpr (MODE == kMaster8bit) {
+    uint16_t hi[kVE];
+    unpack16(st.w[b][0][tid], hi);
+    const uint2 raw = st.c[b][tid];
+#pragma unroll
+    for (int k = 0; k < kVE; ++k) {
+      const int8_t c = static_cast<int8_t>(((k < 4 ? raw.x : raw.y) >> (8 * (k & 3))) & 0xffu);
+      x.w[k] = master8_decode(hi[k], c, PDT);
+    }
+  } else {
+    cvt8_u16(st.w[b][0][tid], PDT, x.w);
+  }
+  x.cm = SDT == kMom4 ? make_uint2(st.cm[b][tid].x, 0u) : st.cm[b][tid];
+  x.cv = st.cv[b][tid];
+  const uint32_t shift = static_cast<uint32_t>((static_cast<uint64_t>(i) / kMom8Group) & 1u) * 16u;
+  x.sm = bf16_to_f32(static_cast<uint16_t>(st.sc[b][0][tid] >> shift));
+  x.sv = bf16_to_f32(static_cast<uint16_t>(st.sc[b][1][tid] >> shift));
+#pragma unroll
+  for (int k = 0; k < kVE; ++k) x.g[k] *= factor;
+}
+
+// mom_wide_passes<..., GA = true> with two stages: pass wb + stride's copies are issued before pass wb is
+// updated. Returns the first pass not done; no copy is in flight on return (the next chunk reuses the slots).
+template <int PDT, int GDT, int SDT, int MODE>
+__device__ __forceinline__ int64_t mom_wide_passes_staged(const AdamMeta& t, int64_t wb, int64_t end, int warps,
+                                                          int lane, const AdamWConsts& cs, float factor, bool sr,
+                                                          const ChunkKeys& keys) {
+  __shared__ MomStage<PDT, MODE> st;
+  const int tid = threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(warps) * kMomSpan;
+  if (wb + kMomSpan <= end) mom_stage_issue<PDT, SDT, MODE>(t, wb + lane * kVE, st, 0, tid);
+  int b = 0;
+  for (; wb + kMomSpan <= end; wb += stride, b ^= 1) {
+    if (wb + stride + kMomSpan <= end) {
+      mom_stage_issue<PDT, SDT, MODE>(t, wb + stride + lane * kVE, st, b ^ 1, tid);
+      cp_async_wait<1>();  // this lane's copies of pass wb have landed (the next pass's may not have)
+    } else {
+      cp_async_wait<0>();
+    }
+    MomLane x;
+    mom_stage_read<PDT, GDT, SDT, MODE>(st, b, tid, wb + lane * kVE, factor, x);
+    mom_update<PDT, GDT, SDT, MODE, true>(t, wb + lane * kVE, end, lane, x, cs, sr, keys);
+  }
+  return wb;
+}
+
 // The compact-moment elements [begin, end) of a chunk: warp passes of kMomSpan elements from the
 // chunk's start, lane l taking [pass + 8l, pass + 8l + 8) (a pass is 8 whole groups). Whole passes of
 // an aligned tensor use wide accesses (mom_wide_passes: for 16-bit grads a loop per grad alignment, so
@@ -404,7 +577,7 @@ __device__ __forceinline__ int64_t mom_wide_passes(const AdamMeta& t, int64_t wb
 // (Two passes per iteration, loads first, took 114-162 registers and spilled.)
 template <int PDT, int GDT, int SDT, int MODE>
 __device__ __forceinline__ void adam_mom_chunk(const AdamMeta& t, int64_t begin, int64_t end, const AdamWConsts& cs,
-                                               float factor, bool sr, const ChunkKeys& keys) {
+                                               float factor, bool sr, const ChunkKeys& keys, int stages) {
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   int64_t wb = begin + (threadIdx.x >> 5) * kMomSpan;
   // wide passes need every element of the chunk in its first element's high index half (keys.hi): a
@@ -413,8 +586,18 @@ __device__ __forceinline__ void adam_mom_chunk(const AdamMeta& t, int64_t begin,
     // fp32 grads: one loop, load8_shifted's (a second loop took a kernel past its 128 registers: its
     // chunk counter spilled)
     const bool aligned_grad = GDT != kF32 && (t.g & 15) == 0;
-    wb = aligned_grad ? mom_wide_passes<PDT, GDT, SDT, MODE, GDT != kF32>(t, wb, end, warps, lane, cs, factor, sr, keys)
-                      : mom_wide_passes<PDT, GDT, SDT, MODE, false>(t, wb, end, warps, lane, cs, factor, sr, keys);
+    if constexpr (GDT != kF32) {
+      // two stages: the scales' 4-byte words copied whole (a scale buffer at an odd bf16 offset: one stage)
+      if (aligned_grad && stages == 2 && ((t.sm | t.sv) & 3) == 0) {
+        wb = mom_wide_passes_staged<PDT, GDT, SDT, MODE>(t, wb, end, warps, lane, cs, factor, sr, keys);
+      } else if (aligned_grad) {
+        wb = mom_wide_passes<PDT, GDT, SDT, MODE, true>(t, wb, end, warps, lane, cs, factor, sr, keys);
+      } else {
+        wb = mom_wide_passes<PDT, GDT, SDT, MODE, false>(t, wb, end, warps, lane, cs, factor, sr, keys);
+      }
+    } else {
+      wb = mom_wide_passes<PDT, GDT, SDT, MODE, false>(t, wb, end, warps, lane, cs, factor, sr, keys);
+    }
   }
   for (; wb < end; wb += warps * kMomSpan) {
     MomLane x;
@@ -498,7 +681,7 @@ __global__ void __launch_bounds__(kAdamBlock, adam_min_blocks(SDT, MODE))
                       static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(begin));
     if constexpr (moment_grouped(SDT)) {
       const ChunkKeys ck = chunk_keys(keys, static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(end - 1));
-      adam_mom_chunk<PDT, GDT, SDT, MODE>(t, begin, end, cs, factor, s.sr, ck);
+      adam_mom_chunk<PDT, GDT, SDT, MODE>(t, begin, end, cs, factor, s.sr, ck, s.stages);
       continue;
     }
     // vector body [vb, ve): starts at the tensor's common aligned element (chunks are multiples of kVE)
@@ -611,20 +794,22 @@ ConfigChoice config_for(int device_index) {
 
 }  // namespace
 
-std::tuple<int64_t, int64_t, int64_t, std::string> adamw_config(int64_t device_index) {
+std::tuple<int64_t, int64_t, int64_t, int64_t, std::string> adamw_config(int64_t device_index) {
   const ConfigChoice c = config_for(static_cast<int>(device_index));
-  return {c.config.block, c.config.grid_per_sm, c.config.chunk, std::string(c.source)};
+  return {c.config.block, c.config.grid_per_sm, c.config.chunk, c.config.stages, std::string(c.source)};
 }
 
-void set_adamw_config(int64_t block, int64_t grid_per_sm, int64_t chunk) {
+void set_adamw_config(int64_t block, int64_t grid_per_sm, int64_t chunk, int64_t stages) {
   TORCH_CHECK_VALUE(block >= 32 && block <= kAdamBlock && block % 32 == 0, "set_adamw_config: block must be a "
                     "multiple of 32 in [32, ", kAdamBlock, "] (the kernels' launch bound), got ", block);
   TORCH_CHECK_VALUE(grid_per_sm >= 1 && grid_per_sm <= 64, "set_adamw_config: grid_per_sm must be in [1, 64], got ",
                     grid_per_sm);
   TORCH_CHECK_VALUE(chunk >= kMomSpan && chunk <= kChunk && chunk % kMomSpan == 0, "set_adamw_config: chunk must be a "
                     "multiple of ", kMomSpan, " in [", kMomSpan, ", ", kChunk, "], got ", chunk);
+  TORCH_CHECK_VALUE(stages == 1 || stages == 2, "set_adamw_config: stages must be 1 or 2, got ", stages);
   const std::lock_guard<std::mutex> lock(g_config_mutex);
-  g_config_override = AdamConfig{static_cast<int>(block), static_cast<int>(grid_per_sm), chunk};
+  g_config_override = AdamConfig{static_cast<int>(block), static_cast<int>(grid_per_sm), chunk,
+                                 static_cast<int>(stages)};
 }
 
 void clear_adamw_config() {
@@ -712,6 +897,7 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
   s.sr = stochastic_rounding;
   s.seed = static_cast<uint32_t>(seed);
   s.chunk = cfg.chunk;
+  s.stages = cfg.stages;
   auto stream = at::cuda::getCurrentCUDAStream();
   // the step's per-tensor constants: a stream-ordered scratch buffer (from the graph pool under capture)
   const int count = static_cast<int>(n);

@@ -228,8 +228,11 @@ __device__ __forceinline__ void load8_u16(const void* base, int64_t i, uint16_t 
   unpack16(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + i), h);
 }
 
+// One 16-byte store (st.global.wb, the default write-back policy): a plain uint4 assignment is lowered to
+// four 4-byte stores that ptxas merges only where it proves the alignment itself (it stopped doing so in
+// the compact kernels once they had a shared-memory stage: 4 ST.E per 8 elements instead of one).
 __device__ __forceinline__ void store8_u16(void* base, int64_t i, const uint16_t (&h)[8]) {
-  *reinterpret_cast<uint4*>(static_cast<uint16_t*>(base) + i) = pack16(h);
+  __stwb(reinterpret_cast<uint4*>(static_cast<uint16_t*>(base) + i), pack16(h));
 }
 
 }  // namespace cuda

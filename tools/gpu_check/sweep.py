@@ -1,6 +1,7 @@
 """The sweep stage of ``scripts/gpu_check.sh --profile scale`` (issue 43 item 4): the CUDA AdamW
-kernel's launch shape -- threads per block, grid blocks per SM, elements per chunk -- timed over a
-few values each, so that one GPU run finds the best shape for its card.
+kernel's launch shape -- threads per block, grid blocks per SM, elements per chunk, the compact
+kernels' load stages -- timed over a few values each, so that one GPU run finds the best shape for its
+card.
 
 ``python -m tools.gpu_check.sweep --out DIR [--layouts uniform,gpt2] [--calls N]`` -> ``sweep_adamw.json``:
 one row per (layout, storage mode, shape) with the kernel time (``mpkern.measure.event_time``: CUDA
@@ -29,13 +30,16 @@ from typing import Any
 from .gpu import adamw_optimizer, free, log, meta, resolve
 from .harness import StageFile, run_stage, short_error
 
-__all__ = ["BLOCKS", "CHUNKS", "GRIDS", "LAYOUTS", "MODES", "best_shape", "layout_sizes", "main", "shapes",
+__all__ = ["BLOCKS", "CHUNKS", "GRIDS", "LAYOUTS", "MODES", "STAGES", "best_shape", "layout_sizes", "main", "shapes",
            "stage_sweep", "table_row"]
 
-#: the values swept (block: a multiple of 32 up to the launch bound 256; chunk: a multiple of 256 up to 65536)
+#: the values swept (block: a multiple of 32 up to the launch bound 256; chunk: a multiple of 256 up to 65536;
+#: stages: the compact kernels' loads in registers (1) or the next pass's staged in shared memory (2) --
+#: the fp32 kernel ignores it, and is timed under both so that every shape has every case)
 BLOCKS = (128, 256)
 GRIDS = (2, 4, 8, 16)
 CHUNKS = (16384, 65536)
+STAGES = (1, 2)
 #: (master_weights, state_dtype): the fp32 kernel and the compact one (their register budgets differ)
 MODES = ((True, "float32"), ("8bit", "8bit"))
 #: the layouts: today's benchmark and GPT-2 small as transformers builds it (tied 38.6M embedding,
@@ -45,12 +49,12 @@ DEFAULT_LAYOUTS = ("uniform", "gpt2")
 #: timing per shape: back-to-back calls per round, rounds (median), warm-up calls
 CALLS, ROUNDS, WARMUP = 5, 3, 1
 
-Shape = tuple[int, int, int]
+Shape = tuple[int, int, int, int]
 
 
 def shapes() -> list[Shape]:
-    """Every (block, grid_per_sm, chunk) of the sweep."""
-    return list(itertools.product(BLOCKS, GRIDS, CHUNKS))
+    """Every (block, grid_per_sm, chunk, stages) of the sweep."""
+    return list(itertools.product(BLOCKS, GRIDS, CHUNKS, STAGES))
 
 
 def layout_sizes(name: str) -> list[int]:
@@ -97,8 +101,8 @@ def best_shape(rows: Iterable[dict[str, Any]], current: Shape) -> dict[str, Any]
 
 def table_row(major: int, minor: int, shape: Sequence[int], source: str) -> str:
     """The ``kArchConfigs`` row of ``csrc/cuda/adamw_cuda.cu`` for an arch and its best shape."""
-    block, grid, chunk = (int(x) for x in shape)
-    return f'    {{{major}, {minor}, {{{block}, {grid}, {chunk}}}, "{source}"}},'
+    block, grid, chunk, stages = (int(x) for x in shape)
+    return f'    {{{major}, {minor}, {{{block}, {grid}, {chunk}, {stages}}}, "{source}"}},'
 
 
 def stage_sweep(out: str, layouts: Sequence[str] = DEFAULT_LAYOUTS, *, calls: int = CALLS, device: Any = None,
@@ -117,8 +121,8 @@ def stage_sweep(out: str, layouts: Sequence[str] = DEFAULT_LAYOUTS, *, calls: in
     for lay in layouts:
         sizes_of(lay)  # ValueError for an unknown name, before anything runs
     dev = resolve(device)
-    block, grid, chunk, source = adamw_shape(dev)
-    current: Shape = (block, grid, chunk)
+    block, grid, chunk, stages, source = adamw_shape(dev)
+    current: Shape = (block, grid, chunk, stages)
     sf = StageFile(os.path.join(out, "sweep_adamw.json"), "sweep_adamw", kernel="adamw", backend=backend)
     cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
     gpu_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
