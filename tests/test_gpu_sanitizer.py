@@ -369,7 +369,8 @@ def test_stage_with_a_stand_in_sanitizer_runs_both_tools(tmp_path):
     assert (mem["status"], mem["errors"], race["status"], race["errors"]) == ("errors", 1, "clean", 0)
     assert mem["calls_done"] == mem["calls_planned"] > race["calls_done"] == race["calls_planned"] > 0
     race_labels = _labels((tmp_path / "out" / "sanitizer_racecheck.log").read_text())
-    assert race_labels and all(lb.startswith(("unscale ", "grad_stats ")) for lb in race_labels)
+    assert race_labels and all(lb.startswith(("unscale ", "grad_stats ", "adamw_staged ")) for lb in race_labels)
+    assert any(lb.startswith("adamw_staged ") for lb in race_labels)  # the two-stage loop's shared memory
     [finding] = data["findings"]
     assert finding["kernel"] == "prep_kernel" and finding["label"].startswith("adamw ")
     # memcheck filters on every kernel, racecheck on the shared-memory ones, by the mangled length-prefixed name

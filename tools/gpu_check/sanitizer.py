@@ -46,7 +46,7 @@ FILE = "sanitizer.json"
 #: tool -> (workload arguments, whether it checks only the kernels with shared memory)
 TOOLS: dict[str, tuple[tuple[str, ...], bool]] = {
     "memcheck": ((), False),
-    "racecheck": (("--only", "unscale,grad_stats", "--sizes", "few"), True),
+    "racecheck": (("--only", "unscale,grad_stats,adamw_staged", "--sizes", "few"), True),
 }
 #: compute-sanitizer's exit code when the workload succeeded but the tool found errors
 ERROR_EXIT = 19

@@ -16,6 +16,11 @@ runs every call to prove each one valid):
   storage registry's list, for bf16, fp16 and fp32 params, plus fp32 grads on bf16 params and
   amsgrad where a moment kind keeps it) over a list of sizes around the vector width, the compact
   moments' warp pass and the chunk, with param and grad aligned or at element offsets.
+* ``adamw_staged``: the compact moment modes (codes with a scale per group) under two load stages
+  (:func:`mpkern.launch_shape.adamw_shape_set` with ``stages=2``: each lane copies the warp's next pass
+  into shared memory while it updates the current one), on aligned bf16 and fp16 params and grads --
+  the calls that reach that loop, for racecheck as well as memcheck. With ``--device cpu`` the same
+  calls without the shape (a CUDA setting).
 
 Every view ends at the end of its allocation, so that a read past a tensor's last element leaves
 the allocation (with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, which the stage sets, each tensor is its
@@ -59,7 +64,7 @@ PARAM_GRAD = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), 
               (torch.bfloat16, torch.float32))
 #: AdamW views: (label, param offset, grad offset); the most error-prone first
 ADAM_VIEWS = (("p@1 g@3", 1, 3), ("p@0 g@1", 0, 1), ("aligned", 0, 0))
-FAMILIES = ("unscale", "grad_stats", "adamw")
+FAMILIES = ("unscale", "grad_stats", "adamw", "adamw_staged")
 SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -204,6 +209,30 @@ def adamw_calls(mk: Maker, few: bool, backend: str) -> Iterator[Ranked]:
                              lr=torch.tensor(1e-3, device=mk.device)))
 
 
+def adamw_staged_calls(mk: Maker, few: bool, backend: str) -> Iterator[Ranked]:
+    """The ``adamw_staged`` family (see the module doc): one step per compact moment mode with a kernel
+    on ``backend``, params and grads aligned, every size of :func:`adam_sizes` (whole warp passes and the
+    per-element tail after them)."""
+    from mpkern import codecs, launch_shape
+
+    for pdt in (torch.bfloat16, torch.float16):
+        for mw, sd, name in adam_modes(pdt, "cuda"):
+            if not codecs.MOMENT_CODECS[storage.moment_kind(sd).codec].grouped:
+                continue
+            label = f"adamw_staged p={SHORT[pdt]} g={SHORT[pdt]} mode={name} view=aligned stages=2"
+            if (mw, sd) not in storage.modes(pdt, backend=backend):
+                print(f"note: {label} skipped: the {backend} backend has no kernel for this mode", flush=True)
+                continue
+
+            def step(pdt: torch.dtype = pdt, mw: Any = mw, sd: str = sd) -> Any:
+                if backend != "cuda":
+                    return adam_step(mk, pdt, pdt, mw, sd, 0, 0, few)
+                with launch_shape.adamw_shape_set(256, 8, CHUNK, stages=2):
+                    return adam_step(mk, pdt, pdt, mw, sd, 0, 0, few)
+
+            yield 0, label, step
+
+
 def calls(device: torch.device, only: tuple[str, ...] = FAMILIES, few: bool = False) -> list[Call]:
     """The labelled calls of the families in ``only``, by rank (see :data:`Ranked`), then family."""
     mk = Maker(device)
@@ -215,6 +244,8 @@ def calls(device: torch.device, only: tuple[str, ...] = FAMILIES, few: bool = Fa
         ranked += grad_stats_calls(mk, few)
     if "adamw" in only:
         ranked += adamw_calls(mk, few, backend)
+    if "adamw_staged" in only:
+        ranked += adamw_staged_calls(mk, few, backend)
     return [(label, fn) for _, label, fn in sorted(ranked, key=lambda r: r[0])]
 
 
