@@ -449,7 +449,9 @@ __device__ __forceinline__ void cp_async_wait() {
 // param words (one or two 16-byte words: fp32 masters or params, or the bf16 param and its remainder;
 // the 8-bit master's param, with its correction bytes in c), the exp_avg codes (8 bytes; kMom4: 4), the
 // exp_avg_sq codes and the 4-byte words that hold the group's two bf16 scales. Field-major: a warp's
-// 16-byte reads of one field are 512 contiguous bytes (no bank conflict).
+// 16-byte reads of one field are 512 contiguous bytes (no bank conflict). It lives in the launch's
+// dynamic shared memory, which the host gives only a two-stage launch (mom_stage_bytes): a one-stage
+// launch reserves none, as before the stages existed.
 template <int PDT, int MODE>
 struct MomStage {
   static constexpr int kW = (MODE == kMasterF32 || MODE == kMasterRemainder || (MODE == kMasterNone && PDT == kF32))
@@ -550,7 +552,8 @@ template <int PDT, int GDT, int SDT, int MODE>
 __device__ __forceinline__ int64_t mom_wide_passes_staged(const AdamMeta& t, int64_t wb, int64_t end, int warps,
                                                           int lane, const AdamWConsts& cs, float factor, bool sr,
                                                           const ChunkKeys& keys) {
-  __shared__ MomStage<PDT, MODE> st;
+  extern __shared__ uint4 mom_stage_smem[];  // mom_stage_bytes(PDT, MODE) of dynamic shared memory
+  MomStage<PDT, MODE>& st = *reinterpret_cast<MomStage<PDT, MODE>*>(mom_stage_smem);
   const int tid = threadIdx.x;
   const int64_t stride = static_cast<int64_t>(warps) * kMomSpan;
   if (wb + kMomSpan <= end) mom_stage_issue<PDT, SDT, MODE>(t, wb + lane * kVE, st, 0, tid);
@@ -714,6 +717,27 @@ __global__ void __launch_bounds__(kPrepBlock) prep_kernel(const AdamMeta* __rest
 }
 
 using AdamKernel = void (*)(const AdamMeta*, const TensorConsts*, int, int64_t, AdamScalars);
+
+// The dynamic shared memory of a two-stage compact launch: its instance's MomStage (by param dtype and
+// master mode; 28-37 KB, under the 48 KB a launch may ask without opting in).
+template <int MODE>
+size_t mom_stage_bytes_m(int32_t pdt) {
+  switch (pdt) {
+    case kF32: return sizeof(MomStage<kF32, MODE>);
+    case kF16: return sizeof(MomStage<kF16, MODE>);
+    default: return sizeof(MomStage<kBF16, MODE>);
+  }
+}
+size_t mom_stage_bytes(int32_t pdt, int64_t mode) {
+  switch (mode) {
+    case kMasterF32: return mom_stage_bytes_m<kMasterF32>(pdt);
+    case kMasterRemainder: return mom_stage_bytes_m<kMasterRemainder>(pdt);
+    case kMaster8bit: return mom_stage_bytes_m<kMaster8bit>(pdt);
+    default: return mom_stage_bytes_m<kMasterNone>(pdt);
+  }
+}
+static_assert(sizeof(MomStage<kF32, kMasterF32>) <= 48 * 1024 && sizeof(MomStage<kBF16, kMaster8bit>) <= 48 * 1024,
+              "a two-stage launch asks at most 48 KB of dynamic shared memory (no opt-in attribute)");
 
 template <int PDT, int GDT, int MODE>
 AdamKernel pick_s(int32_t sdt) {
@@ -908,7 +932,10 @@ void adamw_step_cuda_(at::TensorList params, at::TensorList grads, at::TensorLis
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   for (const Launch& L : launches) {
     if (L.chunks == 0) continue;
-    pick(L.pdt, L.gdt, L.sdt, master_mode)<<<grid_for(L.chunks, cfg.grid_per_sm), cfg.block, 0, stream>>>(
+    // two stages: the compact kernels' slots (only a 16-bit grad's kernel stages its loads)
+    const size_t smem = cfg.stages == 2 && moment_grouped(L.sdt) && L.gdt != kF32 ? mom_stage_bytes(L.pdt, master_mode)
+                                                                                  : 0;
+    pick(L.pdt, L.gdt, L.sdt, master_mode)<<<grid_for(L.chunks, cfg.grid_per_sm), cfg.block, smem, stream>>>(
         meta + L.first, consts + L.first, L.count, L.chunks, s);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
