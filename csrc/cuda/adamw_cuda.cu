@@ -194,30 +194,66 @@ __device__ __forceinline__ void rng_words8(const ChunkKeys& keys, uint64_t e, ui
   }
 }
 
-// The fp32 masters of kVE elements starting at i (every buffer aligned there).
+// 16-byte words holding kVE elements' masters (or params): two for fp32 masters or params and for the
+// bf16 param + remainder pair, one else (the 8-bit master's param, its correction bytes beside it).
 template <int PDT, int MODE>
-__device__ __forceinline__ void load8_w(const AdamMeta& t, int64_t i, float (&p)[kVE]) {
-  const void* P = reinterpret_cast<const void*>(t.p);
-  if constexpr (MODE == kMasterF32) {
-    load8<kF32>(reinterpret_cast<const void*>(t.master), i, p);
+constexpr int master_words() {
+  return (MODE == kMasterF32 || MODE == kMasterRemainder || (MODE == kMasterNone && PDT == kF32)) ? 2 : 1;
+}
+
+// The fp32 masters of kVE elements from their bytes: w (master_words of them) and c, the 8-bit corrections.
+template <int PDT, int MODE>
+__device__ __forceinline__ void masters8_from_raw(const uint4 (&w)[2], const uint2 c, float (&p)[kVE]) {
+  if constexpr (MODE == kMasterF32 || (MODE == kMasterNone && PDT == kF32)) {
+    float a[4], b[4];
+    vec_from_raw<kF32>(w[0], a);
+    vec_from_raw<kF32>(w[1], b);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) { p[k] = a[k]; p[k + 4] = b[k]; }
   } else if constexpr (MODE == kMasterRemainder) {
     uint16_t hi[kVE], lo[kVE];
-    load8_u16(P, i, hi);
-    load8_u16(reinterpret_cast<const void*>(t.master), i, lo);
+    unpack16(w[0], hi);
+    unpack16(w[1], lo);
 #pragma unroll
     for (int k = 0; k < kVE; ++k) p[k] = join_master(hi[k], static_cast<int16_t>(lo[k]));
   } else if constexpr (MODE == kMaster8bit) {
     uint16_t hi[kVE];
-    load8_u16(P, i, hi);
-    const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(reinterpret_cast<const int8_t*>(t.master) + i));
+    unpack16(w[0], hi);
 #pragma unroll
     for (int k = 0; k < kVE; ++k) {
-      const int8_t c = static_cast<int8_t>(((k < 4 ? raw.x : raw.y) >> (8 * (k & 3))) & 0xffu);
-      p[k] = master8_decode(hi[k], c, PDT);
+      const int8_t ck = static_cast<int8_t>(((k < 4 ? c.x : c.y) >> (8 * (k & 3))) & 0xffu);
+      p[k] = master8_decode(hi[k], ck, PDT);
     }
   } else {
-    load8<PDT>(P, i, p);
+    vec_from_raw<PDT>(w[0], p);
   }
+}
+
+// Where kVE elements' master bytes starting at i are: the master_words 16-byte words and the 8 bytes of
+// 8-bit corrections (null where the mode has none).
+struct MasterSrc {
+  const char* w[2];
+  const char* c;
+};
+template <int PDT, int MODE>
+__device__ __forceinline__ MasterSrc master_src(const AdamMeta& t, int64_t i) {
+  const char* P = reinterpret_cast<const char*>(t.p);
+  const char* W = reinterpret_cast<const char*>(t.master);
+  if constexpr (MODE == kMasterF32) return {{W + 4 * i, W + 4 * i + 16}, nullptr};
+  if constexpr (MODE == kMasterRemainder) return {{P + 2 * i, W + 2 * i}, nullptr};
+  if constexpr (MODE == kMaster8bit) return {{P + 2 * i, nullptr}, W + i};
+  return {{P + elem_bytes<PDT>() * i, PDT == kF32 ? P + 4 * i + 16 : nullptr}, nullptr};
+}
+
+// The fp32 masters of kVE elements starting at i (every buffer aligned there).
+template <int PDT, int MODE>
+__device__ __forceinline__ void load8_w(const AdamMeta& t, int64_t i, float (&p)[kVE]) {
+  const MasterSrc src = master_src<PDT, MODE>(t, i);
+  uint4 w[2] = {*reinterpret_cast<const uint4*>(src.w[0]), {}};
+  if constexpr (master_words<PDT, MODE>() == 2) w[1] = *reinterpret_cast<const uint4*>(src.w[1]);
+  uint2 c = {};
+  if constexpr (MODE == kMaster8bit) c = __ldcg(reinterpret_cast<const uint2*>(src.c));
+  masters8_from_raw<PDT, MODE>(w, c, p);
 }
 
 // Store the updated masters p of kVE elements starting at i and the params; rw = their random words.
@@ -454,10 +490,8 @@ __device__ __forceinline__ void cp_async_wait() {
 // launch reserves none, as before the stages existed.
 template <int PDT, int MODE>
 struct MomStage {
-  static constexpr int kW = (MODE == kMasterF32 || MODE == kMasterRemainder || (MODE == kMasterNone && PDT == kF32))
-                                ? 2 : 1;
   uint4 g[2][kAdamBlock];
-  uint4 w[2][kW][kAdamBlock];
+  uint4 w[2][master_words<PDT, MODE>()][kAdamBlock];
   uint2 c[2][MODE == kMaster8bit ? kAdamBlock : 1];
   uint2 cm[2][kAdamBlock];
   uint2 cv[2][kAdamBlock];
@@ -469,24 +503,11 @@ struct MomStage {
 template <int PDT, int SDT, int MODE>
 __device__ __forceinline__ void mom_stage_issue(const AdamMeta& t, int64_t i, MomStage<PDT, MODE>& st, int b,
                                                 int tid) {
-  const char* P = reinterpret_cast<const char*>(t.p);
-  const char* W = reinterpret_cast<const char*>(t.master);
   cp_async<16>(&st.g[b][tid], reinterpret_cast<const char*>(t.g) + 2 * i);
-  if constexpr (MODE == kMasterF32) {
-    cp_async<16>(&st.w[b][0][tid], W + 4 * i);
-    cp_async<16>(&st.w[b][1][tid], W + 4 * i + 16);
-  } else if constexpr (MODE == kMasterRemainder) {
-    cp_async<16>(&st.w[b][0][tid], P + 2 * i);
-    cp_async<16>(&st.w[b][1][tid], W + 2 * i);
-  } else if constexpr (MODE == kMaster8bit) {
-    cp_async<16>(&st.w[b][0][tid], P + 2 * i);
-    cp_async<8>(&st.c[b][tid], W + i);
-  } else if constexpr (PDT == kF32) {
-    cp_async<16>(&st.w[b][0][tid], P + 4 * i);
-    cp_async<16>(&st.w[b][1][tid], P + 4 * i + 16);
-  } else {
-    cp_async<16>(&st.w[b][0][tid], P + 2 * i);
-  }
+  const MasterSrc src = master_src<PDT, MODE>(t, i);
+  cp_async<16>(&st.w[b][0][tid], src.w[0]);
+  if constexpr (master_words<PDT, MODE>() == 2) cp_async<16>(&st.w[b][1][tid], src.w[1]);
+  if constexpr (MODE == kMaster8bit) cp_async<8>(&st.c[b][tid], src.c);
   if constexpr (SDT == kMom4) {
     cp_async<4>(&st.cm[b][tid], reinterpret_cast<const char*>(t.m) + (i >> 1));
   } else {
@@ -499,44 +520,14 @@ __device__ __forceinline__ void mom_stage_issue(const AdamMeta& t, int64_t i, Mo
   cp_async_commit();
 }
 
-__device__ __forceinline__ void cvt8_u16(const uint4 raw, int dt, float (&x)[kVE]) {
-  uint16_t h[kVE];
-  unpack16(raw, h);
-#pragma unroll
-  for (int k = 0; k < kVE; ++k) x[k] = dt == kBF16 ? bf16_to_f32(h[k]) : f16_to_f32(h[k]);
-}
-
-__device__ __forceinline__ void cvt8_f32(const uint4 a, const uint4 b, float (&x)[kVE]) {
-  const uint32_t w[kVE] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-  for (int k = 0; k < kVE; ++k) x[k] = __uint_as_float(w[k]);
-}
-
 // mom_load's MomLane (WIDE, GA) of the kVE elements at i from stage b: the same values from the same bytes.
 template <int PDT, int GDT, int SDT, int MODE>
 __device__ __forceinline__ void mom_stage_read(const MomStage<PDT, MODE>& st, int b, int tid, int64_t i, float factor,
                                                MomLane& x) {
-  cvt8_u16(st.g[b][tid], GDT, x.g);
-  if constexpr (MODE == kMasterF32 || (MODE == kMasterNone && PDT == kF32)) {
-    cvt8_f32(st.w[b][0][tid], st.w[b][1][tid], x.w);
-  } else if constexpr (MODE == kMasterRemainder) {
-    uint16_t hi[kVE], lo[kVE];
-    unpack16(st.w[b][0][tid], hi);
-    unpack16(st.w[b][1][tid], lo);
-#pragma unroll
-    for (int k = 0; k < kVE; ++k) x.w[k] = join_master(hi[k], static_cast<int16_t>(lo[k]));
-  } else if constexpr (MODE == kMaster8bit) {
-    uint16_t hi[kVE];
-    unpack16(st.w[b][0][tid], hi);
-    const uint2 raw = st.c[b][tid];
-#pragma unroll
-    for (int k = 0; k < kVE; ++k) {
-      const int8_t c = static_cast<int8_t>(((k < 4 ? raw.x : raw.y) >> (8 * (k & 3))) & 0xffu);
-      x.w[k] = master8_decode(hi[k], c, PDT);
-    }
-  } else {
-    cvt8_u16(st.w[b][0][tid], PDT, x.w);
-  }
+  vec_from_raw<GDT>(st.g[b][tid], x.g);
+  const uint4 w[2] = {st.w[b][0][tid], master_words<PDT, MODE>() == 2 ? st.w[b][master_words<PDT, MODE>() - 1][tid]
+                                                                      : uint4{}};
+  masters8_from_raw<PDT, MODE>(w, MODE == kMaster8bit ? st.c[b][tid] : uint2{}, x.w);
   x.cm = SDT == kMom4 ? make_uint2(st.cm[b][tid].x, 0u) : st.cm[b][tid];
   x.cv = st.cv[b][tid];
   const uint32_t shift = static_cast<uint32_t>((static_cast<uint64_t>(i) / kMom8Group) & 1u) * 16u;

@@ -121,10 +121,9 @@ __device__ __forceinline__ uint4 pack16(const uint16_t (&h)[8]) {
                     h[4] | (static_cast<uint32_t>(h[5]) << 16), h[6] | (static_cast<uint32_t>(h[7]) << 16));
 }
 
-// Load / store one 16-byte vector (element i must be 16-byte aligned) as Vec<DT>::N floats.
+// The Vec<DT>::N floats of one 16-byte vector's bytes.
 template <int DT>
-__device__ __forceinline__ void load_vec(const void* base, int64_t i, float (&x)[Vec<DT>::N]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const char*>(base) + i * elem_bytes<DT>());
+__device__ __forceinline__ void vec_from_raw(const uint4 raw, float (&x)[Vec<DT>::N]) {
   if constexpr (DT == kF32) {
     x[0] = __uint_as_float(raw.x); x[1] = __uint_as_float(raw.y);
     x[2] = __uint_as_float(raw.z); x[3] = __uint_as_float(raw.w);
@@ -134,6 +133,12 @@ __device__ __forceinline__ void load_vec(const void* base, int64_t i, float (&x)
 #pragma unroll
     for (int k = 0; k < 8; ++k) x[k] = DT == kBF16 ? bf16_to_f32(h[k]) : f16_to_f32(h[k]);
   }
+}
+
+// Load / store one 16-byte vector (element i must be 16-byte aligned) as Vec<DT>::N floats.
+template <int DT>
+__device__ __forceinline__ void load_vec(const void* base, int64_t i, float (&x)[Vec<DT>::N]) {
+  vec_from_raw<DT>(*reinterpret_cast<const uint4*>(static_cast<const char*>(base) + i * elem_bytes<DT>()), x);
 }
 
 template <int DT>
@@ -222,10 +227,6 @@ __device__ __forceinline__ void load8_shifted(const void* base, int64_t i, float
 #pragma unroll
     for (int k = 0; k < 8; ++k) x[k] = DT == kBF16 ? bf16_to_f32(h[k]) : f16_to_f32(h[k]);
   }
-}
-
-__device__ __forceinline__ void load8_u16(const void* base, int64_t i, uint16_t (&h)[8]) {
-  unpack16(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + i), h);
 }
 
 // One 16-byte store (st.global.wb, the default write-back policy): a plain uint4 assignment is lowered to
