@@ -96,11 +96,8 @@ def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
 
 
 def loops(ins: list[tuple[int, str]]) -> list[tuple[int, int]]:
-    res = []
-    for addr, text in ins:
-        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
-        if m and int(m.group(1), 16) <= addr:
-            res.append((int(m.group(1), 16), addr))
+    """The innermost loops: [target, address] of the backward branches that contain no other."""
+    res = backedges(ins)
     return [lp for lp in res if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in res)]
 
 
@@ -127,9 +124,56 @@ def stats(body: list[str]) -> dict[str, int]:
     return s
 
 
+def backedges(ins: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(target, address) of every backward branch."""
+    res = []
+    for addr, text in ins:
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) <= addr:
+            res.append((int(m.group(1), 16), addr))
+    return res
+
+
+def vote_split(ins: list[tuple[int, str]], lo: int, hi: int) -> list[tuple[int, int]] | None:
+    """Where loop [lo, hi] votes on a pass (the compact kernels' VOTE.ALL on adamw_step_in_range's ranges)
+    and branches on the vote: the address ranges of its main path (the branch taken), which skips the
+    IEEE step of a pass with a value out of range. ptxas lays that block out either inside [lo, hi] (the
+    main path jumps over it) or as [lo, hi]'s tail, with the main path after it closing the loop by a
+    second backward branch to lo. None where the loop has no vote."""
+    body = [(a, t) for a, t in ins if lo <= a <= hi]
+    for k, (_, t) in enumerate(body):
+        if "VOTE.ALL" not in t:
+            continue
+        for a, u in body[k + 1:k + 4]:
+            m = re.match(r"@!?P\d\s+BRA\s+(0x[0-9a-f]+)", u)
+            if not m:
+                continue
+            target = int(m.group(1), 16)
+            if a < target <= hi:
+                return [(lo, a), (target, hi)]
+            latch = [b for t2, b in backedges(ins) if t2 == lo and b > target]
+            if target > hi and latch:
+                return [(lo, a), (target, min(latch))]
+    return None
+
+
+def loop_body(ins: list[tuple[int, str]], lo: int, hi: int) -> list[str]:
+    """The instructions a pass of loop [lo, hi] issues on its main path: where the loop votes on its
+    values' ranges (vote_split), the IEEE-step block is not counted (cold_path has it)."""
+    spans = vote_split(ins, lo, hi) or [(lo, hi)]
+    return [t for a, t in ins if any(x <= a <= y for x, y in spans)]
+
+
+def cold_path(ins: list[tuple[int, str]], lo: int, hi: int) -> list[str]:
+    """The instructions of a pass that takes the IEEE-step block, where the loop votes (vote_split): [lo,
+    hi] in either layout (the block inside, then the rest of the loop; or the block as the tail, up to its
+    own back edge at hi); [] where the loop has no vote."""
+    return [t for a, t in ins if lo <= a <= hi] if vote_split(ins, lo, hi) else []
+
+
 def staged_loops(ins: list[tuple[int, str]]) -> list[list[str]]:
     """The loops with the group-amax shuffles whose loads are shared-memory copies (LDGSTS)."""
-    bodies = ([t for a, t in ins if lo <= a <= hi] for lo, hi in loops(ins))
+    bodies = (loop_body(ins, lo, hi) for lo, hi in loops(ins))
     return [b for b in bodies if any("SHFL" in t for t in b) and any("LDGSTS" in t for t in b)]
 
 
@@ -138,13 +182,22 @@ def wide_loops(ins: list[tuple[int, str]]) -> list[list[str]]:
     the main loop (the aligned-grad one where there are two)."""
     cands = []
     for lo, hi in loops(ins):
-        body = [t for a, t in ins if lo <= a <= hi]
+        body = loop_body(ins, lo, hi)
         if any("SHFL" in t for t in body):
             cands.append((max((width(t) for t in body if re.search(r"\bLDG?\.", t)), default=0), body))
     if not cands:
         sys.exit("no loop with shuffles found")
     widest = max(w for w, _ in cands)
     return sorted((b for w, b in cands if w == widest), key=len)
+
+
+def main_cold_path(ins: list[tuple[int, str]]) -> list[str]:
+    """cold_path of the main loop (wide_loops' first), or []."""
+    main = wide_loops(ins)[0]
+    for lo, hi in loops(ins):
+        if loop_body(ins, lo, hi) == main:
+            return cold_path(ins, lo, hi)
+    return []
 
 
 
@@ -197,6 +250,11 @@ def main() -> None:
               f"{s['instructions'] / per:.1f} instr/elem  (per elem: {extra})")
         if args.ops:
             print(histogram(body, per))
+        cold = main_cold_path(funcs[name])
+        if cold:
+            n = stats(cold)["instructions"]
+            print(f"  {'':12s} a pass with a value outside adamw_step_in_range's ranges (the IEEE step): "
+                  f"{n} instr = {n / per:.1f} instr/elem")
         for other in wide[1:]:
             n = stats(other)["instructions"]
             print(f"  {'':12s} the loop for a grad at another offset: {n} instr = {n / per:.1f} instr/elem")

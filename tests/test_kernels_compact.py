@@ -579,6 +579,69 @@ def test_mom8_kernel_paths_bit_identical(mode, pdt, sr):
         assert not torch.equal(_bits(ref[k][3]), _bits(state0[k][3])), NAMES8[k]
 
 
+def _step_range_case(mode, pdt, moments):
+    """One compact tensor of 17 warp passes (256 elements each, the last one partial) whose passes put
+    values inside and outside the CUDA main loop's ranges (math.h, adamw_step_in_range_ok): pass 1 all
+    zero (v = 0), pass 2 one m of ~1e-31 (its step below 2^-80), pass 3 one grad of 2^40 (v above 2^54),
+    pass 4 a NaN grad, pass 5 a -0 param with a -0 grad and a -0 m, pass 6 every m zero with v > 0 (the
+    main loop's zero numerators), pass 7 grads from 2^-45 to 2^30, the others ordinary."""
+    n, span = 16 * 256 + 40, 256
+    gen = torch.Generator().manual_seed(91)
+    p = torch.randn(n, generator=gen).to(pdt)
+    g = torch.randn(n, generator=gen) * 0.1
+    cm, cv, sm, sv = (t.cpu() for t in moments(n, gen))
+    m4 = cm.numel() != n
+
+    def zero_m(lo, hi):  # the exp_avg codes of elements [lo, hi) (kMom4: their bytes; lo, hi even)
+        if m4:
+            cm[lo // 2:hi // 2] = 0
+        else:
+            cm[lo:hi] = 0
+
+    g[span:2 * span] = 0.0
+    zero_m(span, 2 * span), cv[span:2 * span].zero_(), sm[8:16].zero_(), sv[8:16].zero_()
+    g[2 * span + 3] = 1e-30
+    zero_m(2 * span + 2, 2 * span + 4)
+    g[3 * span + 7] = 2.0**40
+    g[4 * span + 9] = float("nan")
+    p[5 * span + 4] = -0.0
+    g[5 * span + 4] = -0.0
+    if not m4:
+        cm[5 * span + 4] = -128  # code 0x80: -0
+    g[6 * span:7 * span] = 0.0
+    zero_m(6 * span, 7 * span)
+    e = torch.rand(span, generator=gen) * 75.0 - 45.0  # pass 7: |g| from 2^-45 to 2^30, both ranges' ends
+    g[7 * span:8 * span] = torch.exp2(e) * torch.sign(torch.randn(span, generator=gen))
+    master = _master_state(mode, p.to(DEVICE), gen) if mode != reference.MASTER_NONE else None
+    state = [[p.to(DEVICE)], [g.to(BF16).to(DEVICE)], [cm.to(DEVICE)], [cv.to(DEVICE)], [],
+             [master] if master is not None else [], [torch.full((), 4.0, device=DEVICE)], [sm.to(DEVICE)],
+             [sv.to(DEVICE)]]
+    return state
+
+
+@pytest.mark.parametrize("mode,pdt", [(3, BF16), (2, BF16), (0, F32), (3, F16)], ids=str)
+@pytest.mark.parametrize("kind", ["8bit", "4bit_m"])
+@pytest.mark.parametrize("lr", [1e-3, 0.0])
+def test_compact_step_ranges_bit_identical(mode, pdt, kind, lr):
+    """The CUDA compact kernels step a pass without the IEEE square root's and division's rare cases
+    when all its values are inside adamw_step_in_range's ranges, and with the IEEE operations otherwise
+    (zero or tiny v, tiny or huge steps, NaN, lr = 0): the same bits either way, on every kernel path."""
+    bs = _kernel_backends()
+    if len(bs) < 2:
+        pytest.skip("needs two kernel paths")
+    state0 = _step_range_case(mode, pdt, _mom8_state if kind == "8bit" else _mom4_state)
+    out = {b: _run8(b, _clone(state0), mode, False, [3], [0], lr=lr) for b in bs}
+    ref = out[bs[0]]
+    for b in bs[1:]:
+        for name, lst_a, lst_b in zip(NAMES8, ref, out[b]):
+            for i, (a, c) in enumerate(zip(lst_a, lst_b)):
+                assert torch.equal(_bits(a), _bits(c)), f"{b} vs {bs[0]}: {name}[{i}] differs"
+    p0, p1 = state0[0][0].cpu(), ref[0][0].cpu()
+    if lr:
+        assert not torch.equal(_bits(p0), _bits(p1))
+    assert bool(p1.float().isnan().any())  # the NaN grad's element
+
+
 @pytest.mark.parametrize("mode,pdt,sr", MODES8, ids=lambda x: str(x).replace("torch.", ""))
 def test_mom8_cpu_simd_paths_bit_identical(mode, pdt, sr):
     """8-bit moments on the CPU kernel's AVX-512 (where the CPU has it), AVX2 and scalar paths, with

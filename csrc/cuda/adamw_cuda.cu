@@ -345,29 +345,63 @@ __device__ __forceinline__ void mom_load(const AdamMeta& t, int64_t i, int64_t e
 
 __device__ __forceinline__ uint32_t code_byte(uint2 w, int k) { return ((k < 4 ? w.x : w.y) >> 8 * (k & 3)) & 0xffu; }
 
-// Update the lane's elements loaded by mom_load, take the group's amax over its four lanes (lane
-// quads are groups: the elements of a pass start at a multiple of 32), encode and store. Every lane
-// of the warp calls it (the shuffles); elements at or past `end` contribute 0 to the amax and are
-// not stored. The first lane of a quad writes the group's scales. WIDE: also, every element of the
-// pass has the chunk key's high index half (mom_wide_passes).
-template <int PDT, int GDT, int SDT, int MODE, bool WIDE>
-__device__ __forceinline__ void mom_update(const AdamMeta& t, int64_t i, int64_t end, int lane, MomLane& x,
-                                           const AdamWConsts& cs, bool sr, const ChunkKeys& keys) {
-  constexpr bool kM4 = SDT == kMom4;
+// The lane's new moments (and decayed masters in x.w) from the elements loaded by mom_load, with what
+// the step and the group scales need: the largest |m| and v of the lane's elements before `end` (am, av,
+// bit patterns) and, WIDE, whether the step may skip the IEEE square root's and division's rare cases
+// (math.h, adamw_step_in_range_ok).
+struct MomMid {
   float m[kVE], v[kVE];
-  uint32_t am = 0u, av = 0u;
+  uint32_t am, av;
+  bool in_range;
+};
+
+template <int SDT, bool WIDE>
+__device__ __forceinline__ MomMid mom_moments(int64_t i, int64_t end, MomLane& x, const AdamWConsts& cs) {
+  constexpr bool kM4 = SDT == kMom4;
+  MomMid y;
+  y.am = 0u, y.av = 0u;
+  uint32_t m_lo = 0xffffffffu, v_lo = 0xffffffffu;
 #pragma unroll
   for (int k = 0; k < kVE; ++k) {
     const uint32_t b = code_byte(x.cm, kM4 ? k >> 1 : k);
-    m[k] = kM4 ? mom4_decode_m(mom4_code(static_cast<uint8_t>(b), k), x.sm)
-               : mom8_decode_m(static_cast<uint8_t>(b), x.sm);
-    v[k] = mom8_decode_v(static_cast<uint8_t>(code_byte(x.cv, k)), x.sv);
-    x.w[k] = adamw_update(x.w[k], x.g[k], m[k], v[k], nullptr, cs);
+    y.m[k] = kM4 ? mom4_decode_m(mom4_code(static_cast<uint8_t>(b), k), x.sm)
+                 : mom8_decode_m(static_cast<uint8_t>(b), x.sm);
+    y.v[k] = mom8_decode_v(static_cast<uint8_t>(code_byte(x.cv, k)), x.sv);
+    adamw_moments(x.w[k], x.g[k], y.m[k], y.v[k], cs);
     if (WIDE || i + k < end) {
-      am = max(am, f32_bits(m[k]) & 0x7fffffffu);
-      av = max(av, f32_bits(v[k]) & 0x7fffffffu);
+      y.am = max(y.am, f32_bits(y.m[k]) & 0x7fffffffu);
+      y.av = max(y.av, f32_bits(y.v[k]) & 0x7fffffffu);
+    }
+    if (WIDE) {
+      m_lo = min(m_lo, (f32_bits(y.m[k]) & 0x7fffffffu) - 1u);
+      v_lo = min(v_lo, f32_bits(y.v[k]));
     }
   }
+  y.in_range = WIDE && adamw_step_in_range_ok(m_lo, y.am, v_lo, y.av, cs);
+  return y;
+}
+
+// The step of the lane's masters: IN_RANGE (every lane's y.in_range) without the IEEE rare cases, else
+// the IEEE operations -- the same bits.
+template <bool IN_RANGE>
+__device__ __forceinline__ void mom_step(MomLane& x, const MomMid& y, const AdamWConsts& cs) {
+#pragma unroll
+  for (int k = 0; k < kVE; ++k)
+    x.w[k] = IN_RANGE ? adamw_step_in_range(x.w[k], y.m[k], y.v[k], cs) : adamw_step(x.w[k], y.m[k], y.v[k], cs);
+}
+
+// After the step: take the group's amax over its four lanes (lane quads are groups: the elements of a
+// pass start at a multiple of 32), encode and store. Every lane of the warp calls it (the shuffles);
+// elements at or past `end` contribute 0 to the amax and are not stored. The first lane of a quad writes
+// the group's scales. WIDE: also, every element of the pass has the chunk key's high index half
+// (mom_wide_passes).
+template <int PDT, int GDT, int SDT, int MODE, bool WIDE>
+__device__ __forceinline__ void mom_finish(const AdamMeta& t, int64_t i, int64_t end, int lane, MomLane& x,
+                                           const MomMid& y, bool sr, const ChunkKeys& keys) {
+  constexpr bool kM4 = SDT == kMom4;
+  const float* m = y.m;
+  const float* v = y.v;
+  uint32_t am = y.am, av = y.av;
 #pragma unroll
   for (int o = 1; o < 4; o <<= 1) {
     am = max(am, __shfl_xor_sync(0xffffffffu, am, o));
@@ -421,6 +455,15 @@ __device__ __forceinline__ void mom_update(const AdamMeta& t, int64_t i, int64_t
   }
 }
 
+// One pass with the IEEE step (the tail passes: elements loaded one by one).
+template <int PDT, int GDT, int SDT, int MODE, bool WIDE>
+__device__ __forceinline__ void mom_update(const AdamMeta& t, int64_t i, int64_t end, int lane, MomLane& x,
+                                           const AdamWConsts& cs, bool sr, const ChunkKeys& keys) {
+  const MomMid y = mom_moments<SDT, WIDE>(i, end, x, cs);
+  mom_step<false>(x, y, cs);
+  mom_finish<PDT, GDT, SDT, MODE, WIDE>(t, i, end, lane, x, y, sr, keys);
+}
+
 // The whole warp passes of an aligned compact-moment tensor from wb (this warp's first pass) up to
 // `end`, in a chunk whose elements all have the chunk key's high index half: wide accesses, and the
 // random words from the chunk's key without a per-element check of the half. GA: the grad is 16-byte
@@ -428,12 +471,25 @@ __device__ __forceinline__ void mom_update(const AdamMeta& t, int64_t i, int64_t
 template <int PDT, int GDT, int SDT, int MODE, bool GA>
 __device__ __forceinline__ int64_t mom_wide_passes(const AdamMeta& t, int64_t wb, int64_t end, int warps, int lane,
                                                    const AdamWConsts& cs, float factor, bool sr, const ChunkKeys& keys) {
-  for (; wb + kMomSpan <= end; wb += warps * kMomSpan) {
+  const int64_t stride = static_cast<int64_t>(warps) * kMomSpan;
+  for (;;) {
     MomLane x;
-    mom_load<PDT, GDT, SDT, MODE, true, GA>(t, wb + lane * kVE, end, factor, x);
-    mom_update<PDT, GDT, SDT, MODE, true>(t, wb + lane * kVE, end, lane, x, cs, sr, keys);
+    MomMid y;
+    for (;;) {  // the main loop: passes whose values are all in adamw_step_in_range's ranges
+      if (wb + kMomSpan > end) return wb;
+      mom_load<PDT, GDT, SDT, MODE, true, GA>(t, wb + lane * kVE, end, factor, x);
+      y = mom_moments<SDT, true>(wb + lane * kVE, end, x, cs);
+      if (__builtin_expect(!__all_sync(0xffffffffu, y.in_range), 0)) break;
+      mom_step<true>(x, y, cs);
+      mom_finish<PDT, GDT, SDT, MODE, true>(t, wb + lane * kVE, end, lane, x, y, sr, keys);
+      wb += stride;
+    }
+    // a pass with a value outside them (a zero or tiny v, a non-finite moment, ...): the IEEE step,
+    // outside the main loop
+    mom_step<false>(x, y, cs);
+    mom_finish<PDT, GDT, SDT, MODE, true>(t, wb + lane * kVE, end, lane, x, y, sr, keys);
+    wb += stride;
   }
-  return wb;
 }
 
 // ---- the compact kernels' wide passes with the next pass's loads in flight (AdamConfig::stages 2) ----
@@ -549,18 +605,28 @@ __device__ __forceinline__ int64_t mom_wide_passes_staged(const AdamMeta& t, int
   const int64_t stride = static_cast<int64_t>(warps) * kMomSpan;
   if (wb + kMomSpan <= end) mom_stage_issue<PDT, SDT, MODE>(t, wb + lane * kVE, st, 0, tid);
   int b = 0;
-  for (; wb + kMomSpan <= end; wb += stride, b ^= 1) {
-    if (wb + stride + kMomSpan <= end) {
-      mom_stage_issue<PDT, SDT, MODE>(t, wb + stride + lane * kVE, st, b ^ 1, tid);
-      cp_async_wait<1>();  // this lane's copies of pass wb have landed (the next pass's may not have)
-    } else {
-      cp_async_wait<0>();
-    }
+  for (;;) {
     MomLane x;
-    mom_stage_read<PDT, GDT, SDT, MODE>(st, b, tid, wb + lane * kVE, factor, x);
-    mom_update<PDT, GDT, SDT, MODE, true>(t, wb + lane * kVE, end, lane, x, cs, sr, keys);
+    MomMid y;
+    for (;;) {  // as in mom_wide_passes: the passes in adamw_step_in_range's ranges
+      if (wb + kMomSpan > end) return wb;
+      if (wb + stride + kMomSpan <= end) {
+        mom_stage_issue<PDT, SDT, MODE>(t, wb + stride + lane * kVE, st, b ^ 1, tid);
+        cp_async_wait<1>();  // this lane's copies of pass wb have landed (the next pass's may not have)
+      } else {
+        cp_async_wait<0>();
+      }
+      mom_stage_read<PDT, GDT, SDT, MODE>(st, b, tid, wb + lane * kVE, factor, x);
+      y = mom_moments<SDT, true>(wb + lane * kVE, end, x, cs);
+      if (__builtin_expect(!__all_sync(0xffffffffu, y.in_range), 0)) break;
+      mom_step<true>(x, y, cs);
+      mom_finish<PDT, GDT, SDT, MODE, true>(t, wb + lane * kVE, end, lane, x, y, sr, keys);
+      wb += stride, b ^= 1;
+    }
+    mom_step<false>(x, y, cs);  // the IEEE step, outside the main loop
+    mom_finish<PDT, GDT, SDT, MODE, true>(t, wb + lane * kVE, end, lane, x, y, sr, keys);
+    wb += stride, b ^= 1;
   }
-  return wb;
 }
 
 // The compact-moment elements [begin, end) of a chunk: warp passes of kMomSpan elements from the

@@ -19,8 +19,9 @@ runs every call to prove each one valid):
 * ``adamw_staged``: the compact moment modes (codes with a scale per group) under two load stages
   (:func:`mpkern.launch_shape.adamw_shape_set` with ``stages=2``: each lane copies the warp's next pass
   into shared memory while it updates the current one), on aligned bf16 and fp16 params and grads --
-  the calls that reach that loop, for racecheck as well as memcheck. With ``--device cpu`` the same
-  calls without the shape (a CUDA setting).
+  the calls that reach that loop, for racecheck as well as memcheck. Each grad's first warp pass is zero
+  (a zero v: the pass takes the IEEE step, the block outside the main loop; the other passes the main
+  loop's step). With ``--device cpu`` the same calls without the shape (a CUDA setting).
 
 Every view ends at the end of its allocation, so that a read past a tensor's last element leaves
 the allocation (with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, which the stage sets, each tensor is its
@@ -179,7 +180,11 @@ def adam_step(mk: Maker, pdt: torch.dtype, gdt: torch.dtype, mw: Any, sd: str, p
               **kw: Any) -> Any:
     """One ``FusedAdamWMP`` step over params of :func:`adam_sizes` (stochastic rounding of the params
     where the master kind asks for it and the params are bf16, as ``mpkern bench`` runs the modes)."""
+    zero_pass = kw.pop("zero_pass", False)
     ps = [mk.param(n, pdt, gdt, p_off, g_off) for n in adam_sizes(few)]
+    if zero_pass:  # the first warp pass's grads 0 (adamw_staged_calls)
+        for p in ps:
+            (p.grad if p.grad is not None else p.main_grad)[:MOM_SPAN].zero_()  # type: ignore[attr-defined]
     sr = storage.check_master_weights(mw).stochastic_rounding and pdt == torch.bfloat16
     opt = mpkern.FusedAdamWMP(ps, lr=kw.pop("lr", 1e-3), weight_decay=0.01, master_weights=mw, state_dtype=sd,
                               stochastic_rounding=sr, **kw)
@@ -226,9 +231,9 @@ def adamw_staged_calls(mk: Maker, few: bool, backend: str) -> Iterator[Ranked]:
 
             def step(pdt: torch.dtype = pdt, mw: Any = mw, sd: str = sd) -> Any:
                 if backend != "cuda":
-                    return adam_step(mk, pdt, pdt, mw, sd, 0, 0, few)
+                    return adam_step(mk, pdt, pdt, mw, sd, 0, 0, few, zero_pass=True)
                 with launch_shape.adamw_shape_set(256, 8, CHUNK, stages=2):
-                    return adam_step(mk, pdt, pdt, mw, sd, 0, 0, few)
+                    return adam_step(mk, pdt, pdt, mw, sd, 0, 0, few, zero_pass=True)
 
             yield 0, label, step
 

@@ -225,18 +225,99 @@ MPK_HD AdamWConsts adamw_consts(double lr, double beta1, double beta2, double ep
   return c;
 }
 
-// One element. `vmax` may be null (no amsgrad). Returns the new parameter (fp32 master) value.
-MPK_HD float adamw_update(float p, float g, float& m, float& v, float* vmax, const AdamWConsts& c) {
+// adamw_update's first half: the decay of p and the new moments.
+MPK_HD void adamw_moments(float& p, float g, float& m, float& v, const AdamWConsts& c) {
   p = p * c.decay;
   m = m + c.one_m_b1 * (g - m);
   v = v * c.beta2 + c.one_m_b2 * g * g;
+}
+
+// adamw_update's second half: the step of the decayed p from the new m and vv (v, or vmax under amsgrad).
+MPK_HD float adamw_step(float p, float m, float vv, const AdamWConsts& c) {
+  const float denom = sqrtf(vv) * c.inv_bc2 + c.eps;
+  return p - c.step_size * m / denom;
+}
+
+// One element. `vmax` may be null (no amsgrad). Returns the new parameter (fp32 master) value.
+MPK_HD float adamw_update(float p, float g, float& m, float& v, float* vmax, const AdamWConsts& c) {
+  adamw_moments(p, g, m, v, c);
   float vv = v;
   if (vmax != nullptr) {
     *vmax = *vmax > v ? *vmax : v;
     vv = *vmax;
   }
-  const float denom = sqrtf(vv) * c.inv_bc2 + c.eps;
-  return p - c.step_size * m / denom;
+  return adamw_step(p, m, vv, c);
+}
+
+// ----------------------------------------------------------------------------------------------
+// adamw_step without the IEEE square root's and division's rare cases (CUDA; the same bits).
+// nvcc's IEEE sqrtf and division are a fast path -- MUFU.RSQ / MUFU.RCP and a few FMAs -- behind a
+// range check (an integer compare / FCHK), plus the branch and call of a slow path for zeros,
+// subnormals, huge or non-finite values: ~27 instructions per element in the compact kernels' loop, ~9
+// of them the slow paths' scaffolding. A compact kernel checks once per lane and pass that every value
+// of its 8 elements lies inside the ranges below, then runs the fast paths alone (adamw_step_in_range);
+// else adamw_step. The fast paths are nvcc's own instruction sequences, MUFU included, so inside nvcc's
+// range checks they give what its IEEE operations give there -- the IEEE result. (Their correctness rests
+// on MUFU's exact outputs, not only on an error bound: with the estimate one ulp off, the square root
+// misrounds 3 of the 2^24 values of [1, 4) and the division hard cases like 2^k / (2 - 2^-23) -- hence
+// exact copies, not variants.) The ranges:
+// * sqrt_in_range(v), v in [2^-101, 2^54): inside nvcc's check, bits(v) - 0x0d000000 <= 0x727fffff
+//   (every positive normal v >= 2^-101; the SASS of any sqrtf shows it).
+// * div_in_range(a, b), a in {+0} u [2^-70, 2^40), b in [2^-51, 2^44): the quotient in (2^-114, 2^91),
+//   the reciprocal in (2^-44, 2^51], the remainder 0 or at least 2^-117 (exact) -- every value at
+//   least 9 binades from both ends of the normal range, well inside what FCHK (undocumented: it screens
+//   the operands' exponents) passes to the fast path; a +0 numerator gives +0 through the sequence's own
+//   arithmetic (tests/test_math.py emulates the sequence over these ranges).
+// * the denominator sqrt(v) * inv_bc2 + eps is in [2^-51, 2^44) when v is in [2^-101, 2^54), inv_bc2
+//   in [1, 2^16] (it is 1 / sqrt(1 - beta2^t) >= 1) and eps in [0, 2^16];
+// * the numerator: step_size * m is divided as step_size * |m| (|a| rounds as a does) with m's sign
+//   put back, so a -0 numerator gives -0 as the IEEE division does, and the range of step_size * |m|
+//   follows from the lane's least nonzero and largest |m| (rounding is monotonic).
+// ----------------------------------------------------------------------------------------------
+// The range summary of a lane's elements for adamw_step_in_range, from the bit patterns of |m| and v
+// (v >= 0): m_lo = min(bits(|m|) - 1) (unsigned: a zero m counts as 0xffffffff, no bound), m_hi =
+// max(bits(|m|)), v_lo = min(bits(v)), v_hi = max(bits(v)).
+MPK_HD bool adamw_step_in_range_ok(uint32_t m_lo, uint32_t m_hi, uint32_t v_lo, uint32_t v_hi, const AdamWConsts& c) {
+  // (bitwise ands: no branches)
+  const uint32_t ib = f32_bits(c.inv_bc2), eb = f32_bits(c.eps), sb = f32_bits(c.step_size);
+  const bool consts = (ib - 0x3f800000u <= 0x08000000u) & (eb <= 0x47800000u) & (sb < 0x7f800000u);  // 1..2^16, +0..2^16, +0..finite
+  const bool vs = (v_lo >= 0x0d000000u) & (v_hi < 0x5a800000u);                                          // [2^-101, 2^54)
+  const uint32_t a_lo = f32_bits(c.step_size * f32_from_bits(m_lo + 1u));
+  const uint32_t a_hi = f32_bits(c.step_size * f32_from_bits(m_hi));
+  const bool ms = (m_lo == 0xffffffffu) | ((a_lo >= 0x1c800000u) & (a_hi < 0x53800000u));  // every m +-0, or [2^-70, 2^40)
+  return consts & vs & ms;
+}
+
+// sqrtf(v) for v in [2^-101, 2^54) (above).
+MPK_HD float sqrt_in_range(float v) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(v));  // MUFU.RSQ
+  const float s = __fmul_rn(v, y), h = __fmul_rn(y, 0.5f);
+  return __fmaf_rn(__fmaf_rn(-s, s, v), h, s);
+#else
+  return sqrtf(v);
+#endif
+}
+
+// a / b for a in {+0} u [2^-70, 2^40), b in [2^-51, 2^44) (above).
+MPK_HD float div_in_range(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));  // MUFU.RCP
+  r = __fmaf_rn(r, __fmaf_rn(-b, r, 1.0f), r);
+  const float q = __fmul_rn(a, r);
+  return __fmaf_rn(r, __fmaf_rn(-b, q, a), q);
+#else
+  return a / b;
+#endif
+}
+
+// adamw_step(p, m, vv, c) where adamw_step_in_range_ok holds for m and vv.
+MPK_HD float adamw_step_in_range(float p, float m, float vv, const AdamWConsts& c) {
+  const float denom = sqrt_in_range(vv) * c.inv_bc2 + c.eps;
+  const float q = div_in_range(c.step_size * fabsf(m), denom);
+  return p - f32_from_bits(f32_bits(q) | (f32_bits(m) & 0x80000000u));
 }
 
 // ----------------------------------------------------------------------------------------------

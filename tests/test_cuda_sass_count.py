@@ -1,0 +1,66 @@
+"""``benchmarks/cuda_sass_count.py``'s loop arithmetic on synthetic SASS listings: which instructions
+count as a compact kernel's main loop when the loop votes on adamw_step_in_range's ranges and branches
+over the IEEE-step block, in both layouts ptxas uses (the block inside the loop, or as the loop's tail
+with the main path after it). No GPU, no compiler: the listings are written here."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location(
+    "cuda_sass_count", os.path.join(ROOT, "benchmarks", "cuda_sass_count.py"))
+assert _spec is not None and _spec.loader is not None
+csc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(csc)
+
+
+def _listing(lines):
+    return [(0x10 * k, t) for k, t in enumerate(lines)]
+
+
+def test_block_inside_the_loop_is_left_out():
+    ins = _listing(["MOV R0, RZ",  # 0x00: before the loop
+                    "LDG.E.128 R4, desc[UR4][R2.64]",  # 0x10: loop head
+                    "SHFL.BFLY PT, R1, R1, 0x1, 0x1f",
+                    "VOTE.ALL P1, P1",
+                    "@P1 BRA 0x80",  # 0x40: the main path jumps over the block
+                    "MUFU.RSQ R5, R5",  # 0x50..0x70: the IEEE block
+                    "CALL.REL.NOINC 0x200",
+                    "FCHK P0, R5, R6",
+                    "FFMA R7, R5, R6, R7",  # 0x80: main path again
+                    "@P2 BRA 0x10",  # 0x90: back edge
+                    "EXIT"])
+    (lo, hi), = csc.loops(ins)
+    assert (lo, hi) == (0x10, 0x90)
+    body = csc.loop_body(ins, lo, hi)
+    assert body == ["LDG.E.128 R4, desc[UR4][R2.64]", "SHFL.BFLY PT, R1, R1, 0x1, 0x1f", "VOTE.ALL P1, P1",
+                    "@P1 BRA 0x80", "FFMA R7, R5, R6, R7", "@P2 BRA 0x10"]
+    assert csc.cold_path(ins, lo, hi) == [t for a, t in ins if lo <= a <= hi]  # the block, then the rest
+    assert csc.wide_loops(ins) == [body]
+
+
+def test_block_as_the_loop_tail_counts_the_path_after_it():
+    ins = _listing(["LDG.E.128 R4, desc[UR4][R2.64]",  # 0x00: head
+                    "SHFL.BFLY PT, R1, R1, 0x1, 0x1f",
+                    "VOTE.ALL P1, P1",
+                    "@P1 BRA 0x70",  # 0x30: main path after the loop's first back edge
+                    "CALL.REL.NOINC 0x200",  # 0x40..0x50: the IEEE block
+                    "FADD R7, R7, R8",
+                    "BRA 0x0",  # 0x60: the IEEE block's back edge
+                    "FFMA R7, R5, R6, R7",  # 0x70: main path
+                    "STG.E.64 desc[UR4][R2.64], R6",
+                    "@P2 BRA 0x0",  # 0x90: the main path's back edge
+                    "EXIT"])
+    assert csc.loops(ins) == [(0x0, 0x60)]  # the innermost range by back edges is the IEEE path's
+    body = csc.loop_body(ins, 0x0, 0x60)
+    assert body == ["LDG.E.128 R4, desc[UR4][R2.64]", "SHFL.BFLY PT, R1, R1, 0x1, 0x1f", "VOTE.ALL P1, P1",
+                    "@P1 BRA 0x70", "FFMA R7, R5, R6, R7", "STG.E.64 desc[UR4][R2.64], R6", "@P2 BRA 0x0"]
+    assert csc.cold_path(ins, 0x0, 0x60) == body[:4] + ["CALL.REL.NOINC 0x200", "FADD R7, R7, R8", "BRA 0x0"]
+
+
+def test_a_loop_without_a_vote_counts_whole():
+    ins = _listing(["LDG.E.64 R4, desc[UR4][R2.64]", "SHFL.BFLY PT, R1, R1, 0x1, 0x1f", "@P0 BRA 0x0", "EXIT"])
+    assert csc.loop_body(ins, 0x0, 0x20) == [t for _, t in ins[:3]]
+    assert csc.cold_path(ins, 0x0, 0x20) == []
