@@ -194,6 +194,13 @@ __device__ __forceinline__ void rng_words8(const ChunkKeys& keys, uint64_t e, ui
   }
 }
 
+// rng_words8<true> where e is a multiple of kVE (math.h, rng_bits8_base / rng_bits8_at).
+__device__ __forceinline__ void rng_words8_aligned(const ChunkKeys& keys, uint64_t e, uint32_t (&rw)[kVE]) {
+  const uint32_t base = rng_bits8_base(keys.key, static_cast<uint32_t>(e));
+#pragma unroll
+  for (int k = 0; k < kVE; ++k) rw[k] = rng_bits8_at(base, static_cast<uint32_t>(k));
+}
+
 // 16-byte words holding kVE elements' masters (or params): two for fp32 masters or params and for the
 // bf16 param + remainder pair, one else (the 8-bit master's param, its correction bytes beside it).
 template <int PDT, int MODE>
@@ -257,7 +264,8 @@ __device__ __forceinline__ void load8_w(const AdamMeta& t, int64_t i, float (&p)
 }
 
 // Store the updated masters p of kVE elements starting at i and the params; rw = their random words.
-template <int PDT, int MODE>
+// NUM: no p is NaN (the 8-bit master of bf16 params skips the NaN case).
+template <int PDT, int MODE, bool NUM = false>
 __device__ __forceinline__ void store8_w(const AdamMeta& t, int64_t i, const float (&p)[kVE],
                                          const uint32_t (&rw)[kVE], bool w0) {
   void* P = reinterpret_cast<void*>(t.p);
@@ -280,7 +288,11 @@ __device__ __forceinline__ void store8_w(const AdamMeta& t, int64_t i, const flo
 #pragma unroll
     for (int k = 0; k < kVE; ++k) {
       int8_t c;
-      master8_encode(p[k], PDT, rw[k], hi[k], c);
+      if (NUM && PDT == kBF16) {
+        master8_encode_bf16_num(p[k], rw[k] & 0xffu, hi[k], c);
+      } else {
+        master8_encode(p[k], PDT, rw[k], hi[k], c);
+      }
       cw[k >> 2] |= static_cast<uint32_t>(static_cast<uint8_t>(c)) << (8 * (k & 3));
     }
     store8_u16(P, i, hi);
@@ -347,20 +359,24 @@ __device__ __forceinline__ uint32_t code_byte(uint2 w, int k) { return ((k < 4 ?
 
 // The lane's new moments (and decayed masters in x.w) from the elements loaded by mom_load, with what
 // the step and the group scales need: the largest |m| and v of the lane's elements before `end` (am, av,
-// bit patterns) and, WIDE, whether the step may skip the IEEE square root's and division's rare cases
-// (math.h, adamw_step_in_range_ok).
+// bit patterns) and, WIDE, whether the pass may take the main loop's forms (`fast`): the step without
+// the IEEE square root's and division's rare cases (math.h, adamw_step_in_range_ok) and, for the 8-bit
+// master of bf16 params, the master's encoder without its NaN case (no decayed master is NaN, so --
+// the step's values being in range -- no new one is).
 struct MomMid {
   float m[kVE], v[kVE];
   uint32_t am, av;
-  bool in_range;
+  bool fast;
 };
 
-template <int SDT, bool WIDE>
+template <int PDT, int SDT, int MODE, bool WIDE>
 __device__ __forceinline__ MomMid mom_moments(int64_t i, int64_t end, MomLane& x, const AdamWConsts& cs) {
   constexpr bool kM4 = SDT == kMom4;
+  constexpr bool kNan = MODE == kMaster8bit && PDT == kBF16;
   MomMid y;
   y.am = 0u, y.av = 0u;
   uint32_t m_lo = 0xffffffffu, v_lo = 0xffffffffu;
+  bool nan = false;
 #pragma unroll
   for (int k = 0; k < kVE; ++k) {
     const uint32_t b = code_byte(x.cm, kM4 ? k >> 1 : k);
@@ -375,27 +391,29 @@ __device__ __forceinline__ MomMid mom_moments(int64_t i, int64_t end, MomLane& x
     if (WIDE) {
       m_lo = min(m_lo, (f32_bits(y.m[k]) & 0x7fffffffu) - 1u);
       v_lo = min(v_lo, f32_bits(y.v[k]));
+      if (kNan) nan |= x.w[k] != x.w[k];
     }
   }
-  y.in_range = WIDE && adamw_step_in_range_ok(m_lo, y.am, v_lo, y.av, cs);
+  y.fast = WIDE & !nan & adamw_step_in_range_ok(m_lo, y.am, v_lo, y.av, cs);  // (no branches)
   return y;
 }
 
-// The step of the lane's masters: IN_RANGE (every lane's y.in_range) without the IEEE rare cases, else
-// the IEEE operations -- the same bits.
-template <bool IN_RANGE>
+// The step of the lane's masters: FAST (every lane's y.fast) without the IEEE rare cases, else the IEEE
+// operations -- the same bits.
+template <bool FAST>
 __device__ __forceinline__ void mom_step(MomLane& x, const MomMid& y, const AdamWConsts& cs) {
 #pragma unroll
   for (int k = 0; k < kVE; ++k)
-    x.w[k] = IN_RANGE ? adamw_step_in_range(x.w[k], y.m[k], y.v[k], cs) : adamw_step(x.w[k], y.m[k], y.v[k], cs);
+    x.w[k] = FAST ? adamw_step_in_range(x.w[k], y.m[k], y.v[k], cs) : adamw_step(x.w[k], y.m[k], y.v[k], cs);
 }
 
 // After the step: take the group's amax over its four lanes (lane quads are groups: the elements of a
 // pass start at a multiple of 32), encode and store. Every lane of the warp calls it (the shuffles);
 // elements at or past `end` contribute 0 to the amax and are not stored. The first lane of a quad writes
 // the group's scales. WIDE: also, every element of the pass has the chunk key's high index half
-// (mom_wide_passes).
-template <int PDT, int GDT, int SDT, int MODE, bool WIDE>
+// (mom_wide_passes). FAST: every lane's y.fast (the masters' encoder without its NaN case) and the
+// tensor's stream offset a multiple of kVE (the random words from one mix32 first step per lane).
+template <int PDT, int GDT, int SDT, int MODE, bool WIDE, bool FAST = false>
 __device__ __forceinline__ void mom_finish(const AdamMeta& t, int64_t i, int64_t end, int lane, MomLane& x,
                                            const MomMid& y, bool sr, const ChunkKeys& keys) {
   constexpr bool kM4 = SDT == kMom4;
@@ -410,7 +428,12 @@ __device__ __forceinline__ void mom_finish(const AdamMeta& t, int64_t i, int64_t
   const uint32_t bm = ladder_scale_bits(am, kM4 ? ladder_m4() : ladder_m8()), bv = ladder_scale_bits(av, ladder_v8());
   const float im = ladder_inv_scale(bm), iv = ladder_inv_scale(bv);
   uint32_t rw[kVE];
-  rng_words8<WIDE>(keys, static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i), rw);
+  const uint64_t e = static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i);
+  if constexpr (FAST) {
+    rng_words8_aligned(keys, e, rw);  // the main loop runs only where t.offset is a multiple of kVE
+  } else {
+    rng_words8<WIDE>(keys, e, rw);
+  }
   uint32_t cm[2] = {0u, 0u}, cv[2] = {0u, 0u};
 #pragma unroll
   for (int k = 0; k < kVE; ++k) {
@@ -428,7 +451,7 @@ __device__ __forceinline__ void mom_finish(const AdamMeta& t, int64_t i, int64_t
   uint8_t* __restrict__ CM = reinterpret_cast<uint8_t*>(t.m);
   uint8_t* __restrict__ CV = reinterpret_cast<uint8_t*>(t.v);
   if constexpr (WIDE) {
-    store8_w<PDT, MODE>(t, i, x.w, rw, w0);
+    store8_w<PDT, MODE, FAST>(t, i, x.w, rw, w0);
     if constexpr (kM4) {
       __stcg(reinterpret_cast<unsigned int*>(CM + (i >> 1)), cm[0]);
     } else {
@@ -459,7 +482,7 @@ __device__ __forceinline__ void mom_finish(const AdamMeta& t, int64_t i, int64_t
 template <int PDT, int GDT, int SDT, int MODE, bool WIDE>
 __device__ __forceinline__ void mom_update(const AdamMeta& t, int64_t i, int64_t end, int lane, MomLane& x,
                                            const AdamWConsts& cs, bool sr, const ChunkKeys& keys) {
-  const MomMid y = mom_moments<SDT, WIDE>(i, end, x, cs);
+  const MomMid y = mom_moments<PDT, SDT, MODE, WIDE>(i, end, x, cs);
   mom_step<false>(x, y, cs);
   mom_finish<PDT, GDT, SDT, MODE, WIDE>(t, i, end, lane, x, y, sr, keys);
 }
@@ -472,16 +495,17 @@ template <int PDT, int GDT, int SDT, int MODE, bool GA>
 __device__ __forceinline__ int64_t mom_wide_passes(const AdamMeta& t, int64_t wb, int64_t end, int warps, int lane,
                                                    const AdamWConsts& cs, float factor, bool sr, const ChunkKeys& keys) {
   const int64_t stride = static_cast<int64_t>(warps) * kMomSpan;
+  const bool off8 = (t.offset & (kVE - 1)) == 0;  // (mom_finish<..., FAST>'s random words)
   for (;;) {
     MomLane x;
     MomMid y;
-    for (;;) {  // the main loop: passes whose values are all in adamw_step_in_range's ranges
+    for (;;) {  // the main loop: passes whose lanes are all fast (MomMid), of a tensor with off8
       if (wb + kMomSpan > end) return wb;
       mom_load<PDT, GDT, SDT, MODE, true, GA>(t, wb + lane * kVE, end, factor, x);
-      y = mom_moments<SDT, true>(wb + lane * kVE, end, x, cs);
-      if (__builtin_expect(!__all_sync(0xffffffffu, y.in_range), 0)) break;
+      y = mom_moments<PDT, SDT, MODE, true>(wb + lane * kVE, end, x, cs);
+      if (__builtin_expect(!__all_sync(0xffffffffu, y.fast & off8), 0)) break;
       mom_step<true>(x, y, cs);
-      mom_finish<PDT, GDT, SDT, MODE, true>(t, wb + lane * kVE, end, lane, x, y, sr, keys);
+      mom_finish<PDT, GDT, SDT, MODE, true, true>(t, wb + lane * kVE, end, lane, x, y, sr, keys);
       wb += stride;
     }
     // a pass with a value outside them (a zero or tiny v, a non-finite moment, ...): the IEEE step,
@@ -604,11 +628,12 @@ __device__ __forceinline__ int64_t mom_wide_passes_staged(const AdamMeta& t, int
   const int tid = threadIdx.x;
   const int64_t stride = static_cast<int64_t>(warps) * kMomSpan;
   if (wb + kMomSpan <= end) mom_stage_issue<PDT, SDT, MODE>(t, wb + lane * kVE, st, 0, tid);
+  const bool off8 = (t.offset & (kVE - 1)) == 0;
   int b = 0;
   for (;;) {
     MomLane x;
     MomMid y;
-    for (;;) {  // as in mom_wide_passes: the passes in adamw_step_in_range's ranges
+    for (;;) {  // as in mom_wide_passes: the passes whose lanes are all fast, of a tensor with off8
       if (wb + kMomSpan > end) return wb;
       if (wb + stride + kMomSpan <= end) {
         mom_stage_issue<PDT, SDT, MODE>(t, wb + stride + lane * kVE, st, b ^ 1, tid);
@@ -617,10 +642,10 @@ __device__ __forceinline__ int64_t mom_wide_passes_staged(const AdamMeta& t, int
         cp_async_wait<0>();
       }
       mom_stage_read<PDT, GDT, SDT, MODE>(st, b, tid, wb + lane * kVE, factor, x);
-      y = mom_moments<SDT, true>(wb + lane * kVE, end, x, cs);
-      if (__builtin_expect(!__all_sync(0xffffffffu, y.in_range), 0)) break;
+      y = mom_moments<PDT, SDT, MODE, true>(wb + lane * kVE, end, x, cs);
+      if (__builtin_expect(!__all_sync(0xffffffffu, y.fast & off8), 0)) break;
       mom_step<true>(x, y, cs);
-      mom_finish<PDT, GDT, SDT, MODE, true>(t, wb + lane * kVE, end, lane, x, y, sr, keys);
+      mom_finish<PDT, GDT, SDT, MODE, true, true>(t, wb + lane * kVE, end, lane, x, y, sr, keys);
       wb += stride, b ^= 1;
     }
     mom_step<false>(x, y, cs);  // the IEEE step, outside the main loop
