@@ -165,10 +165,20 @@ def loop_body(ins: list[tuple[int, str]], lo: int, hi: int) -> list[str]:
 
 
 def cold_path(ins: list[tuple[int, str]], lo: int, hi: int) -> list[str]:
-    """The instructions of a pass that takes the IEEE-step block, where the loop votes (vote_split): [lo,
-    hi] in either layout (the block inside, then the rest of the loop; or the block as the tail, up to its
-    own back edge at hi); [] where the loop has no vote."""
-    return [t for a, t in ins if lo <= a <= hi] if vote_split(ins, lo, hi) else []
+    """The instructions of a pass that takes the IEEE-step block, where the loop votes (vote_split): up to
+    the vote's branch, then the block -- to its own back edge at hi (the block as the loop's tail), or,
+    inside the loop, to where it jumps (an unconditional branch at its end) or falls through -- then the
+    rest of the loop; [] where the loop has no vote."""
+    split = vote_split(ins, lo, hi)
+    if not split:
+        return []
+    (_, branch), (target, _) = split
+    if target > hi:  # the block is the loop's tail: [branch + 1, hi] ends with its back edge
+        return [t for a, t in ins if lo <= a <= hi]
+    block = [(a, t) for a, t in ins if branch < a < target]
+    m = re.match(r"BRA\s+(0x[0-9a-f]+)", block[-1][1]) if block else None
+    resume = int(m.group(1), 16) if m else target
+    return [t for a, t in ins if lo <= a < target or resume <= a <= hi]
 
 
 def staged_loops(ins: list[tuple[int, str]]) -> list[list[str]]:

@@ -37,8 +37,26 @@ def test_block_inside_the_loop_is_left_out():
     body = csc.loop_body(ins, lo, hi)
     assert body == ["LDG.E.128 R4, desc[UR4][R2.64]", "SHFL.BFLY PT, R1, R1, 0x1, 0x1f", "VOTE.ALL P1, P1",
                     "@P1 BRA 0x80", "FFMA R7, R5, R6, R7", "@P2 BRA 0x10"]
-    assert csc.cold_path(ins, lo, hi) == [t for a, t in ins if lo <= a <= hi]  # the block, then the rest
+    assert csc.cold_path(ins, lo, hi) == [t for a, t in ins if lo <= a <= hi]  # the block falls through
     assert csc.wide_loops(ins) == [body]
+
+
+def test_block_inside_the_loop_that_jumps_to_the_latch():
+    ins = _listing(["LDG.E.128 R4, desc[UR4][R2.64]",  # 0x00: head
+                    "SHFL.BFLY PT, R1, R1, 0x1, 0x1f",
+                    "VOTE.ALL P1, P1",
+                    "@P1 BRA 0x70",  # 0x30
+                    "CALL.REL.NOINC 0x200",  # 0x40..0x60: the IEEE block, its own finish, then to the latch
+                    "STG.E.64 desc[UR4][R2.64], R8",
+                    "BRA 0x90",
+                    "FFMA R7, R5, R6, R7",  # 0x70: main path
+                    "STG.E.64 desc[UR4][R2.64], R6",
+                    "IADD3 R2, R2, 0x100, RZ",  # 0x90: latch
+                    "@P2 BRA 0x0",  # 0xa0
+                    "EXIT"])
+    assert csc.loops(ins) == [(0x0, 0xA0)]
+    assert csc.loop_body(ins, 0x0, 0xA0) == [t for a, t in ins if a <= 0x30 or 0x70 <= a <= 0xA0]
+    assert csc.cold_path(ins, 0x0, 0xA0) == [t for a, t in ins if a <= 0x60 or 0x90 <= a <= 0xA0]
 
 
 def test_block_as_the_loop_tail_counts_the_path_after_it():

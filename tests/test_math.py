@@ -105,3 +105,24 @@ def test_div_in_range_keeps_to_nearest_over_its_ranges():
     assert got[0].item() == 0.0 and not bool(got[0].signbit())  # +0 / b = +0 through the arithmetic
     off = _div_in_range(a[:k], b[:k], (exact[:k].view(torch.int32) + 1).view(torch.float32))
     assert not torch.equal(off.view(torch.int32), want[:k].view(torch.int32))
+
+
+def test_rng_bits8_split_gives_rng_bits():
+    """math.h's rng_bits8_base / rng_bits8_at (the CUDA compact main loop's random words): for lo a
+    multiple of 8 and k < 8, mix32_rest((key ^ lo) ^ ((key ^ lo) >> 16) ^ k) == mix32(key ^ (lo + k)),
+    for random keys and lo up to 2^32 - 8 (the reference's mix32, computed whole)."""
+    from mpkern import reference_codecs as rc
+
+    gen = torch.Generator().manual_seed(8)
+    key = torch.randint(0, 2**32, (1 << 16,), generator=gen, dtype=torch.int64)
+    lo = torch.randint(0, 2**29, (1 << 16,), generator=gen, dtype=torch.int64) * 8
+    lo[:3] = torch.tensor([0, 2**32 - 8, 0xFFF8])
+    base = (key ^ lo) ^ ((key ^ lo) >> 16)
+    for k in range(8):
+        x = base ^ k  # what rng_bits8_at hands mix32_rest
+        want = rc.mix32(key ^ (lo + k))
+        # mix32_rest(x) == mix32(y) for the y whose first step y ^ (y >> 16) is x: on 32 bits that
+        # xorshift is its own inverse, y = x ^ (x >> 16)
+        y = x ^ (x >> 16)
+        assert bool(((y ^ (y >> 16)) == x).all())
+        assert torch.equal(rc.mix32(y), want)

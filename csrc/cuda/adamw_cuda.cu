@@ -491,10 +491,12 @@ __device__ __forceinline__ void mom_update(const AdamMeta& t, int64_t i, int64_t
 // `end`, in a chunk whose elements all have the chunk key's high index half: wide accesses, and the
 // random words from the chunk's key without a per-element check of the half. GA: the grad is 16-byte
 // aligned at every pass (one access), else load8_shifted. Returns the first pass not done.
+// Indices are 32-bit offsets into chunk_view's buffers.
 template <int PDT, int GDT, int SDT, int MODE, bool GA>
-__device__ __forceinline__ int64_t mom_wide_passes(const AdamMeta& t, int64_t wb, int64_t end, int warps, int lane,
-                                                   const AdamWConsts& cs, float factor, bool sr, const ChunkKeys& keys) {
-  const int64_t stride = static_cast<int64_t>(warps) * kMomSpan;
+__device__ __forceinline__ uint32_t mom_wide_passes(const AdamMeta& t, uint32_t wb, uint32_t end, int warps, int lane,
+                                                    const AdamWConsts& cs, float factor, bool sr,
+                                                    const ChunkKeys& keys) {
+  const uint32_t stride = static_cast<uint32_t>(warps) * kMomSpan;
   const bool off8 = (t.offset & (kVE - 1)) == 0;  // (mom_finish<..., FAST>'s random words)
   for (;;) {
     MomLane x;
@@ -620,13 +622,13 @@ __device__ __forceinline__ void mom_stage_read(const MomStage<PDT, MODE>& st, in
 // mom_wide_passes<..., GA = true> with two stages: pass wb + stride's copies are issued before pass wb is
 // updated. Returns the first pass not done; no copy is in flight on return (the next chunk reuses the slots).
 template <int PDT, int GDT, int SDT, int MODE>
-__device__ __forceinline__ int64_t mom_wide_passes_staged(const AdamMeta& t, int64_t wb, int64_t end, int warps,
-                                                          int lane, const AdamWConsts& cs, float factor, bool sr,
-                                                          const ChunkKeys& keys) {
+__device__ __forceinline__ uint32_t mom_wide_passes_staged(const AdamMeta& t, uint32_t wb, uint32_t end, int warps,
+                                                           int lane, const AdamWConsts& cs, float factor, bool sr,
+                                                           const ChunkKeys& keys) {
   extern __shared__ uint4 mom_stage_smem[];  // mom_stage_bytes(PDT, MODE) of dynamic shared memory
   MomStage<PDT, MODE>& st = *reinterpret_cast<MomStage<PDT, MODE>*>(mom_stage_smem);
   const int tid = threadIdx.x;
-  const int64_t stride = static_cast<int64_t>(warps) * kMomSpan;
+  const uint32_t stride = static_cast<uint32_t>(warps) * kMomSpan;
   if (wb + kMomSpan <= end) mom_stage_issue<PDT, SDT, MODE>(t, wb + lane * kVE, st, 0, tid);
   const bool off8 = (t.offset & (kVE - 1)) == 0;
   int b = 0;
@@ -654,6 +656,24 @@ __device__ __forceinline__ int64_t mom_wide_passes_staged(const AdamMeta& t, int
   }
 }
 
+// t with every buffer moved to element `begin` (a multiple of kMomSpan: alignments and scale-word parities
+// are kept) and its stream offset advanced to match: the wide passes then address a chunk's elements by
+// 32-bit offsets (one IMAD.WIDE.U32 per address instead of a 64-bit add and its carry).
+template <int PDT, int GDT, int SDT, int MODE>
+__device__ __forceinline__ AdamMeta chunk_view(const AdamMeta& t, int64_t begin) {
+  AdamMeta c = t;
+  c.p += begin * elem_bytes<PDT>();
+  c.g += begin * elem_bytes<GDT>();
+  c.m += SDT == kMom4 ? begin / 2 : begin;
+  c.v += begin;
+  if (MODE != kMasterNone) c.master += begin * (MODE == kMasterF32 ? 4 : MODE == kMasterRemainder ? 2 : 1);
+  c.sm += 2 * (begin / kMom8Group);
+  c.sv += 2 * (begin / kMom8Group);
+  c.numel -= begin;
+  c.offset += begin;
+  return c;
+}
+
 // The compact-moment elements [begin, end) of a chunk: warp passes of kMomSpan elements from the
 // chunk's start, lane l taking [pass + 8l, pass + 8l + 8) (a pass is 8 whole groups). Whole passes of
 // an aligned tensor use wide accesses (mom_wide_passes: for 16-bit grads a loop per grad alignment, so
@@ -671,18 +691,22 @@ __device__ __forceinline__ void adam_mom_chunk(const AdamMeta& t, int64_t begin,
     // fp32 grads: one loop, load8_shifted's (a second loop took a kernel past its 128 registers: its
     // chunk counter spilled)
     const bool aligned_grad = GDT != kF32 && (t.g & 15) == 0;
+    const AdamMeta tc = chunk_view<PDT, GDT, SDT, MODE>(t, begin);
+    uint32_t w = static_cast<uint32_t>(wb - begin);
+    const uint32_t e = static_cast<uint32_t>(end - begin);  // a chunk: at most kChunk elements
     if constexpr (GDT != kF32) {
       // two stages: the scales' 4-byte words copied whole (a scale buffer at an odd bf16 offset: one stage)
       if (aligned_grad && stages == 2 && ((t.sm | t.sv) & 3) == 0) {
-        wb = mom_wide_passes_staged<PDT, GDT, SDT, MODE>(t, wb, end, warps, lane, cs, factor, sr, keys);
+        w = mom_wide_passes_staged<PDT, GDT, SDT, MODE>(tc, w, e, warps, lane, cs, factor, sr, keys);
       } else if (aligned_grad) {
-        wb = mom_wide_passes<PDT, GDT, SDT, MODE, true>(t, wb, end, warps, lane, cs, factor, sr, keys);
+        w = mom_wide_passes<PDT, GDT, SDT, MODE, true>(tc, w, e, warps, lane, cs, factor, sr, keys);
       } else {
-        wb = mom_wide_passes<PDT, GDT, SDT, MODE, false>(t, wb, end, warps, lane, cs, factor, sr, keys);
+        w = mom_wide_passes<PDT, GDT, SDT, MODE, false>(tc, w, e, warps, lane, cs, factor, sr, keys);
       }
     } else {
-      wb = mom_wide_passes<PDT, GDT, SDT, MODE, false>(t, wb, end, warps, lane, cs, factor, sr, keys);
+      w = mom_wide_passes<PDT, GDT, SDT, MODE, false>(tc, w, e, warps, lane, cs, factor, sr, keys);
     }
+    wb = begin + w;
   }
   for (; wb < end; wb += warps * kMomSpan) {
     MomLane x;
