@@ -47,10 +47,10 @@ PREP_LAUNCH_US = 4.0        # the prep kernel: one launch (~2-3 us) + one block 
 #: storage mode: (bytes read per element in the update, bytes per param of the whole step, blocks per
 #: SM, SASS instructions per element of the main loop or None where not counted, load stages): the compact
 #: ones by benchmarks/cuda_sass_count.py --arch sm_90, issue 43 stop 52 (2026-12-07: the main loop's
-#: step without the IEEE rare cases, no NaN-master case, one hash first step per lane; 110.9 / 111.2 at stop 51, 125.2 / 124.9 after codec 2, RESULTS "Codec 2";
-#: codec 1 had 198.5 and 201.1); "2 stages": the loop that copies the next pass's loads into shared
-#: memory while the current one updates (AdamConfig::stages 2): twice the bytes in flight per thread, at
-#: its own instruction count
+#: step without the IEEE rare cases, no NaN-master case, one hash first step per lane; 110.9 / 111.2 at
+#: stop 51, 125.2 / 124.9 after codec 2, RESULTS "Codec 2"; codec 1 had 198.5 and 201.1); "2 stages":
+#: the loop that copies the next pass's loads into shared memory while the current one updates
+#: (AdamConfig::stages 2): twice the bytes in flight per thread, at its own instruction count
 MODES = {
     "fp32 master + fp32 moments": (14, 30.0, 4, None, 1),
     "remainder + bf16 moments": (10, 20.0, 4, None, 1),

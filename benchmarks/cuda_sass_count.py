@@ -149,12 +149,19 @@ def vote_split(ins: list[tuple[int, str]], lo: int, hi: int) -> list[tuple[int, 
             if not m:
                 continue
             target = int(m.group(1), 16)
+            spans = None
             if a < target <= hi:
-                return [(lo, a), (target, hi)]
+                spans = [(lo, a), (target, hi)]
             latch = [b for t2, b in backedges(ins) if t2 == lo and b > target]
             if target > hi and latch:
-                return [(lo, a), (target, min(latch))]
-    return None
+                spans = [(lo, a), (target, min(latch))]
+            if spans is None:
+                break
+            # the taken side must be the main path: no IEEE division check (FCHK) on it
+            if any(x <= a2 <= y and "FCHK" in t2 for a2, t2 in ins for x, y in spans):
+                sys.exit(f"cuda_sass_count: the vote's branch at {a:#x} leads to the IEEE step: layout not understood")
+            return spans
+    return None  # no vote, or a vote without a branch on it (__all_sync's fallback for a diverged warp)
 
 
 def loop_body(ins: list[tuple[int, str]], lo: int, hi: int) -> list[str]:
@@ -255,6 +262,8 @@ def main() -> None:
         wide = wide_loops(funcs[name])
         body = wide[0]
         s = stats(body)
+        if s["FCHK"] and any("VOTE.ALL" in t for _, t in funcs[name]):
+            print(f"  warning: {label}'s main loop holds the IEEE step: the vote's split was not found")
         extra = ", ".join(f"{k} {v / per:.2f}" for k, v in s.items() if k != "instructions")
         print(f"  {label:12s} main loop {s['instructions']} instr / {per} elem per thread = "
               f"{s['instructions'] / per:.1f} instr/elem  (per elem: {extra})")

@@ -275,12 +275,15 @@ MPK_HD float adamw_update(float p, float g, float& m, float& v, float* vmax, con
 //   follows from the lane's least nonzero and largest |m| (rounding is monotonic).
 // ----------------------------------------------------------------------------------------------
 // The range summary of a lane's elements for adamw_step_in_range, from the bit patterns of |m| and v
-// (v >= 0): m_lo = min(bits(|m|) - 1) (unsigned: a zero m counts as 0xffffffff, no bound), m_hi =
+// (v >= 0 where beta2 is in [0, 1), which the check asks): m_lo = min(bits(|m|) - 1) (unsigned: a zero m counts as 0xffffffff, no bound), m_hi =
 // max(bits(|m|)), v_lo = min(bits(v)), v_hi = max(bits(v)).
 MPK_HD bool adamw_step_in_range_ok(uint32_t m_lo, uint32_t m_hi, uint32_t v_lo, uint32_t v_hi, const AdamWConsts& c) {
   // (bitwise ands: no branches)
+  // inv_bc2 in [1, 2^16], eps in [+0, 2^16], step_size +0..finite, beta2 in [+0, 1) (then v >= 0: the op
+  // itself takes any beta2, and a negative v would pass the bit-pattern bounds below)
   const uint32_t ib = f32_bits(c.inv_bc2), eb = f32_bits(c.eps), sb = f32_bits(c.step_size);
-  const bool consts = (ib - 0x3f800000u <= 0x08000000u) & (eb <= 0x47800000u) & (sb < 0x7f800000u);  // 1..2^16, +0..2^16, +0..finite
+  const bool consts = (ib - 0x3f800000u <= 0x08000000u) & (eb <= 0x47800000u) & (sb < 0x7f800000u) &
+                      (f32_bits(c.beta2) < 0x3f800000u);
   const bool vs = (v_lo >= 0x0d000000u) & (v_hi < 0x5a800000u);                                          // [2^-101, 2^54)
   const uint32_t a_lo = f32_bits(c.step_size * f32_from_bits(m_lo + 1u));
   const uint32_t a_hi = f32_bits(c.step_size * f32_from_bits(m_hi));
