@@ -126,6 +126,7 @@ GPU_TESTS=(test_gpu_paths:all test_kernels_compact:all test_kernels_m4:all test_
 NOT_ON_GPU=("test_distributed: its NCCL variants need >= 2 GPUs; gloo on CPU runs in CI"
             "test_compare: the compare stage (scale profile) runs mpkern compare on the GPU itself"
             "test_matmul_sass: ahead-of-time SASS, no GPU involved"
+            "test_cuda_sass_count: the SASS counter's loop arithmetic on written listings, no GPU involved"
             "test_triton_aot: ahead-of-time Triton compiles, no GPU involved"
             "test_gpu_sanitizer: the sanitizer stage's own CPU test; the stage runs the workload on the GPU itself"
             "test_gpu_xdist: the crash-proof test runner's own CPU test; tests_gpu runs under it")
