@@ -274,20 +274,21 @@ MPK_HD float adamw_update(float p, float g, float& m, float& v, float* vmax, con
 //   put back, so a -0 numerator gives -0 as the IEEE division does, and the range of step_size * |m|
 //   follows from the lane's least nonzero and largest |m| (rounding is monotonic).
 // ----------------------------------------------------------------------------------------------
-// The range summary of a lane's elements for adamw_step_in_range, from the bit patterns of |m| and v
-// (v >= 0 where beta2 is in [0, 1), which the check asks): m_lo = min(bits(|m|) - 1) (unsigned: a zero m counts as 0xffffffff, no bound), m_hi =
-// max(bits(|m|)), v_lo = min(bits(v)), v_hi = max(bits(v)).
+// Whether adamw_step_in_range may stand for adamw_step on a lane's elements, from the bit patterns of
+// their |m| and v: m_lo = min(bits(|m|) - 1) (unsigned: a zero m counts as 0xffffffff, no bound), m_hi =
+// max(bits(|m|)), v_lo = min(bits(v)), v_hi = max(bits(v)) -- v >= 0 where beta2 is in [0, 1), which the
+// check asks (the op itself takes any beta2, and a negative v would pass the bit-pattern bounds).
+// Bitwise ands: no branches.
 MPK_HD bool adamw_step_in_range_ok(uint32_t m_lo, uint32_t m_hi, uint32_t v_lo, uint32_t v_hi, const AdamWConsts& c) {
-  // (bitwise ands: no branches)
-  // inv_bc2 in [1, 2^16], eps in [+0, 2^16], step_size +0..finite, beta2 in [+0, 1) (then v >= 0: the op
-  // itself takes any beta2, and a negative v would pass the bit-pattern bounds below)
+  // inv_bc2 in [1, 2^16], eps in [+0, 2^16], step_size +0..finite, beta2 in [+0, 1)
   const uint32_t ib = f32_bits(c.inv_bc2), eb = f32_bits(c.eps), sb = f32_bits(c.step_size);
   const bool consts = (ib - 0x3f800000u <= 0x08000000u) & (eb <= 0x47800000u) & (sb < 0x7f800000u) &
                       (f32_bits(c.beta2) < 0x3f800000u);
-  const bool vs = (v_lo >= 0x0d000000u) & (v_hi < 0x5a800000u);                                          // [2^-101, 2^54)
+  const bool vs = (v_lo >= 0x0d000000u) & (v_hi < 0x5a800000u);  // [2^-101, 2^54)
   const uint32_t a_lo = f32_bits(c.step_size * f32_from_bits(m_lo + 1u));
   const uint32_t a_hi = f32_bits(c.step_size * f32_from_bits(m_hi));
-  const bool ms = (m_lo == 0xffffffffu) | ((a_lo >= 0x1c800000u) & (a_hi < 0x53800000u));  // every m +-0, or [2^-70, 2^40)
+  // every m +-0, or step_size * |m| in [2^-70, 2^40)
+  const bool ms = (m_lo == 0xffffffffu) | ((a_lo >= 0x1c800000u) & (a_hi < 0x53800000u));
   return consts & vs & ms;
 }
 
