@@ -165,6 +165,19 @@ inline void check_adamw_args(const char* op, at::TensorList params, at::TensorLi
   }
 }
 
+// The step's scalars, in torch.optim.AdamW's ranges: lr >= 0 (unless lr_tensor holds it), eps >= 0,
+// 0 <= beta1, beta2 < 1, weight_decay >= 0 (NaN fails each). The kernels' paths (scalar, AVX2, AVX-512,
+// CUDA, Triton, reference) agree bit for bit inside them only -- a negative beta2, say, makes v negative,
+// whose codes each path rounds its own way -- so every backend refuses what lies outside.
+inline void check_adamw_scalars(const char* op, bool has_lr_tensor, double lr, double beta1, double beta2, double eps,
+                                double weight_decay) {
+  TORCH_CHECK_VALUE(has_lr_tensor || lr >= 0.0, op, ": lr must be >= 0, got ", lr);
+  TORCH_CHECK_VALUE(beta1 >= 0.0 && beta1 < 1.0, op, ": beta1 must be in [0, 1), got ", beta1);
+  TORCH_CHECK_VALUE(beta2 >= 0.0 && beta2 < 1.0, op, ": beta2 must be in [0, 1), got ", beta2);
+  TORCH_CHECK_VALUE(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
+  TORCH_CHECK_VALUE(weight_decay >= 0.0, op, ": weight_decay must be >= 0, got ", weight_decay);
+}
+
 // The same, for a kernel that runs on one device type only; returns the call's device.
 inline c10::Device check_adamw_args_on(const char* op, at::TensorList params, at::TensorList grads,
                                        at::TensorList exp_avgs, at::TensorList exp_avg_sqs,

@@ -65,6 +65,7 @@ void adamw_step_op(at::TensorList params, at::TensorList grads, at::TensorList e
   check_adamw_args_on(kAdamwOp, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor,
                       found_inf, lr_tensor, master, moments, stream_ids, elem_offsets, list_or_empty(exp_avg_scales),
                       list_or_empty(exp_avg_sq_scales), Dev);
+  check_adamw_scalars(kAdamwOp, lr_tensor.has_value(), lr, beta1, beta2, eps, weight_decay);
   Kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf, lr_tensor, lr,
          beta1, beta2, eps, weight_decay, maximize, master.mode, moments.mode, stochastic_rounding, seed, stream_ids,
          elem_offsets, exp_avg_scales, exp_avg_sq_scales);
@@ -211,6 +212,14 @@ PYBIND11_MODULE(_C, mod) {
       pybind11::kw_only(), pybind11::arg("master_codec"), pybind11::arg("moment_codec"),
       pybind11::arg("stream_ids") = std::vector<int64_t>{}, pybind11::arg("elem_offsets") = std::vector<int64_t>{},
       "Raise like mpkern::adamw_step_ does on bad arguments (the tensor arguments, the codecs, the streams)");
+  mod.def(
+      "check_adamw_scalars",
+      [](bool has_lr_tensor, double lr, double beta1, double beta2, double eps, double weight_decay) {
+        mpkern::check_adamw_scalars("mpkern::adamw_step_", has_lr_tensor, lr, beta1, beta2, eps, weight_decay);
+      },
+      pybind11::arg("has_lr_tensor"), pybind11::arg("lr"), pybind11::arg("beta1"), pybind11::arg("beta2"),
+      pybind11::arg("eps"), pybind11::arg("weight_decay"),
+      "Raise like mpkern::adamw_step_ does on scalars outside torch.optim.AdamW's ranges");
   // The table this extension was compiled with (mpkern/codecs.def), for mpkern.codecs to compare
   // with the file it reads: {"master": [(name, mode, state dtype)], "moment": [(name, mode, exp_avg
   // dtype, exp_avg_sq dtype, group, codes per byte)], "schemas": {op: schema}}.

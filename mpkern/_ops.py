@@ -79,6 +79,7 @@ def _fake_adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, mas
     # run the full check_adamw_args)
     op = "mpkern::adamw_step_"
     mc, mo = codecs.master_codec(master_codec), codecs.moment_codec(moment_codec)  # ValueError naming the codecs
+    check_adamw_scalars(lr_tensor, lr, beta1, beta2, eps, weight_decay)
     for i, m in enumerate(exp_avgs):
         torch._check(m.dtype == mo.exp_avg_dtype, lambda i=i, m=m: (
             f"{op}: moment_codec {moment_codec!r} needs {mo.exp_avg_dtype} exp_avgs; exp_avgs[{i}] is {m.dtype}"))
@@ -136,14 +137,27 @@ def check_scale_args(tensors: Sequence[Tensor], scale: Tensor) -> None:
         ext.check_scale_args(list(tensors), scale)
 
 
+def check_adamw_scalars(lr_tensor, lr, beta1, beta2, eps, weight_decay) -> None:
+    """Raise like the C++ ``mpkern::adamw_step_`` kernels do on scalars outside torch.optim.AdamW's ranges
+    (``csrc/adamw_common.h``, ``check_adamw_scalars``: the one rule, here through the extension)."""
+    ext = _native_checks()
+    if ext is not None:
+        ext.check_adamw_scalars(lr_tensor is not None, float(lr), float(beta1), float(beta2), float(eps),
+                                float(weight_decay))
+
+
 def check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
                      lr_tensor, exp_avg_scales=None, exp_avg_sq_scales=None, *, master_codec, moment_codec,
-                     stream_ids=(), elem_offsets=(), **_scalars: Any) -> None:
-    """Raise exactly like the C++ ``mpkern::adamw_step_`` kernels do; the arguments are the op's
-    (the scalars, which the kernels do not check, are accepted and ignored). A codec registered from
-    Python is checked against its row, the native ones by name."""
+                     stream_ids=(), elem_offsets=(), **scalars: Any) -> None:
+    """Raise exactly like the C++ ``mpkern::adamw_step_`` kernels do; the arguments are the op's (the
+    scalars, where given -- lr, beta1, beta2, eps, weight_decay -- by :func:`check_adamw_scalars`; the
+    others, maximize, seed, ..., are accepted and ignored). A codec registered from Python is checked
+    against its row, the native ones by name."""
     codecs.master_codec(master_codec)
     mo = codecs.moment_codec(moment_codec)
+    names = ("lr", "beta1", "beta2", "eps", "weight_decay")
+    if all(n in scalars for n in names):
+        check_adamw_scalars(lr_tensor, *(scalars[n] for n in names))
     ext = _native_checks()
     if ext is not None:
         ext.check_adamw_args(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
@@ -288,7 +302,8 @@ def _triton_adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, m
 
     check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
                      lr_tensor, exp_avg_scales, exp_avg_sq_scales, master_codec=master_codec,
-                     moment_codec=moment_codec, stream_ids=stream_ids, elem_offsets=elem_offsets)
+                     moment_codec=moment_codec, stream_ids=stream_ids, elem_offsets=elem_offsets, lr=lr, beta1=beta1,
+                     beta2=beta2, eps=eps, weight_decay=weight_decay)
     adamw.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
                       lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, codecs.master_codec(master_codec).mode,
                       stochastic_rounding, seed, stream_ids, elem_offsets, exp_avg_scales, exp_avg_sq_scales,

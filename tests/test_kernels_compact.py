@@ -936,6 +936,41 @@ def test_mom8_bad_arguments_refused_alike_everywhere():
     call_adamw_op(partial(_ops.adamw_step_, names[0]), *_args(st, 1, False, [], []), None, None)
 
 
+BAD_SCALARS = {"lr": (10, -1e-3), "beta1": (11, 1.0), "beta2": (12, -0.5), "beta2 nan": (12, float("nan")),
+               "eps": (13, -1e-8), "weight_decay": (14, -0.01)}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SCALARS))
+def test_adamw_op_refuses_scalars_outside_adamw_ranges_alike_everywhere(case):
+    """The op refuses lr < 0, betas outside [0, 1), eps < 0 and weight_decay < 0 (NaN included) with a
+    ValueError naming the scalar, the same first line on every backend, nothing written -- inside those
+    ranges only do its paths agree bit for bit (a negative beta2 makes v negative, whose codes the AVX2
+    and AVX-512 paths rounded differently). An lr the lr tensor replaces is not checked."""
+    if _backend.native() is None:
+        pytest.skip("native extension not built")
+    at, value = BAD_SCALARS[case]
+    errors = {}
+    backends = [b for b in available_backends() if b != "cpu-scalar"]
+    for b in backends:
+        st, _, _ = _case8(3, BF16, seed=4, sizes=(40, 7))
+        before = _clone(st)
+        args = list(_args8(st, 3, False, [], []))
+        args[at] = value
+        with pytest.raises(ValueError) as info:
+            call_adamw_op(partial(_ops.adamw_step_, b), *args)
+        errors[b] = str(info.value).splitlines()[0]
+        assert case.split()[0] in errors[b], errors[b]
+        for la, lb in zip(st, before):
+            for x, y in zip(la, lb):
+                assert torch.equal(_bits(x), _bits(y)), (case, b)
+    assert len(set(errors.values())) == 1, errors
+    if case == "lr":  # with the lr tensor, the scalar lr is not read
+        st, _, _ = _case8(3, BF16, seed=4, sizes=(40, 7))
+        args = list(_args8(st, 3, False, [], []))
+        args[9], args[10] = torch.tensor(1e-3, device=DEVICE), -1.0
+        call_adamw_op(partial(_ops.adamw_step_, backends[0]), *args)
+
+
 def test_mom8_reference_helpers_roundtrip():
     """moment8_encode with the nearest rule (r16 = None) then moment8_decode: every element within
     half a code step of its value (float64 bound here), shapes kept, the last group partial."""
