@@ -18,6 +18,7 @@ from .reference_codecs import (
     RAND_EXP_AVG_SQ,
     RAND_PARAM,
     bf16_sr,
+    fma32,
     master8_decode,
     master8_encode,
     rand_field16,
@@ -236,15 +237,13 @@ def adamw_step_(
                   and exp_avg_sq_scales is not None else (None, None))
         stored = (exp_avgs[i], exp_avg_sqs[i], *scales)
         m, v = _moments_in(codec, p, *stored)
-        w = w * decay
-        m = m + (1 - beta1) * (g - m)
-        v = v * beta2 + (1 - beta2) * g * g
+        m = fma32(1 - beta1, g - m, m)
+        v = fma32(g * (1 - beta2), g, v * beta2)
         vv = v
         if max_exp_avg_sqs:
             vv = torch.where(max_exp_avg_sqs[i] > v, max_exp_avg_sqs[i], v)
             max_exp_avg_sqs[i].copy_(torch.where(ok, vv, max_exp_avg_sqs[i]))
-        denom = sqrt32(vv) * inv_bc2 + eps
-        w = w - step_size * m / denom
+        w = fma32(w, decay, -(step_size * m / fma32(sqrt32(vv), inv_bc2, eps)))
         _moments_out(codec, m, v, word, ok, *stored)
         if master_mode == MASTER_F32:
             masters[i].copy_(torch.where(ok, w, masters[i]))

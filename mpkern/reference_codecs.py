@@ -27,6 +27,23 @@ def sqrt32(x: Tensor) -> Tensor:
     return x.double().sqrt().float()
 
 
+def fma32(x: Tensor | float, y: Tensor | float, z: Tensor | float) -> Tensor:
+    """float32 fma(x, y, z) in one rounding, as the kernels' ``fmaf``: the product of two float32 values
+    is exact in float64; the sum is rounded to odd there (a two-sum gives its error; an inexact sum with
+    an even last bit moves one float64 ulp towards the exact value), and rounding that to float32 is
+    the correctly rounded result (53 >= 24 + 2 bits). Non-finite sums are left as float64 made them.
+    Operands are rounded to float32 first (a Python float as the kernels' float argument)."""
+    x, y, z = (torch.as_tensor(a, dtype=torch.float32).double() for a in (x, y, z))
+    p = x * y
+    s = p + z
+    bb = s - p
+    err = (p - (s - bb)) + (z - bb)
+    bits = s.view(torch.int64)
+    odd = (err != 0) & (err == err) & ((bits & 1) == 0)  # err is NaN where s is not finite
+    bits = torch.where(odd, bits + torch.where((err > 0) == (s > 0), 1, -1), bits)
+    return bits.view(torch.float64).float()
+
+
 def _bf16_rne_bits(x: Tensor) -> Tensor:
     return x.to(torch.bfloat16).view(torch.int16)
 
@@ -183,7 +200,7 @@ def ladder_inv_scale(b: Tensor) -> Tensor:
 
 
 def ladder_value(q: Tensor, mbits: int) -> Tensor:
-    """math.h ``ladder_value``: u(q) = F(q) - 1 of int64 magnitude codes (fp32, exact)."""
+    """u(q) = F(q) - 1 of int64 magnitude codes (fp32, exact; math.h ``ladder_value_scaled`` before the scale)."""
     return _as_f32(_ONE_BITS + (q << (23 - mbits))) - 1.0
 
 
@@ -230,7 +247,7 @@ def moment8_decode(codes: Tensor, scales: Tensor) -> Tensor:
 
     * ``codes.dtype == torch.int8`` (exp_avg): sign-magnitude byte, ``+-u(c & 0x7f) * s``;
     * ``codes.dtype == torch.uint8`` (exp_avg_sq): ``u(c) * s``;
-    with ``u`` the 4-mantissa-bit ladder (math.h ``ladder_value``). A group whose scale is NaN decodes as NaN."""
+    with ``u`` the 4-mantissa-bit ladder (math.h ``ladder_value_scaled``). A group whose scale is NaN decodes as NaN."""
     if codes.dtype not in (torch.int8, torch.uint8):
         raise TypeError(f"moment8_decode: codes must be int8 (exp_avg) or uint8 (exp_avg_sq), got {codes.dtype}")
     if scales.dtype != torch.bfloat16 or scales.numel() != moment8_groups(codes.numel()):

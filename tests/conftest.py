@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import os
 import tempfile
 
@@ -26,6 +28,21 @@ os.environ.setdefault("MPKERN_CACHE_DIR", tempfile.mkdtemp(prefix="mpkern-test-c
 from mpkern import _backend, codecs  # noqa: E402 -- imported after TRITON_INTERPRET is set above
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+def libm_fmaf():
+    """The C library's fmaf (an IEEE fma: one rounding) -- the independent check of the kernels' fmas."""
+    libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+    libm.fmaf.restype = ctypes.c_float
+    libm.fmaf.argtypes = [ctypes.c_float] * 3
+    return libm.fmaf
+
+
+def fma_np(x, y, z):
+    """Elementwise float32 fma of NumPy arrays / scalars by the C library's fmaf."""
+    import numpy as np
+
+    return np.vectorize(libm_fmaf(), otypes=[np.float32])(x, y, z)
 
 
 def available_backends(device: torch.device = DEVICE) -> list[str]:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import DEVICE, available_backends, call_adamw_op, kernel_path
+from conftest import DEVICE, available_backends, call_adamw_op, fma_np, kernel_path
 from mpkern import _ops, reference
 
 F32 = np.float32
@@ -82,14 +82,15 @@ def _run(path, p, g, step, b1, b2, lr):
 
 
 def _expected(g, step, b1, b2, lr, pw):
-    """p = 0 after one step from zero moments, in fp32 as math.h adamw_update, constants from pw."""
+    """p = 0 after one step from zero moments, in fp32 as math.h adamw_update (its fmas by the C library's
+    fmaf), constants from pw."""
     ss = F32(lr / (1.0 - pw(b1, step)))
     ib = F32(1.0 / math.sqrt(1.0 - pw(b2, step)))
     g = g.numpy().astype(F32)
-    m = F32(0) + F32(1.0 - b1) * (g - F32(0))
-    v = F32(0) * F32(b2) + F32(1.0 - b2) * g * g
-    denom = np.sqrt(v) * ib + F32(1e-8)
-    return torch.from_numpy(F32(0) - ss * m / denom)
+    m = fma_np(F32(1.0 - b1), g - F32(0), F32(0))
+    v = fma_np(F32(1.0 - b2) * g, g, F32(0) * F32(b2))
+    denom = fma_np(np.sqrt(v), ib, F32(1e-8))
+    return torch.from_numpy(fma_np(F32(0), F32(1), -(ss * m / denom)))
 
 
 @pytest.mark.parametrize("b1,b2,step,lr", [(0.9999999, 0.999, 1330, 1.0),   # fp32 step size differs

@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, libm_fmaf
 from mpkern import _backend, _ops
+from mpkern.reference_codecs import fma32
 
 FACTORS = [0.5, 0.75, 1.5, 3.0, 2.0**-10, 2.0**-14, 1.0 + 2.0**-9, 65504.0 / 65536.0, 2.0**20]
 
@@ -49,25 +50,57 @@ def test_stats_amax_exact_all_patterns(backend):
 
 
 # ---- the CUDA compact kernels' division without its rare cases (math.h, div_in_range) ----
-def _fma32(x, y, z):
-    """float32 fma(x, y, z), one rounding: the exact product in float64, the sum rounded to odd in float64
-    (two-sum), then to nearest float32 -- exact for float32 operands and results in the normal range."""
-    x, y, z = x.double(), y.double(), z.double()
-    p = x * y
-    s = p + z
-    bb = s - p
-    err = (p - (s - bb)) + (z - bb)
-    bits = s.view(torch.int64)
-    sticky = (err != 0) & ((bits & 1) == 0)
-    bits = torch.where(sticky, bits + torch.where((err > 0) == (s > 0), 1, -1), bits)
-    return bits.view(torch.float64).float()
+def _fma_cases(n, gen):
+    """Float32 triples where one and two roundings differ: products with bits below float32's, sums
+    that cancel, ties, subnormal and huge results, zeros of both signs, inf and NaN."""
+    x = _mantissas(n, gen) * torch.pow(2.0, torch.randint(-30, 30, (n,), generator=gen).float())
+    y = _mantissas(n, gen) * torch.pow(2.0, torch.randint(-30, 30, (n,), generator=gen).float())
+    sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    # z near -x * y (cancellation: the product's low bits decide), or unrelated
+    near = -(x.double() * y.double()).float() * (1 + sign * torch.randint(0, 4, (n,), generator=gen) * 2.0**-23)
+    z = torch.where(torch.rand(n, generator=gen) < 0.7, near, sign * _mantissas(n, gen))
+    one = torch.tensor([1 + 2.0**-12, 1 + 2.0**-12, 2.0**-149, 3.0e38, -0.0, 0.0, float("inf"), float("nan")])
+    other = torch.tensor([1 + 2.0**-12, -(1 + 2.0**-11), 0.5, 2.0, 0.0, -0.0, 0.0, 1.0])
+    zs = torch.tensor([-(1 + 2.0**-11), 0.0, 0.0, -3.0e38, -0.0, 0.0, 1.0, 1.0])
+    return torch.cat([x, one]), torch.cat([y, other]), torch.cat([z, zs])
+
+
+def test_fma32_is_the_c_library_fmaf():
+    """reference_codecs.fma32 (the torch reference's fma, and the algorithm of the Triton interpreter's
+    exact fma) against the C library's fmaf, bit for bit (any NaN equals any NaN), and the interpreter's
+    tl.fma, patched by triton_kernels._interp_compat, against it too."""
+    fmaf = libm_fmaf()
+    gen = torch.Generator().manual_seed(5)
+    x, y, z = _fma_cases(4000, gen)
+    want = torch.tensor([fmaf(a, b, c) for a, b, c in zip(x.tolist(), y.tolist(), z.tolist())], dtype=torch.float32)
+    got = fma32(x, y, z)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+    # the cases exercise the difference: two roundings would get some of them wrong
+    two = (x * y + z)[~nan]
+    assert int((two.view(torch.int32) != want[~nan].view(torch.int32)).sum()) > 100
+
+    pytest.importorskip("triton")
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    import triton_kernels._common  # noqa: F401  (installs the interpreter fixes)
+
+    def handle(t):
+        return interp.TensorHandle(t.numpy(), tl.float32)
+
+    out = torch.from_numpy(np.asarray(interp.InterpreterBuilder.create_fma(None, handle(x), handle(y), handle(z)).data))
+    assert torch.equal(torch.isnan(out), nan)
+    assert torch.equal(out[~nan].view(torch.int32), want[~nan].view(torch.int32))
 
 
 def _div_in_range(a, b, r):
     """div_in_range's operations with the reciprocal estimate r (MUFU.RCP's on a GPU)."""
-    r = _fma32(r, _fma32(-b, r, torch.ones_like(b)), r)
+    r = fma32(r, fma32(-b, r, torch.ones_like(b)), r)
     q = (a.double() * r.double()).float()
-    return _fma32(r, _fma32(-b, q, a), q)
+    return fma32(r, fma32(-b, q, a), q)
 
 
 def _mantissas(n, gen):

@@ -4,7 +4,7 @@ Typed pointers from raw addresses with the 16-byte alignment hint, fp32 loads/st
 fp16 and bf16 data (bf16 as raw uint16 bits, rounded to nearest even by :func:`f32_to_bf16_bits`
 -- ``f32_to_bf16_rne`` of ``csrc/include/mpkern/math.h``, bit for bit, in the interpreter too),
 block indices with the alignment known to the compiler, and the device guard of a launch.
-Importing this module also installs the interpreter fix of :mod:`._interp_compat` where needed.
+Importing this module also installs the interpreter fixes of :mod:`._interp_compat` where needed.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import triton
 import triton.language as tl
 
 from ._interp_compat import apply as _fix_interpreter_index
+from ._interp_compat import apply_exact_fma as _fix_interpreter_fma
 
 _fix_interpreter_index()  # Triton 3.6's interpreter with NumPy >= 2.4 (see _interp_compat.py)
+_fix_interpreter_fma()  # the interpreter's tl.fma rounds twice (see _interp_compat.py)
 
 VEC = 8  # aligned rows end at a multiple of this many elements (16 bytes of a 16-bit dtype)
 

@@ -3,8 +3,9 @@
 Mirrors ``adamw_update`` / ``split_master`` / ``master8_decode`` / ``master8_encode`` /
 ``f32_to_bf16_sr`` and the random words (``rng_key``) of ``csrc/include/mpkern/math.h``:
   g  = grad * grad_factor (negated for maximize)
-  p  = p * (1 - lr*wd);  m = m + (1-b1)(g - m);  v = v*b2 + (1-b2)*g*g;  vm = max(vm, v)
-  p  = p - step_size * m / (sqrt(v or vm) * inv_bc2 + eps)
+  m  = fma(1-b1, g - m, m);  v = fma((1-b2)*g, g, v*b2);  vm = max(vm, v)
+  p  = fma(p, 1 - lr*wd, -step_size * m / fma(sqrt(v or vm), inv_bc2, eps))
+(``tl.fma``: one rounding on a GPU, and under the interpreter with :mod:`._interp_compat`'s exact fma).
 Per-tensor constants (step_size, inv_bc2, decay) come from the step counters, computed on the
 device in fp64 (beta^t by math.h's pow_int, ``_beta_pow_kernel``) with torch ops from the float lr
 (a kernel argument, in double) or the lr tensor: no sync, no host-to-device copy. Work items are
@@ -317,19 +318,17 @@ def _adamw_kernel(
             else:
                 m = load_f32(m_ptr, idx, mask, SDT)
                 v = load_f32(v_ptr, idx, mask, SDT)
-            w = w * decay
-            m = m + one_m_b1 * (g - m)
-            v = v * beta2 + one_m_b2 * g * g
+            m = tl.fma(one_m_b1, g - m, m)
+            v = tl.fma(one_m_b2 * g, g, v * beta2)
             vv = v
             if AMSGRAD:
                 vm_ptr = _ptr_at(base, 4, 0, ALIGNED)
                 old = tl.load(vm_ptr + idx, mask=mask, other=0.0)
                 vv = tl.where(old > v, old, v)
                 tl.store(vm_ptr + idx, vv, mask=mask)
-            # IEEE-rounded division (plain "/" is approximate on GPUs) and no fma contraction
-            # (enable_fp_fusion=False at launch): the same rounding as math.h on every backend
-            denom = tl.sqrt_rn(vv) * inv_bc2 + eps
-            w = w - tl.div_rn(step_size * m, denom)
+            # IEEE-rounded division (plain "/" is approximate on GPUs), math.h's fmas and no other
+            # contraction (enable_fp_fusion=False at launch): the same rounding on every backend
+            w = tl.fma(w, decay, -tl.div_rn(step_size * m, tl.fma(tl.sqrt_rn(vv), inv_bc2, eps)))
             if MODE == 3 or SR or SDT == 2 or SDT == 8 or SDT == 9:
                 rw = _rng_word(ka, kb, hi0, gbase + idx)  # the element's one random word
             if SDT == 8 or SDT == 9:

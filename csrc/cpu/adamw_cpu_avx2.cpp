@@ -1,5 +1,5 @@
-// CPU AdamW, the AVX2 path (8 lanes): the scalar path's arithmetic in the same order (no fma
-// contraction), bit-identical to it.
+// CPU AdamW, the AVX2 path (8 lanes): the scalar path's arithmetic in the same order (its fmas as
+// FMA intrinsics, no other contraction), bit-identical to it.
 #include <cstdint>
 
 #include "../kernels.h"
@@ -15,6 +15,28 @@ namespace {
 // ---- AVX2 path: same arithmetic, same order of operations (no fma contraction) ------------------
 // The random words are computed 8 lanes at a time (one key per call: the caller splits ranges at
 // multiples of 2^32 of the global element index, so the high index half is the same in a call).
+
+// math.h's AdamWConsts in 8 lanes, and its adamw_moments / adamw_step on them.
+struct Consts8 {
+  __m256 decay, omb1, b2, omb2, ss, ibc2, eps;
+};
+
+MPK_AVX2 inline Consts8 consts8(const AdamWConsts& c) {
+  return {_mm256_set1_ps(c.decay), _mm256_set1_ps(c.one_m_b1), _mm256_set1_ps(c.beta2), _mm256_set1_ps(c.one_m_b2),
+          _mm256_set1_ps(c.step_size), _mm256_set1_ps(c.inv_bc2), _mm256_set1_ps(c.eps)};
+}
+
+MPK_AVX2 __attribute__((always_inline)) inline void moments8(const Consts8& k, __m256 g, __m256& m, __m256& v) {
+  m = _mm256_fmadd_ps(k.omb1, _mm256_sub_ps(g, m), m);
+  v = _mm256_fmadd_ps(_mm256_mul_ps(k.omb2, g), g, _mm256_mul_ps(v, k.b2));
+}
+
+MPK_AVX2 __attribute__((always_inline)) inline __m256 step8(const Consts8& k, __m256 p, __m256 m, __m256 vv) {
+  const __m256 denom = _mm256_fmadd_ps(_mm256_sqrt_ps(vv), k.ibc2, k.eps);
+  // fma(p, decay, -q) with -q formed first, as the scalar fmaf gets it: a NaN q's sign flips on every path
+  const __m256 nq = _mm256_xor_ps(_mm256_div_ps(_mm256_mul_ps(k.ss, m), denom), _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u))));
+  return _mm256_fmadd_ps(p, k.decay, nq);
+}
 template <int PDT>
 MPK_AVX2 __attribute__((always_inline)) inline void decode8(const TensorPtrs& t, int64_t i, __m256& p) {
   // master8_decode: bf16 (bits(p) << 16) + 256 c; fp16 p + c * 2^(max(e, 1) - 33)
@@ -134,10 +156,7 @@ MPK_AVX2 void adamw_avx2(const TensorPtrs& t_in, int64_t begin, int64_t end, con
   // (g * (-factor) differs from it in the sign of a NaN)
   const __m256 factor = _mm256_set1_ps(f.factor);
   const __m256 gsign = _mm256_castsi256_ps(_mm256_set1_epi32(f.maximize ? static_cast<int>(0x80000000u) : 0));
-  const __m256 decay = _mm256_set1_ps(t.c.decay), omb1 = _mm256_set1_ps(t.c.one_m_b1);
-  const __m256 b2 = _mm256_set1_ps(t.c.beta2), omb2 = _mm256_set1_ps(t.c.one_m_b2);
-  const __m256 ss = _mm256_set1_ps(t.c.step_size), ibc2 = _mm256_set1_ps(t.c.inv_bc2);
-  const __m256 eps = _mm256_set1_ps(t.c.eps);
+  const Consts8 k = consts8(t.c);
   const bool need0 = needs_word0(t, f), needw = need0 || SDT == kBF16;
   const RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));
   const __m256i key = _mm256_set1_epi32(static_cast<int>(keys.key));
@@ -151,9 +170,7 @@ MPK_AVX2 void adamw_avx2(const TensorPtrs& t_in, int64_t begin, int64_t end, con
     __m256 p = load_w8<PDT>(t, f, i);
     __m256 m = load8<SDT>(t.m, i);
     __m256 v = load8<SDT>(t.v, i);
-    p = _mm256_mul_ps(p, decay);
-    m = _mm256_add_ps(m, _mm256_mul_ps(omb1, _mm256_sub_ps(g, m)));
-    v = _mm256_add_ps(_mm256_mul_ps(v, b2), _mm256_mul_ps(_mm256_mul_ps(omb2, g), g));
+    moments8(k, g, m, v);
     __m256 vv = v;
     if (t.vmax != nullptr) {
       // max(vmax, v) with the scalar's tie/NaN rule: vmax > v ? vmax : v
@@ -161,8 +178,7 @@ MPK_AVX2 void adamw_avx2(const TensorPtrs& t_in, int64_t begin, int64_t end, con
       vv = _mm256_blendv_ps(v, old, _mm256_cmp_ps(old, v, _CMP_GT_OQ));
       _mm256_storeu_ps(t.vmax + i, vv);
     }
-    const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vv), ibc2), eps);
-    p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(ss, m), denom));
+    p = step8(k, p, m, vv);
     if constexpr (SDT == kBF16) {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.m) + i),
                        pack_u16x8(bf16_sr_bits32(m, rand_b16x8(rw))));
@@ -281,10 +297,7 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t_in, int64_t begin, int64_
   // (g * (-factor) differs from it in the sign of a NaN)
   const __m256 factor = _mm256_set1_ps(f.factor);
   const __m256 gsign = _mm256_castsi256_ps(_mm256_set1_epi32(f.maximize ? static_cast<int>(0x80000000u) : 0));
-  const __m256 decay = _mm256_set1_ps(t.c.decay), omb1 = _mm256_set1_ps(t.c.one_m_b1);
-  const __m256 b2 = _mm256_set1_ps(t.c.beta2), omb2 = _mm256_set1_ps(t.c.one_m_b2);
-  const __m256 ss = _mm256_set1_ps(t.c.step_size), ibc2 = _mm256_set1_ps(t.c.inv_bc2);
-  const __m256 eps = _mm256_set1_ps(t.c.eps);
+  const Consts8 k = consts8(t.c);
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const bool need0 = needs_word0(t, f);
@@ -346,11 +359,8 @@ MPK_AVX2 void adamw_avx2_mom8_mode(const TensorPtrs& t_in, int64_t begin, int64_
           mm = dec_m8(cmp + i, sm);
         }
         __m256 vv = dec_v8(cvp + i, sv);
-        p = _mm256_mul_ps(p, decay);
-        mm = _mm256_add_ps(mm, _mm256_mul_ps(omb1, _mm256_sub_ps(gr, mm)));
-        vv = _mm256_add_ps(_mm256_mul_ps(vv, b2), _mm256_mul_ps(_mm256_mul_ps(omb2, gr), gr));
-        const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vv), ibc2), eps);
-        p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(ss, mm), denom));
+        moments8(k, gr, mm, vv);
+        p = step8(k, p, mm, vv);
         store_w8<PDT>(t, f, i, p, need0, _mm256_load_si256(reinterpret_cast<const __m256i*>(rb + o)));
         _mm256_store_ps(mb + o, mm);
         _mm256_store_ps(vb + o, vv);

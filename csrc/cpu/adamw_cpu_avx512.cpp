@@ -102,17 +102,44 @@ MPK_AVX512 __attribute__((always_inline)) inline void store_w16(const TensorPtrs
   }
 }
 
+// The per-tensor constants of the AVX-512 loops.
+struct Consts512 {
+  __m512 factor, gsign, decay, omb1, b2, omb2, ss, ibc2, eps;
+};
+
+MPK_AVX512 inline Consts512 consts512(const TensorPtrs& t, const Flags& f) {
+  Consts512 k;
+  k.factor = _mm512_set1_ps(f.factor);  // -(g * factor) when maximizing, as in the AVX2 path
+  k.gsign = _mm512_castsi512_ps(_mm512_set1_epi32(f.maximize ? static_cast<int>(0x80000000u) : 0));
+  k.decay = _mm512_set1_ps(t.c.decay);
+  k.omb1 = _mm512_set1_ps(t.c.one_m_b1);
+  k.b2 = _mm512_set1_ps(t.c.beta2);
+  k.omb2 = _mm512_set1_ps(t.c.one_m_b2);
+  k.ss = _mm512_set1_ps(t.c.step_size);
+  k.ibc2 = _mm512_set1_ps(t.c.inv_bc2);
+  k.eps = _mm512_set1_ps(t.c.eps);
+  return k;
+}
+
+// math.h's adamw_moments / adamw_step in 16 lanes.
+MPK_AVX512 __attribute__((always_inline)) inline void moments16(const Consts512& k, __m512 g, __m512& m, __m512& v) {
+  m = _mm512_fmadd_ps(k.omb1, _mm512_sub_ps(g, m), m);
+  v = _mm512_fmadd_ps(_mm512_mul_ps(k.omb2, g), g, _mm512_mul_ps(v, k.b2));
+}
+
+MPK_AVX512 __attribute__((always_inline)) inline __m512 step16(const Consts512& k, __m512 p, __m512 m, __m512 vv) {
+  const __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(vv), k.ibc2, k.eps);
+  // fma(p, decay, -q) with -q formed first, as the scalar fmaf gets it: a NaN q's sign flips on every path
+  const __m512 nq = _mm512_xor_ps(_mm512_div_ps(_mm512_mul_ps(k.ss, m), denom), _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u))));
+  return _mm512_fmadd_ps(p, k.decay, nq);
+}
+
 template <int PDT, int GDT, int SDT>
 MPK_AVX512 void adamw_avx512(const TensorPtrs& t_in, int64_t begin, int64_t end, const Flags& f_in) {
   const TensorPtrs t = t_in;  // local copies, never passed out of line (the scalar tails get the caller's):
   // the stores below cannot alias them, so nothing is reloaded in the loops
   const Flags f = f_in;
-  const __m512 factor = _mm512_set1_ps(f.factor);  // -(g * factor) when maximizing, as in the AVX2 path
-  const __m512 gsign = _mm512_castsi512_ps(_mm512_set1_epi32(f.maximize ? static_cast<int>(0x80000000u) : 0));
-  const __m512 decay = _mm512_set1_ps(t.c.decay), omb1 = _mm512_set1_ps(t.c.one_m_b1);
-  const __m512 b2 = _mm512_set1_ps(t.c.beta2), omb2 = _mm512_set1_ps(t.c.one_m_b2);
-  const __m512 ss = _mm512_set1_ps(t.c.step_size), ibc2 = _mm512_set1_ps(t.c.inv_bc2);
-  const __m512 eps = _mm512_set1_ps(t.c.eps);
+  const Consts512 k = consts512(t, f);
   const bool need0 = needs_word0(t, f);
   const RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));
   const bool needw = need0 || SDT == kBF16;
@@ -123,21 +150,18 @@ MPK_AVX512 void adamw_avx512(const TensorPtrs& t_in, int64_t begin, int64_t end,
     const uint32_t elo0 = static_cast<uint32_t>(t.offset + static_cast<uint64_t>(i));
     const __m512i elo = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(elo0)), lanes);
     const __m512i rw = needw ? mix32x16(_mm512_xor_si512(key, elo)) : elo;  // the one random word
-    const __m512 g = _mm512_xor_ps(_mm512_mul_ps(load16<GDT>(t.g, i), factor), gsign);
+    const __m512 g = _mm512_xor_ps(_mm512_mul_ps(load16<GDT>(t.g, i), k.factor), k.gsign);
     __m512 p = load_w16<PDT>(t, f, i);
     __m512 m = load16<SDT>(t.m, i);
     __m512 v = load16<SDT>(t.v, i);
-    p = _mm512_mul_ps(p, decay);
-    m = _mm512_add_ps(m, _mm512_mul_ps(omb1, _mm512_sub_ps(g, m)));
-    v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(omb2, g), g));
+    moments16(k, g, m, v);
     __m512 vv = v;
     if (t.vmax != nullptr) {  // vmax > v ? vmax : v
       const __m512 old = _mm512_loadu_ps(t.vmax + i);
       vv = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(old, v, _CMP_GT_OQ), old);
       _mm512_storeu_ps(t.vmax + i, vv);
     }
-    const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vv), ibc2), eps);
-    p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(ss, m), denom));
+    p = step16(k, p, m, vv);
     if constexpr (SDT == kBF16) {
       store_u16x16(static_cast<uint16_t*>(t.m) + i, bf16_sr_bits(m, rand_b16x16(rw)));
       store_u16x16(static_cast<uint16_t*>(t.v) + i, bf16_sr_bits(v, rand_c16x16(rw)));
@@ -186,7 +210,7 @@ MPK_AVX512 __attribute__((always_inline)) inline __m512i enc_v16(__m512 v, __m51
   return _mm512_max_epu32(q, _mm512_min_epu32(_mm512_castps_si512(v), _mm512_set1_epi32(1)));
 }
 
-// u(q) * s of 16 magnitude codes (ladder_value, then the exact multiply by the scale).
+// u(q) * s of 16 magnitude codes (math.h ladder_value_scaled: F - 1, then the exact multiply by the scale).
 template <int MB>
 MPK_AVX512 __attribute__((always_inline)) inline __m512 ladder_dec16(__m512i q, __m512 s) {
   const __m512 f = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(q, 23 - MB), _mm512_set1_epi32(0x3f800000)));
@@ -204,25 +228,6 @@ MPK_AVX512 __attribute__((always_inline)) inline __m512 dec_m16(const int8_t* p,
 
 MPK_AVX512 __attribute__((always_inline)) inline __m512 dec_v16(const uint8_t* p, __m512 s) {
   return ladder_dec16<4>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), s);
-}
-
-// The per-tensor constants of the AVX-512 loops.
-struct Consts512 {
-  __m512 factor, gsign, decay, omb1, b2, omb2, ss, ibc2, eps;
-};
-
-MPK_AVX512 inline Consts512 consts512(const TensorPtrs& t, const Flags& f) {
-  Consts512 k;
-  k.factor = _mm512_set1_ps(f.factor);  // -(g * factor) when maximizing, as in the AVX2 path
-  k.gsign = _mm512_castsi512_ps(_mm512_set1_epi32(f.maximize ? static_cast<int>(0x80000000u) : 0));
-  k.decay = _mm512_set1_ps(t.c.decay);
-  k.omb1 = _mm512_set1_ps(t.c.one_m_b1);
-  k.b2 = _mm512_set1_ps(t.c.beta2);
-  k.omb2 = _mm512_set1_ps(t.c.one_m_b2);
-  k.ss = _mm512_set1_ps(t.c.step_size);
-  k.ibc2 = _mm512_set1_ps(t.c.inv_bc2);
-  k.eps = _mm512_set1_ps(t.c.eps);
-  return k;
 }
 
 // The unsigned maxima of the 16 lanes of each of 16 vectors x[0..15], lane g of the result = the
@@ -308,11 +313,8 @@ MPK_AVX512 __attribute__((always_inline)) inline void mom8_block512(const Tensor
         mm = dec_m16(cmp + i, sm);
       }
       __m512 vv = dec_v16(cvp + i, sv);
-      p = _mm512_mul_ps(p, k.decay);
-      mm = _mm512_add_ps(mm, _mm512_mul_ps(k.omb1, _mm512_sub_ps(gr, mm)));
-      vv = _mm512_add_ps(_mm512_mul_ps(vv, k.b2), _mm512_mul_ps(_mm512_mul_ps(k.omb2, gr), gr));
-      const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vv), k.ibc2), k.eps);
-      p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(k.ss, mm), denom));
+      moments16(k, gr, mm, vv);
+      p = step16(k, p, mm, vv);
       const __m512i rw = mix32x16(_mm512_xor_si512(key, elo));  // the one random word of each element
       store_w16<PDT>(t, f, i, p, need0, rw);
       _mm512_store_ps(mb + o, mm);

@@ -357,12 +357,12 @@ __device__ __forceinline__ void mom_load(const AdamMeta& t, int64_t i, int64_t e
 
 __device__ __forceinline__ uint32_t code_byte(uint2 w, int k) { return ((k < 4 ? w.x : w.y) >> 8 * (k & 3)) & 0xffu; }
 
-// The lane's new moments (and decayed masters in x.w) from the elements loaded by mom_load, with what
-// the step and the group scales need: the largest |m| and v of the lane's elements before `end` (am, av,
-// bit patterns) and, WIDE, whether the pass may take the main loop's forms (`fast`): the step without
-// the IEEE square root's and division's rare cases (math.h, adamw_step_in_range_ok) and, for the 8-bit
-// master of bf16 params, the master's encoder without its NaN case (no decayed master is NaN, so --
-// the step's values being in range -- no new one is).
+// The lane's new moments from the elements loaded by mom_load, with what the step and the group scales
+// need: the largest |m| and v of the lane's elements before `end` (am, av, bit patterns) and, WIDE,
+// whether the pass may take the main loop's forms (`fast`): the step without the IEEE square root's and
+// division's rare cases (math.h, adamw_step_in_range_ok) and, for the 8-bit master of bf16 params, the
+// master's encoder without its NaN case (every old master is finite, so -- the step's values being in
+// range, the quotient finite -- no new one is NaN).
 struct MomMid {
   float m[kVE], v[kVE];
   uint32_t am, av;
@@ -383,7 +383,7 @@ __device__ __forceinline__ MomMid mom_moments(int64_t i, int64_t end, MomLane& x
     y.m[k] = kM4 ? mom4_decode_m(mom4_code(static_cast<uint8_t>(b), k), x.sm)
                  : mom8_decode_m(static_cast<uint8_t>(b), x.sm);
     y.v[k] = mom8_decode_v(static_cast<uint8_t>(code_byte(x.cv, k)), x.sv);
-    adamw_moments(x.w[k], x.g[k], y.m[k], y.v[k], cs);
+    adamw_moments(x.g[k], y.m[k], y.v[k], cs);
     if (WIDE || i + k < end) {
       y.am = max(y.am, f32_bits(y.m[k]) & 0x7fffffffu);
       y.av = max(y.av, f32_bits(y.v[k]) & 0x7fffffffu);
@@ -391,7 +391,7 @@ __device__ __forceinline__ MomMid mom_moments(int64_t i, int64_t end, MomLane& x
     if (WIDE) {
       m_lo = min(m_lo, (f32_bits(y.m[k]) & 0x7fffffffu) - 1u);
       v_lo = min(v_lo, f32_bits(y.v[k]));
-      if (kNan) nan |= x.w[k] != x.w[k];
+      if (kNan) nan |= !(fabsf(x.w[k]) < INFINITY);  // (not the NaN test: inf * a zero decay is NaN)
     }
   }
   y.fast = WIDE & !nan & adamw_step_in_range_ok(m_lo, y.am, v_lo, y.av, cs);  // (no branches)
