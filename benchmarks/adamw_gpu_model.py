@@ -46,19 +46,20 @@ GRID_PER_SM = 8             # grid_for(chunks, 8)
 PREP_LAUNCH_US = 4.0        # the prep kernel: one launch (~2-3 us) + one block over the tensor table
 #: storage mode: (bytes read per element in the update, bytes per param of the whole step, blocks per
 #: SM, SASS instructions per element of the main loop or None where not counted, load stages): the compact
-#: ones by benchmarks/cuda_sass_count.py --arch sm_90, issue 43 stop 52 (2026-12-07: the main loop's
-#: step without the IEEE rare cases, no NaN-master case, one hash first step per lane; 110.9 / 111.2 at
-#: stop 51, 125.2 / 124.9 after codec 2, RESULTS "Codec 2"; codec 1 had 198.5 and 201.1); "2 stages":
+#: ones by benchmarks/cuda_sass_count.py --arch sm_90, issue 43 stop 53 (2026-12-07: fmas in the update,
+#: word-at-a-time decodes and packing; 87.6 / 87.6 at stop 52 -- the step without the IEEE rare cases,
+#: no NaN-master case, one hash first step per lane --, 110.9 / 111.2 at stop 51, 125.2 / 124.9 after
+#: codec 2, RESULTS "Codec 2"; codec 1 had 198.5 and 201.1); "2 stages":
 #: the loop that copies the next pass's loads into shared memory while the current one updates
 #: (AdamConfig::stages 2): twice the bytes in flight per thread, at its own instruction count
 MODES = {
     "fp32 master + fp32 moments": (14, 30.0, 4, None, 1),
     "remainder + bf16 moments": (10, 20.0, 4, None, 1),
     "8-bit master + bf16 moments": (7, 18.0, 4, None, 1),
-    "8-bit master + 8-bit moments": (4.125, 14.25, 2, 87.6, 1),
-    "8-bit master + 4-bit m + 8-bit v": (3.625, 13.25, 2, 87.6, 1),
-    "8-bit master + 8-bit moments, 2 stages": (4.125, 14.25, 2, 94.9, 2),
-    "8-bit master + 4-bit m + 8-bit v, 2 stages": (3.625, 13.25, 2, 94.9, 2),
+    "8-bit master + 8-bit moments": (4.125, 14.25, 2, 78.4, 1),
+    "8-bit master + 4-bit m + 8-bit v": (3.625, 13.25, 2, 78.4, 1),
+    "8-bit master + 8-bit moments, 2 stages": (4.125, 14.25, 2, 85.5, 2),
+    "8-bit master + 4-bit m + 8-bit v, 2 stages": (3.625, 13.25, 2, 85.5, 2),
 }
 CLOCK_GHZ = 1.98            # Hopper SXM boost clock
 ISSUE_PER_SM_CLK = 4 * 32   # 4 warp schedulers x 32 threads: thread-instructions per SM per clock

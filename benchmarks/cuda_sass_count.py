@@ -229,6 +229,26 @@ def histogram(body: list[str], per: int, top: int = 24) -> str:
     return "    " + ", ".join(f"{op} {n / per:.2f}" for op, n in ranked)
 
 
+def compile_and_read(src_root: str, arch: str) -> tuple[str, dict[str, list[tuple[int, str]]], int]:
+    """(ptxas -v report, the SASS functions, elements per main-loop iteration) of adamw_cuda.cu in src_root."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        ptxas = compile_cubin(src_root, arch, cubin)
+        sass = subprocess.run([tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    return ptxas, functions(sass), elems_per_iteration(src_root)
+
+
+def spilling_kernels(ptxas: str) -> int:
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
+    return sum(1 for a, b in spills if int(a) or int(b))
+
+
+def main_loop(funcs: dict[str, list[tuple[int, str]]], pdt: int, gdt: int, sdt: int, mode: int) -> list[str]:
+    """The main loop's instructions of one compact kernel instance (INSTANCES)."""
+    tag = f"adamw_kernelILi{pdt}ELi{gdt}ELi{sdt}ELi{mode}E"
+    return wide_loops(funcs[next(n for n in funcs if tag in n)])[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="sm_90")
@@ -246,21 +266,15 @@ def main() -> None:
             paths = ["csrc", "mpkern/codecs.def"] if has_def else ["csrc"]
             arch = subprocess.run(["git", "-C", ROOT, "archive", args.rev, *paths], capture_output=True, check=True)
             subprocess.run(["tar", "-x", "-C", src_root], input=arch.stdout, check=True)
-        cubin = os.path.join(tmp, "k.cubin")
-        ptxas = compile_cubin(src_root, args.arch, cubin)
-        per = elems_per_iteration(src_root)
-        sass = subprocess.run([tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
-    funcs = functions(sass)
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
+        ptxas, funcs, per = compile_and_read(src_root, args.arch)
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", ptxas)]
-    n_spill = sum(1 for a, b in spills if int(a) or int(b))
-    print(f"{args.rev or 'working tree'} {args.arch}: {len(regs)} kernels, {n_spill} with spills, "
+    print(f"{args.rev or 'working tree'} {args.arch}: {len(regs)} kernels, {spilling_kernels(ptxas)} with spills, "
           f"registers max {max(regs)}")
     for label, pdt, gdt, sdt, mode in INSTANCES:
         tag = f"adamw_kernelILi{pdt}ELi{gdt}ELi{sdt}ELi{mode}E"
         name = next(n for n in funcs if tag in n)
         wide = wide_loops(funcs[name])
-        body = wide[0]
+        body = main_loop(funcs, pdt, gdt, sdt, mode)
         s = stats(body)
         if s["FCHK"] and any("VOTE.ALL" in t for _, t in funcs[name]):
             print(f"  warning: {label}'s main loop holds the IEEE step: the vote's split was not found")

@@ -1,12 +1,17 @@
 """``benchmarks/cuda_sass_count.py``'s loop arithmetic on synthetic SASS listings: which instructions
 count as a compact kernel's main loop when the loop votes on adamw_step_in_range's ranges and branches
 over the IEEE-step block, in both layouts ptxas uses (the block inside the loop, or as the loop's tail
-with the main path after it). No GPU, no compiler: the listings are written here."""
+with the main path after it). No GPU, no compiler: the listings are written here. And, where nvcc is
+installed (no GPU needed), issue 43's budget on the real kernels: <= 80 SASS instructions per element in
+the compact kernels' main loop on sm_90 and sm_80, no spills."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location(
@@ -82,3 +87,22 @@ def test_a_loop_without_a_vote_counts_whole():
     ins = _listing(["LDG.E.64 R4, desc[UR4][R2.64]", "SHFL.BFLY PT, R1, R1, 0x1, 0x1f", "@P0 BRA 0x0", "EXIT"])
     assert csc.loop_body(ins, 0x0, 0x20) == [t for _, t in ins[:3]]
     assert csc.cold_path(ins, 0x0, 0x20) == []
+
+
+def _nvcc() -> str | None:
+    return shutil.which("nvcc") or next((p for p in [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"),
+                                                                   "bin", "nvcc")] if os.path.isfile(p)), None)
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_compact_main_loop_within_the_issue_budget(arch):
+    """Issue 43 item 1: the compact CUDA kernels' main loop issues <= 80 SASS instructions per element
+    (8-bit master + 8-bit moments, and + 4-bit exp_avg), with no kernel spilling -- from the compiler's
+    own output, so a change that costs the loop instructions fails here, not only on a GPU."""
+    if _nvcc() is None:
+        pytest.skip("needs nvcc (the CUDA compiler; no GPU)")
+    ptxas, funcs, per = csc.compile_and_read(ROOT, arch)
+    assert csc.spilling_kernels(ptxas) == 0
+    for label, *inst in csc.INSTANCES:
+        n = csc.stats(csc.main_loop(funcs, *inst))["instructions"] / per
+        assert n <= 80.0, f"{arch} {label}: {n:.1f} SASS instructions per element in the main loop"

@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._interp_compat import apply as _fix_interpreter_index
-from ._interp_compat import apply_exact_fma as _fix_interpreter_fma
+from ._interp_compat import apply as _fix_interpreter_index, apply_exact_fma as _fix_interpreter_fma
 
 _fix_interpreter_index()  # Triton 3.6's interpreter with NumPy >= 2.4 (see _interp_compat.py)
 _fix_interpreter_fma()  # the interpreter's tl.fma rounds twice (see _interp_compat.py)

@@ -223,6 +223,22 @@ __device__ __forceinline__ void masters8_from_raw(const uint4 (&w)[2], const uin
     unpack16(w[1], lo);
 #pragma unroll
     for (int k = 0; k < kVE; ++k) p[k] = join_master(hi[k], static_cast<int16_t>(lo[k]));
+  } else if constexpr (MODE == kMaster8bit && PDT == kBF16) {
+    // master8_decode's (h << 16) + 256 c as (h << 16 | (c ^ 0x80) << 8) - 0x8000: the correction bytes
+    // offset by 128 (one xor per four, and two masks), then each element's param half and byte put together by one
+    // byte permute (a zero byte beside each correction byte: even ones from c & 0x00ff00ff, odd ones
+    // from c & 0xff00ff00) and one subtract -- the same bits
+    const uint32_t ws[4] = {w[0].x, w[0].y, w[0].z, w[0].w};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t cw = h == 0 ? c.x : c.y;
+      const uint32_t cx = cw ^ 0x80808080u, even = cx & 0x00ff00ffu, odd = cx & 0xff00ff00u;
+      // byte permutes: [zero, c_k, param bytes], for k = 0..3 of the word
+      p[4 * h + 0] = f32_from_bits(__byte_perm(ws[2 * h], even, 0x1045u) - 0x8000u);
+      p[4 * h + 1] = f32_from_bits(__byte_perm(ws[2 * h], odd, 0x3254u) - 0x8000u);
+      p[4 * h + 2] = f32_from_bits(__byte_perm(ws[2 * h + 1], even, 0x1067u) - 0x8000u);
+      p[4 * h + 3] = f32_from_bits(__byte_perm(ws[2 * h + 1], odd, 0x3276u) - 0x8000u);
+    }
   } else if constexpr (MODE == kMaster8bit) {
     uint16_t hi[kVE];
     unpack16(w[0], hi);
@@ -357,6 +373,36 @@ __device__ __forceinline__ void mom_load(const AdamMeta& t, int64_t i, int64_t e
 
 __device__ __forceinline__ uint32_t code_byte(uint2 w, int k) { return ((k < 4 ? w.x : w.y) >> 8 * (k & 3)) & 0xffu; }
 
+// Nibble k of w in the top nibble, the bits below other nibbles': one shift, opaque to the compiler
+// (which would otherwise fold it into a shift and mask for each use, the sign's and the magnitude's).
+__device__ __forceinline__ uint32_t nibble_top(uint32_t w, int k) {
+  if (k == 7) return w;
+  uint32_t y;
+  asm("shl.b32 %0, %1, %2;" : "=r"(y) : "r"(w), "r"(28 - 4 * k));
+  return y;
+}
+
+// The low bytes of a, b, c, d as one word (three byte permutes).
+__device__ __forceinline__ uint32_t pack_low_bytes(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  return __byte_perm(__byte_perm(a, b, 0x0040u), __byte_perm(c, d, 0x0040u), 0x5410u);
+}
+
+// Per float of a, b, c, d a byte 0xff where its sign bit is set, else 0 (three byte permutes: PTX prmt's
+// selector values 8..15 replicate the selected byte's top bit, which __byte_perm does not offer).
+__device__ __forceinline__ uint32_t sign_bytes(float a, float b, float c, float d) {
+  uint32_t ab, cd, r;
+  asm("prmt.b32 %0, %1, %2, 0x00fb;" : "=r"(ab) : "r"(f32_bits(a)), "r"(f32_bits(b)));
+  asm("prmt.b32 %0, %1, %2, 0x00fb;" : "=r"(cd) : "r"(f32_bits(c)), "r"(f32_bits(d)));
+  asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(r) : "r"(ab), "r"(cd));
+  return r;
+}
+
+// Code byte k of w in the top byte, the others zero, for ladder_decode_top: one byte permute (a shift
+// would be folded by the compiler into a shift and mask per use, the sign's and the magnitude's).
+__device__ __forceinline__ uint32_t code_top(uint2 w, int k) {
+  return __byte_perm(k < 4 ? w.x : w.y, 0u, 0x0444u | (static_cast<uint32_t>(k & 3) << 12));
+}
+
 // The lane's new moments from the elements loaded by mom_load, with what the step and the group scales
 // need: the largest |m| and v of the lane's elements before `end` (am, av, bit patterns) and, WIDE,
 // whether the pass may take the main loop's forms (`fast`): the step without the IEEE square root's and
@@ -379,10 +425,10 @@ __device__ __forceinline__ MomMid mom_moments(int64_t i, int64_t end, MomLane& x
   bool nan = false;
 #pragma unroll
   for (int k = 0; k < kVE; ++k) {
-    const uint32_t b = code_byte(x.cm, kM4 ? k >> 1 : k);
-    y.m[k] = kM4 ? mom4_decode_m(mom4_code(static_cast<uint8_t>(b), k), x.sm)
-                 : mom8_decode_m(static_cast<uint8_t>(b), x.sm);
-    y.v[k] = mom8_decode_v(static_cast<uint8_t>(code_byte(x.cv, k)), x.sv);
+    // mom4_decode_m / mom8_decode_m / mom8_decode_v from the code words (nibble k of cm.x, byte k)
+    y.m[k] = kM4 ? ladder_decode_top<4, ladder_m4().mbits, true>(nibble_top(x.cm.x, k), x.sm)
+                 : ladder_decode_top<8, ladder_m8().mbits, true>(code_top(x.cm, k), x.sm);
+    y.v[k] = ladder_decode_top<8, ladder_v8().mbits, false, true>(code_top(x.cv, k), x.sv);
     adamw_moments(x.g[k], y.m[k], y.v[k], cs);
     if (WIDE || i + k < end) {
       y.am = max(y.am, f32_bits(y.m[k]) & 0x7fffffffu);
@@ -434,16 +480,32 @@ __device__ __forceinline__ void mom_finish(const AdamMeta& t, int64_t i, int64_t
   } else {
     rng_words8<WIDE>(keys, e, rw);
   }
-  uint32_t cm[2] = {0u, 0u}, cv[2] = {0u, 0u};
+  uint32_t cm[2], cv[2], qm[kVE], qv[kVE];
 #pragma unroll
   for (int k = 0; k < kVE; ++k) {
     const uint32_t r = rand_b16(rw[k]);
-    if constexpr (kM4) {
-      cm[0] |= mom4_encode_m(m[k], im, r) << (4 * k);
+    qm[k] = ladder_encode(fabsf(m[k]), im, r, kM4 ? ladder_m4().mbits : ladder_m8().mbits);
+    if constexpr (FAST) {  // every v >= 2^-101 (adamw_step_in_range_ok): mom8_encode_v's rule is max(q, 1)
+      const uint32_t q = ladder_encode(v[k], iv, rand_c16(rw[k]), ladder_v8().mbits);
+      asm("max.u32 %0, %1, 1;" : "=r"(qv[k]) : "r"(q));  // (one VIMNMX, not a compare and select)
     } else {
-      cm[k >> 2] |= static_cast<uint32_t>(mom8_encode_m(m[k], im, r)) << (8 * (k & 3));
+      qv[k] = mom8_encode_v(v[k], iv, rand_c16(rw[k]));
     }
-    cv[k >> 2] |= static_cast<uint32_t>(mom8_encode_v(v[k], iv, rand_c16(rw[k]))) << (8 * (k & 3));
+  }
+  // the codes' bytes four at a time, the signs of m as bytes: mom8_encode_m's q | sign << 7; kMom4,
+  // mom4_encode_m's nibbles q | sign << 3, two per byte (q < 8 for a finite m; a group with another m
+  // has the NaN scale, its codes zeroed below)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    cv[h] = pack_low_bytes(qv[4 * h], qv[4 * h + 1], qv[4 * h + 2], qv[4 * h + 3]);
+    if constexpr (!kM4)
+      cm[h] = pack_low_bytes(qm[4 * h], qm[4 * h + 1], qm[4 * h + 2], qm[4 * h + 3]) |
+              (sign_bytes(m[4 * h], m[4 * h + 1], m[4 * h + 2], m[4 * h + 3]) & 0x80808080u);
+  }
+  if constexpr (kM4) {
+    cm[0] = pack_low_bytes(qm[0] | qm[1] << 4, qm[2] | qm[3] << 4, qm[4] | qm[5] << 4, qm[6] | qm[7] << 4) |
+            (sign_bytes(m[0], m[2], m[4], m[6]) & 0x08080808u) | (sign_bytes(m[1], m[3], m[5], m[7]) & 0x80808080u);
+    cm[1] = 0u;
   }
   if (bm == kMom8NaNScale) cm[0] = cm[1] = 0u;  // a NaN group's codes are 0
   if (bv == kMom8NaNScale) cv[0] = cv[1] = 0u;

@@ -525,20 +525,17 @@ MPK_HD float ladder_inv_scale(uint32_t scale_bits) {
   return f32_from_bits((254u - (scale_bits >> 7)) << 23);
 }
 
-// u(q) of a magnitude code.
-MPK_HD float ladder_value(uint32_t q, int mbits) { return f32_from_bits(0x3f800000u + (q << (23 - mbits))) - 1.0f; }
-
-// u(q) * s, s a scale (a power of two >= 2^-126, 0 or NaN). CUDA (and the AVX2 / AVX-512 kernels, with
+// u(q) * s from F(q)'s bit pattern f, s a scale (a power of two >= 2^-126, 0 or NaN). CUDA (and the AVX2 / AVX-512 kernels, with
 // their FMA intrinsics) computes it as F * s - s in one rounding: F - 1 is exact (F in [1, 2^9), 4
 // mantissa bits) and so is (F - 1) * s (a multiple of 2^-130, below 2^137: a normal or subnormal
 // float, or past the range either way), so the fused form rounds the same exact value -- the same
 // bits (0 * s - 0 = +0; a NaN s gives NaN), one operation fewer. (F * s - s in two roundings could
 // overflow where (F - 1) * s does not: the unfused form stays.)
-MPK_HD float ladder_value_scaled(uint32_t q, int mbits, float s) {
+MPK_HD float ladder_value_scaled(uint32_t f, float s) {
 #if defined(__CUDA_ARCH__)
-  return fmaf(f32_from_bits(0x3f800000u + (q << (23 - mbits))), s, -s);
+  return fmaf(f32_from_bits(f), s, -s);
 #else
-  return ladder_value(q, mbits) * s;
+  return (f32_from_bits(f) - 1.0f) * s;
 #endif
 }
 
@@ -557,12 +554,26 @@ MPK_HD uint32_t ladder_encode(float ax, float inv, uint32_t r16, int mbits) {
 // The sign bit of x moved to bit `at` of a code.
 MPK_HD uint32_t sign_at(float x, int at) { return (f32_bits(x) >> 31) << at; }
 
-MPK_HD float mom8_decode_m(uint8_t c, float s) {
-  const float x = ladder_value_scaled(c & 0x7fu, ladder_m8().mbits, s);
-  return f32_from_bits(f32_bits(x) | (static_cast<uint32_t>(c & 0x80u) << 24));
+// The value of a W-bit code held in the top bits of y (bits 31 - W + 1 .. 31; the bits below are ignored
+// unless CLEAN says they are 0): u(q) * s with, SIGNED, bit 31 the sign (OR-ed in: a -0 code decodes as
+// -0). u(q)'s F from the code's bits in place -- the magnitude masked and shifted to F's mantissa field,
+// one add of bits(1.0) -- so a kernel holding four or eight codes in a word decodes code k after one
+// shift (or byte permute) of the word: CUDA's main loop.
+template <int W, int MB, bool SIGNED, bool CLEAN = false>
+MPK_HD float ladder_decode_top(uint32_t y, float s) {
+  constexpr uint32_t kMag = (SIGNED ? (1u << (W - 1)) - 1u : (1u << W) - 1u) << (32 - W);
+  const uint32_t mag = (CLEAN && !SIGNED) ? y : (y & kMag);
+  const float x = ladder_value_scaled(0x3f800000u + (mag >> (9 - W + MB)), s);  // F: bits(1.0) + (q << (23 - MB))
+  return SIGNED ? f32_from_bits(f32_bits(x) | (y & 0x80000000u)) : x;
 }
 
-MPK_HD float mom8_decode_v(uint8_t c, float s) { return ladder_value_scaled(c, ladder_v8().mbits, s); }
+MPK_HD float mom8_decode_m(uint8_t c, float s) {
+  return ladder_decode_top<8, ladder_m8().mbits, true>(static_cast<uint32_t>(c) << 24, s);
+}
+
+MPK_HD float mom8_decode_v(uint8_t c, float s) {
+  return ladder_decode_top<8, ladder_v8().mbits, false, true>(static_cast<uint32_t>(c) << 24, s);
+}
 
 // exp_avg code (sign-magnitude byte) of m given inv = ladder_inv_scale(s_m) and 16 random bits.
 MPK_HD uint8_t mom8_encode_m(float m, float inv, uint32_t r16) {
@@ -596,8 +607,7 @@ MPK_HD uint8_t mom8_encode_v(float v, float inv, uint32_t r16) {
 MPK_HD uint32_t mom4_code(uint8_t byte, int64_t i) { return (i & 1) ? (byte >> 4) : (byte & 0xfu); }
 
 MPK_HD float mom4_decode_m(uint32_t nib, float s) {
-  const float x = ladder_value_scaled(nib & 7u, ladder_m4().mbits, s);
-  return f32_from_bits(f32_bits(x) | ((nib & 8u) << 28));
+  return ladder_decode_top<4, ladder_m4().mbits, true>(nib << 28, s);
 }
 
 // The nibble of m given inv = ladder_inv_scale(s_m) and 16 random bits (rand_b16).
