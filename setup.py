@@ -116,8 +116,8 @@ def _extensions(with_cuda: bool, why_not: str):
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     # -fopenmp: at::parallel_for is a header template that uses OpenMP pragmas in torch's
     # OpenMP builds; without the flag the loops silently run on one thread.
-    # -ffp-contract=off / --fmad=false: no silent a*b+c -> fma contraction, so the scalar CPU
-    # path, the AVX2 path and the GPU round the shared math identically.
+    # -ffp-contract=off / --fmad=false: no silent a*b+c -> fma contraction (only math.h's explicit fmaf),
+    # so the scalar CPU path, the AVX2 path and the GPU round the shared math identically.
     cxx = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unused-function",
            f'-DMPKERN_TORCH_VERSION="{torch.__version__}"']
     if not with_cuda:

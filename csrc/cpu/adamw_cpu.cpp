@@ -11,7 +11,8 @@
 // found_inf is non-zero nothing at all is written (step counters included).
 // Three paths, bit-identical: scalar (the math.h functions; MPKERN_CPU_SIMD=0), AVX2 (8 lanes) and
 // AVX-512 F/BW/VL/DQ (16 lanes; chosen at run time when the CPU has it, MPKERN_CPU_AVX512=0 forces
-// AVX2). The vector paths use the same operations in the same order (no fma contraction).
+// AVX2). The vector paths use the same operations in the same order (math.h's explicit fmas, no other
+// contraction).
 // The three paths live in adamw_cpu_scalar.cpp, adamw_cpu_avx2.cpp and adamw_cpu_avx512.cpp
 // (adamw_cpu_impl.h: what they share); this file is the op and picks the path per work item.
 #include <ATen/Parallel.h>

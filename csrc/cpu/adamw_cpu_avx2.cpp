@@ -12,7 +12,7 @@ namespace adamw_impl {
 
 namespace {
 
-// ---- AVX2 path: same arithmetic, same order of operations (no fma contraction) ------------------
+// ---- AVX2 path: same arithmetic, same order of operations (math.h's fmas, no other contraction) -----
 // The random words are computed 8 lanes at a time (one key per call: the caller splits ranges at
 // multiples of 2^32 of the global element index, so the high index half is the same in a call).
 
