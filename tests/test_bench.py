@@ -255,7 +255,8 @@ def test_release_rows_time_every_variant_and_check_the_bits():
     for r in rows:
         assert r["kernel"] == "release" and r["ms"] > 0 and r["unit"] == "tokens/s"
         assert r["rate"] == pytest.approx(tokens / (r["ms"] / 1e3))
-    assert by["bound"]["ms"] == pytest.approx(by["c"]["ms"] + by["f"]["ms"] - by["e"]["ms"])
+    # (c) plus the extra backward pass (f) - (e), which is floored at 0 where the timings cannot resolve it
+    assert by["bound"]["ms"] == pytest.approx(by["c"]["ms"] + max(by["f"]["ms"] - by["e"]["ms"], 0.0))
     assert by["b"]["mpkern_speedup"] == pytest.approx(by["a"]["ms"] / by["b"]["ms"]) and by["b"]["vs"] == "(a)"
     assert by["d"]["mpkern_speedup"] == pytest.approx(by["bound"]["ms"] / by["d"]["ms"])
     assert by["b"]["backward_passes"] == 1 and by["d"]["backward_passes"] == 2
