@@ -243,10 +243,16 @@ def spilling_kernels(ptxas: str) -> int:
     return sum(1 for a, b in spills if int(a) or int(b))
 
 
-def main_loop(funcs: dict[str, list[tuple[int, str]]], pdt: int, gdt: int, sdt: int, mode: int) -> list[str]:
-    """The main loop's instructions of one compact kernel instance (INSTANCES)."""
+def instance(funcs: dict[str, list[tuple[int, str]]], pdt: int, gdt: int, sdt: int,
+             mode: int) -> list[tuple[int, str]]:
+    """The instructions of one adamw_kernel instance (a row of INSTANCES)."""
     tag = f"adamw_kernelILi{pdt}ELi{gdt}ELi{sdt}ELi{mode}E"
-    return wide_loops(funcs[next(n for n in funcs if tag in n)])[0]
+    return funcs[next(n for n in funcs if tag in n)]
+
+
+def main_loop(funcs: dict[str, list[tuple[int, str]]], pdt: int, gdt: int, sdt: int, mode: int) -> list[str]:
+    """The main loop's instructions of one compact kernel instance."""
+    return wide_loops(instance(funcs, pdt, gdt, sdt, mode))[0]
 
 
 def main() -> None:
@@ -270,20 +276,19 @@ def main() -> None:
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", ptxas)]
     print(f"{args.rev or 'working tree'} {args.arch}: {len(regs)} kernels, {spilling_kernels(ptxas)} with spills, "
           f"registers max {max(regs)}")
-    for label, pdt, gdt, sdt, mode in INSTANCES:
-        tag = f"adamw_kernelILi{pdt}ELi{gdt}ELi{sdt}ELi{mode}E"
-        name = next(n for n in funcs if tag in n)
-        wide = wide_loops(funcs[name])
-        body = main_loop(funcs, pdt, gdt, sdt, mode)
+    for label, *inst in INSTANCES:
+        ins = instance(funcs, *inst)
+        wide = wide_loops(ins)
+        body = wide[0]
         s = stats(body)
-        if s["FCHK"] and any("VOTE.ALL" in t for _, t in funcs[name]):
+        if s["FCHK"] and any("VOTE.ALL" in t for _, t in ins):
             print(f"  warning: {label}'s main loop holds the IEEE step: the vote's split was not found")
         extra = ", ".join(f"{k} {v / per:.2f}" for k, v in s.items() if k != "instructions")
         print(f"  {label:12s} main loop {s['instructions']} instr / {per} elem per thread = "
               f"{s['instructions'] / per:.1f} instr/elem  (per elem: {extra})")
         if args.ops:
             print(histogram(body, per))
-        cold = main_cold_path(funcs[name])
+        cold = main_cold_path(ins)
         if cold:
             n = stats(cold)["instructions"]
             print(f"  {'':12s} a pass with a value outside adamw_step_in_range's ranges (the IEEE step): "
@@ -291,7 +296,7 @@ def main() -> None:
         for other in wide[1:]:
             n = stats(other)["instructions"]
             print(f"  {'':12s} the loop for a grad at another offset: {n} instr = {n / per:.1f} instr/elem")
-        for staged in staged_loops(funcs[name]):
+        for staged in staged_loops(ins):
             n = stats(staged)["instructions"]
             copies = sum("LDGSTS" in t for t in staged)
             print(f"  {'':12s} the two-stage loop (stages 2): {n} instr = {n / per:.1f} instr/elem, "

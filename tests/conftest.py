@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import os
 import tempfile
 
@@ -30,6 +31,7 @@ from mpkern import _backend, codecs  # noqa: E402 -- imported after TRITON_INTER
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
 
+@functools.cache
 def libm_fmaf():
     """The C library's fmaf (an IEEE fma: one rounding) -- the independent check of the kernels' fmas."""
     libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")

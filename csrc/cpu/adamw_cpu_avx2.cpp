@@ -34,7 +34,7 @@ MPK_AVX2 __attribute__((always_inline)) inline void moments8(const Consts8& k, _
 MPK_AVX2 __attribute__((always_inline)) inline __m256 step8(const Consts8& k, __m256 p, __m256 m, __m256 vv) {
   const __m256 denom = _mm256_fmadd_ps(_mm256_sqrt_ps(vv), k.ibc2, k.eps);
   // fma(p, decay, -q) with -q formed first, as the scalar fmaf gets it: a NaN q's sign flips on every path
-  const __m256 nq = _mm256_xor_ps(_mm256_div_ps(_mm256_mul_ps(k.ss, m), denom), _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u))));
+  const __m256 nq = _mm256_xor_ps(_mm256_div_ps(_mm256_mul_ps(k.ss, m), denom), _mm256_set1_ps(-0.0f));
   return _mm256_fmadd_ps(p, k.decay, nq);
 }
 template <int PDT>

@@ -122,7 +122,8 @@ MPK_AVX512 inline Consts512 consts512(const TensorPtrs& t, const Flags& f) {
 }
 
 // math.h's adamw_moments / adamw_step in 16 lanes.
-MPK_AVX512 __attribute__((always_inline)) inline void moments16(const Consts512& k, __m512 g, __m512& m, __m512& v) {
+MPK_AVX512 __attribute__((always_inline)) inline void moments16(const Consts512& k, __m512 g, __m512& m,
+                                                                __m512& v) {
   m = _mm512_fmadd_ps(k.omb1, _mm512_sub_ps(g, m), m);
   v = _mm512_fmadd_ps(_mm512_mul_ps(k.omb2, g), g, _mm512_mul_ps(v, k.b2));
 }
@@ -130,7 +131,7 @@ MPK_AVX512 __attribute__((always_inline)) inline void moments16(const Consts512&
 MPK_AVX512 __attribute__((always_inline)) inline __m512 step16(const Consts512& k, __m512 p, __m512 m, __m512 vv) {
   const __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(vv), k.ibc2, k.eps);
   // fma(p, decay, -q) with -q formed first, as the scalar fmaf gets it: a NaN q's sign flips on every path
-  const __m512 nq = _mm512_xor_ps(_mm512_div_ps(_mm512_mul_ps(k.ss, m), denom), _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u))));
+  const __m512 nq = _mm512_xor_ps(_mm512_div_ps(_mm512_mul_ps(k.ss, m), denom), _mm512_set1_ps(-0.0f));
   return _mm512_fmadd_ps(p, k.decay, nq);
 }
 

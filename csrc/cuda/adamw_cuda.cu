@@ -225,9 +225,9 @@ __device__ __forceinline__ void masters8_from_raw(const uint4 (&w)[2], const uin
     for (int k = 0; k < kVE; ++k) p[k] = join_master(hi[k], static_cast<int16_t>(lo[k]));
   } else if constexpr (MODE == kMaster8bit && PDT == kBF16) {
     // master8_decode's (h << 16) + 256 c as (h << 16 | (c ^ 0x80) << 8) - 0x8000: the correction bytes
-    // offset by 128 (one xor per four, and two masks), then each element's param half and byte put together by one
-    // byte permute (a zero byte beside each correction byte: even ones from c & 0x00ff00ff, odd ones
-    // from c & 0xff00ff00) and one subtract -- the same bits
+    // offset by 128 (one xor per four, and two masks), then each element's param half and byte put
+    // together by one byte permute (a zero byte beside each correction byte: even ones from
+    // c & 0x00ff00ff, odd ones from c & 0xff00ff00) and one subtract -- the same bits
     const uint32_t ws[4] = {w[0].x, w[0].y, w[0].z, w[0].w};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -504,7 +504,8 @@ __device__ __forceinline__ void mom_finish(const AdamMeta& t, int64_t i, int64_t
   }
   if constexpr (kM4) {
     cm[0] = pack_low_bytes(qm[0] | qm[1] << 4, qm[2] | qm[3] << 4, qm[4] | qm[5] << 4, qm[6] | qm[7] << 4) |
-            (sign_bytes(m[0], m[2], m[4], m[6]) & 0x08080808u) | (sign_bytes(m[1], m[3], m[5], m[7]) & 0x80808080u);
+            (sign_bytes(m[0], m[2], m[4], m[6]) & 0x08080808u) |  // even elements: bit 3 of the byte
+            (sign_bytes(m[1], m[3], m[5], m[7]) & 0x80808080u);   // odd ones: bit 7
     cm[1] = 0u;
   }
   if (bm == kMom8NaNScale) cm[0] = cm[1] = 0u;  // a NaN group's codes are 0

@@ -525,9 +525,9 @@ MPK_HD float ladder_inv_scale(uint32_t scale_bits) {
   return f32_from_bits((254u - (scale_bits >> 7)) << 23);
 }
 
-// u(q) * s from F(q)'s bit pattern f, s a scale (a power of two >= 2^-126, 0 or NaN). CUDA (and the AVX2 / AVX-512 kernels, with
-// their FMA intrinsics) computes it as F * s - s in one rounding: F - 1 is exact (F in [1, 2^9), 4
-// mantissa bits) and so is (F - 1) * s (a multiple of 2^-130, below 2^137: a normal or subnormal
+// u(q) * s from F(q)'s bit pattern f, s a scale (a power of two >= 2^-126, 0 or NaN). CUDA (and the
+// AVX2 / AVX-512 kernels, with their FMA intrinsics) computes it as F * s - s in one rounding: F - 1 is
+// exact (F in [1, 2^9), 4 mantissa bits) and so is (F - 1) * s (a multiple of 2^-130, below 2^137: a normal or subnormal
 // float, or past the range either way), so the fused form rounds the same exact value -- the same
 // bits (0 * s - 0 = +0; a NaN s gives NaN), one operation fewer. (F * s - s in two roundings could
 // overflow where (F - 1) * s does not: the unfused form stays.)
@@ -563,7 +563,7 @@ template <int W, int MB, bool SIGNED, bool CLEAN = false>
 MPK_HD float ladder_decode_top(uint32_t y, float s) {
   constexpr uint32_t kMag = (SIGNED ? (1u << (W - 1)) - 1u : (1u << W) - 1u) << (32 - W);
   const uint32_t mag = (CLEAN && !SIGNED) ? y : (y & kMag);
-  const float x = ladder_value_scaled(0x3f800000u + (mag >> (9 - W + MB)), s);  // F: bits(1.0) + (q << (23 - MB))
+  const float x = ladder_value_scaled(0x3f800000u + (mag >> (9 - W + MB)), s);  // bits(1.0) + (q << (23 - MB))
   return SIGNED ? f32_from_bits(f32_bits(x) | (y & 0x80000000u)) : x;
 }
 
