@@ -86,7 +86,7 @@ def test_fma32_is_the_c_library_fmaf():
     import triton.language as tl
     from triton.runtime import interpreter as interp
 
-    import triton_kernels._common  # noqa: F401  (installs the interpreter fixes)
+    import mpkern.triton_kernels._common  # noqa: F401  (installs the interpreter fixes)
 
     def handle(t):
         return interp.TensorHandle(t.numpy(), tl.float32)

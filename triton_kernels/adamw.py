@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import VEC, block_index, device_guard, f32_to_bf16_bits, load_f32, store_f32, typed_ptr
+from ._common import VEC, block_index, device_guard, f32_to_bf16_bits, load_f32, neg_f32, store_f32, typed_ptr
 from .tables import TABLES, common_head, layout, to_device, work_ranges
 
 CHUNK = 16384
@@ -272,7 +272,7 @@ def _adamw_kernel(
         decay = tl.load(consts_ptr + t * 3 + 2)
         factor = tl.load(factor_ptr)
         if MAXIMIZE:
-            factor = -factor
+            factor = neg_f32(factor)
         if SDT == 8 or SDT == 9:  # 8/4-bit moments: codes + one bf16 scale per group of 32 (rows start at a group)
             cm_ptr = _uint8_ptr(tl.load(base + 2), ALIGNED)
             cm4_ptr = _uint8_ptr(tl.load(base + 2), False)
@@ -328,7 +328,7 @@ def _adamw_kernel(
                 tl.store(vm_ptr + idx, vv, mask=mask)
             # IEEE-rounded division (plain "/" is approximate on GPUs), math.h's fmas and no other
             # contraction (enable_fp_fusion=False at launch): the same rounding on every backend
-            w = tl.fma(w, decay, -tl.div_rn(step_size * m, tl.fma(tl.sqrt_rn(vv), inv_bc2, eps)))
+            w = tl.fma(w, decay, neg_f32(tl.div_rn(step_size * m, tl.fma(tl.sqrt_rn(vv), inv_bc2, eps))))
             if MODE == 3 or SR or SDT == 2 or SDT == 8 or SDT == 9:
                 rw = _rng_word(ka, kb, hi0, gbase + idx)  # the element's one random word
             if SDT == 8 or SDT == 9:
