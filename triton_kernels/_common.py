@@ -54,8 +54,8 @@ def load_f32(ptr, idx, mask, DT: tl.constexpr):
 @triton.jit
 def neg_f32(x):
     """-x for float32, the sign bit flipped: what a GPU's negation does, for NaN and zero too. Triton
-    3.6 lowers unary minus to 0 - x (3.8 to a negation), which keeps a NaN's sign and gives +0 for +0;
-    mpkern's kernels must give the same bits on every Triton."""
+    3.6 lowers unary minus to 0 - x (3.8 to a negation), which keeps a NaN's sign and gives +0 for
+    -(+0); mpkern's kernels must give the same bits on every Triton (tests/test_triton_source.py)."""
     return (x.to(tl.uint32, bitcast=True) ^ 0x80000000).to(tl.float32, bitcast=True)
 
 
