@@ -85,7 +85,7 @@ def build_cases() -> list[Case]:
     why they are pruned). The first sm_90 config also with fp16 operands and with both operands transposed."""
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    from triton_kernels import matmul as tk
+    from mpkern.triton_kernels import matmul as tk
 
     cases = []
     kept90 = tk.prune_configs_sm90(tk.CONFIGS_SM90, {}, ACCUMULATE=True)
@@ -150,7 +150,7 @@ def _source(case: Case) -> tuple[Any, dict]:
     import torch
     import triton
 
-    from triton_kernels import matmul as tk
+    from mpkern.triton_kernels import matmul as tk
     from triton_spec import specialise
 
     m, n, k = PROBLEM
@@ -263,7 +263,7 @@ def _problems(row: Row) -> list[str]:
 
 def run(cases: list[Case]) -> list[Row]:
     """Compile every case (Triton's JIT, not its interpreter: ``TRITON_INTERPRET`` must be off before
-    ``triton_kernels`` is imported -- :func:`main` sees to that)."""
+    ``mpkern.triton_kernels`` is imported -- :func:`main` sees to that)."""
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     return [compile_case(c) for c in cases]
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-cache", action="store_true", help="use Triton's cache (compile seconds are then 0)")
     args = p.parse_args(argv)
 
-    os.environ.pop("TRITON_INTERPRET", None)  # before triton_kernels is imported: compile, do not interpret
+    os.environ.pop("TRITON_INTERPRET", None)  # before mpkern.triton_kernels is imported: compile, do not interpret
     cases = [SMOKE] if args.smoke else [c for c in build_cases() if not args.only or args.only in c.name]
     if not cases:
         print(f"no case matches {args.only!r}", file=sys.stderr)

@@ -10,10 +10,10 @@ the files under ``[tool.mpkern.private-names] paths`` of ``pyproject.toml``:
   unless ``_x`` is itself a module (``from . import _ops`` imports a module, not a name);
 * a private module (``mpkern._ops``) imported from outside its parent package (a benchmark
   importing ``mpkern._backend``): inside the package, a private module is the package's own;
-* a relative import that climbs out of ``triton_kernels/`` (``from .. import measure``): it works
-  only because the folder is installed as ``mpkern.triton_kernels``, and import-linter, which reads
-  the folder as the package ``triton_kernels``, cannot see it (its contract: the kernels import
-  nothing of mpkern); a relative import above the top of any package is flagged too.
+* a relative import that climbs above the top folder of the file (``from .. import measure`` in
+  ``triton_kernels/``): it resolves only through a name the folder has elsewhere (the kernels'
+  folder is ``mpkern.triton_kernels``; import-linter's contract that the kernels import nothing of
+  mpkern catches that one as well), so the module is to be imported by its name.
 
 Each exception is an ``allow`` entry ``{file, name, issue}`` in the same table: the issue that
 removes it. An entry that no longer matches anything is an error too, so the list only shrinks.

@@ -40,7 +40,8 @@ def scratch(tmp_path_factory):
     base = tmp_path_factory.mktemp("tree")
     ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.pyc")
     for d in ("mpkern", "triton_kernels"):
-        shutil.copytree(os.path.join(ROOT, d), base / d, ignore=ignore)
+        # symlinks=True: mpkern/triton_kernels stays the link to ../triton_kernels it is in the tree
+        shutil.copytree(os.path.join(ROOT, d), base / d, ignore=ignore, symlinks=True)
     shutil.copy(os.path.join(ROOT, "pyproject.toml"), base / "pyproject.toml")
     return base
 
@@ -70,8 +71,11 @@ def test_layer_contracts_keep_on_an_unchanged_copy(scratch):
     ("mpkern/optim/functional.py", "from .. import cli  # noqa", "mpkern.optim.functional -> mpkern.cli"),
     # the ops importing the optimizer
     ("mpkern/_ops.py", "def _late():\n    from .optim import buckets  # noqa", "mpkern._ops -> mpkern.optim.buckets"),
-    # a Triton kernel importing the library above it
-    ("triton_kernels/matmul.py", "import mpkern.measure  # noqa", "triton_kernels.matmul -> mpkern.measure"),
+    # a Triton kernel importing the library above it: a module, the package itself, a relative climb
+    ("triton_kernels/matmul.py", "import mpkern.measure  # noqa", "mpkern.triton_kernels.matmul -> mpkern.measure"),
+    ("triton_kernels/unscale.py", "import mpkern  # noqa", "mpkern.triton_kernels.unscale -> mpkern"),
+    ("triton_kernels/tables.py", "from .. import reference  # noqa",
+     "mpkern.triton_kernels.tables -> mpkern.reference"),
 ])
 def test_an_upward_import_breaks_the_layers(scratch, where, line, expect):
     restore = _with_line(scratch / where, line)

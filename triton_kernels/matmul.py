@@ -511,9 +511,9 @@ def kernel_for(a: torch.Tensor, b: torch.Tensor, gpu: tuple[tuple[int, int], int
 
 
 def launch_flags(kind: str, has_bias: bool, accumulate: bool, out_bf16: bool, interp: bool, a_t: bool = False,
-                 b_t: bool = False) -> dict:
+                 b_t: bool = False) -> dict[str, Any]:
     """The constexpr arguments (all but the config's) of a launch of the ``"pointer"`` or ``"tma"`` kernel."""
-    flags = dict(HAS_BIAS=has_bias, ACCUMULATE=accumulate, OUT_BF16=out_bf16, UPCAST=interp)
+    flags: dict[str, Any] = dict(HAS_BIAS=has_bias, ACCUMULATE=accumulate, OUT_BF16=out_bf16, UPCAST=interp)
     if kind == "tma":
         flags.update(A_T=a_t, B_T=b_t, EPI_SLICE_BYTES=INTERPRET_EPI_SLICE_BYTES if interp else EPI_SLICE_BYTES)
     return flags
