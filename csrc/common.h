@@ -1,7 +1,7 @@
 // Torch-side helpers shared by every backend of the mpkern ops: dtype codes and the argument
-// checks. The C++ CPU and CUDA kernels call these directly; the Triton ops and the pure-PyTorch
-// backend call the same functions through `mpkern._C` (see csrc/ops.cpp), so every backend
-// rejects the same inputs with the same message. (The per-element math is in
+// checks. The registered ops call these before the C++ CPU and CUDA kernels run (csrc/ops.cpp);
+// the Triton ops and the pure-PyTorch backend call the same functions through `mpkern._C`, so
+// every backend rejects the same inputs with the same message. (The per-element math is in
 // include/mpkern/math.h, which has no torch dependency.)
 #pragma once
 

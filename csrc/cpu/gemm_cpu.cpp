@@ -8,7 +8,7 @@
 // which runs that GEMM on row-major operands (unit stride along K for a, along N for b) and a
 // row-major C: the Python caller hands it such views, copying an operand only when it is not one.
 //
-// This file defines its own schema with TORCH_LIBRARY_FRAGMENT, so csrc/ops.cpp is untouched.
+// The op's schema is defined here (TORCH_LIBRARY_FRAGMENT), beside csrc/ops.cpp's.
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 

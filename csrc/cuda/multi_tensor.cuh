@@ -230,8 +230,8 @@ __device__ __forceinline__ void load8_shifted(const void* base, int64_t i, float
 }
 
 // One 16-byte store (st.global.wb, the default write-back policy): a plain uint4 assignment is lowered to
-// four 4-byte stores that ptxas merges only where it proves the alignment itself (it stopped doing so in
-// the compact kernels once they had a shared-memory stage: 4 ST.E per 8 elements instead of one).
+// four 4-byte stores that ptxas merges only where it proves the alignment itself (not in the compact
+// kernels, with their shared-memory stage: 4 ST.E per 8 elements instead of one).
 __device__ __forceinline__ void store8_u16(void* base, int64_t i, const uint16_t (&h)[8]) {
   __stwb(reinterpret_cast<uint4*>(static_cast<uint16_t*>(base) + i), pack16(h));
 }
