@@ -19,7 +19,6 @@ from . import _fused_unscale, _ops, _scaler_internals, distributed
 from ._grad_stats import DeviceStats, Finished, check_max_norm, device_stats, finish_stats
 from ._grads import (
     FLOATS as _FLOAT_DTYPES,
-    grad_of,
     main_grad_of as _main_grad_of,
     raise_bad_grad,
     to_device as _to_device,
@@ -54,11 +53,6 @@ class UnscaleResult(_UnscaleFields):
 
     params: tuple[Tensor, ...]
     names: tuple[str, ...] | None
-
-
-def _grad_of(p: Tensor) -> Tensor | None:
-    """The gradient mpkern uses for ``p`` (see :func:`mpkern._grads.grad_of`)."""
-    return grad_of(p)[0]
 
 
 def _items(params_or_optimizer: Any) -> tuple[torch.optim.Optimizer | None, Iterable[Any]]:

@@ -44,10 +44,6 @@ def fma32(x: Tensor | float, y: Tensor | float, z: Tensor | float) -> Tensor:
     return bits.view(torch.float64).float()
 
 
-def _bf16_rne_bits(x: Tensor) -> Tensor:
-    return x.to(torch.bfloat16).view(torch.int16)
-
-
 def _mul32(x, c: int):
     """(x * c) mod 2^32 for x in [0, 2^32) (int64 tensor or int), without int64 overflow."""
     return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32

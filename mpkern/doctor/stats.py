@@ -107,18 +107,6 @@ def below_normal_fraction(ts: Sequence[Tensor], dtype: torch.dtype, scale: float
     return (below / nonzero if nonzero else 0.0), nonzero
 
 
-def above_max_count(ts: Sequence[Tensor], dtype: torch.dtype, scale: float = 1.0) -> int:
-    """How many finite values of ``ts`` times ``scale`` round to inf in ``dtype`` (past its max
-    by more than half a spacing)."""
-    fi = torch.finfo(dtype)
-    limit = fi.max + fi.eps * 2.0 ** (math.frexp(fi.max)[1] - 1) / 2  # max + half an ulp at max
-    n = 0
-    for t in ts:
-        a = (t.detach().to(torch.float64) * scale).abs()
-        n += int((torch.isfinite(a) & (a >= limit)).sum())
-    return n
-
-
 _EXP_OFFSET = 1100  # frexp exponents of float64 values lie in [-1073, 1024]
 _EXP_BINS = 2200
 
