@@ -4,7 +4,7 @@ The seam issue's measure: a first step (state created, the step cache built) and
 one traced configuration -- bf16 params, 8-bit master + 8-bit moments, ``max_grad_norm=1.0``, CPU --
 listed module by module (a subpackage of ``mpkern.optim``, e.g. ``optim.storage``, counts once),
 with the number of calls of ``mpkern._backend.select``. The counting is
-:func:`mpkern.optim.trace.modules_run`, which ``tests/test_seam.py`` asserts on.
+:func:`mpkern.optim.trace.modules_run`, which ``tests/test_step_cache_dispatch.py`` asserts on.
 
     python benchmarks/seam_trace.py [--state-dtype 8bit] [--master-weights 8bit] [--no-clip]
 """

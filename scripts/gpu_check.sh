@@ -120,7 +120,9 @@ GPU_TESTS=(test_gpu_paths:all test_kernels_compact:all test_kernels_m4:all test_
            test_nosync:all test_streams:all test_gpu_launches:all
            test_unscale:k test_release:all test_backend:all test_grad_offsets:all test_step_cache:all
            test_optim:k test_optim_generic:k test_math:k test_compact_state:k test_dropin:k test_matmul:k
-           test_matmul_routes:all test_scaler:k test_review:k test_bias_correction:all test_seam:all test_bench:k
+           test_matmul_routes:all test_scaler:k test_shared_params:k test_param_changes:k test_clip_and_scaler:k
+           test_compact_remainder:k test_nn_convert:all test_bias_correction:all test_step_cache_dispatch:all
+           test_op_schema:all test_step_plan:all test_bench:k
            test_gpu_check:k test_codec_legacy:all test_adamw_shapes:all test_codecs:all)
 # the test files that mention cuda but stay off the GPU check, and why (CI runs them on every change)
 NOT_ON_GPU=("test_distributed: its NCCL variants need >= 2 GPUs; gloo on CPU runs in CI"

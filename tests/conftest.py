@@ -6,6 +6,8 @@
   the user's cache folder.
 * ``backend`` fixture: every backend that can run on this machine's test device, plus the C++ CPU
   kernels with SIMD switched off ("cpu-scalar"), so both CPU code paths are covered.
+* ``one_rank_group`` fixture: a one-rank gloo process group in this process (state dicts and DTensors
+  without a second process).
 """
 
 from __future__ import annotations
@@ -70,6 +72,23 @@ def backend(request, monkeypatch):
     else:
         monkeypatch.setenv("MPKERN_BACKEND", name)
         yield name
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A one-rank gloo process group in this process, for the duration of the test."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    store = dist.FileStore(os.fspath(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")

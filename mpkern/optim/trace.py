@@ -1,9 +1,9 @@
-"""Count the mpkern modules a call runs code in (``sys.setprofile``): the seam's measure.
+"""Count the mpkern modules a call runs code in, and its calls of each function (``sys.setprofile``).
 
-``modules_run(opt.step)`` says which modules of mpkern one step enters, and how often each
-function is called -- what ``benchmarks/seam_trace.py`` prints and ``tests/test_seam.py``
-bounds (a first step in <= 9 modules, a cached one in <= 5). A subpackage of ``mpkern.optim``
-(``optim.storage``) counts as one module.
+``modules_run(opt.step)`` says which modules of mpkern one step enters and how often each of their
+functions is called: ``benchmarks/seam_trace.py`` prints it for a first and a cached step, and
+``tests/test_step_cache_dispatch.py`` checks with it that the backend is chosen once and later steps
+take the cached path. A subpackage of ``mpkern.optim`` (``optim.storage``) counts as one module.
 """
 
 from __future__ import annotations
