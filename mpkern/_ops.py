@@ -13,6 +13,9 @@ The public API calls :func:`grad_stats` / :func:`scale_` here with the backend c
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +23,7 @@ from typing import Any
 import torch
 
 from . import _backend, codecs, reference
+from .op_args import AdamwArgs
 from .triton_kernels.tables import StreamUse
 
 Tensor = torch.Tensor
@@ -29,16 +33,58 @@ _ADAMW_SCHEMA = codecs.SCHEMAS["adamw_step_"]  # the one declaration: mpkern/cod
 _libs: list[torch.library.Library] = []  # keep registrations alive
 
 
-def _reference_adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor,
-                           found_inf, lr_tensor, exp_avg_scales=None, exp_avg_sq_scales=None, *, lr, beta1, beta2, eps,
-                           weight_decay, maximize, master_codec, moment_codec, stochastic_rounding, seed,
-                           stream_ids=(), elem_offsets=()) -> None:
-    """``mpkern::adamw_step_``'s schema on :func:`mpkern.reference.adamw_step_` (which takes the
-    master codec as its mode)."""
-    reference.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor,
-                          found_inf, lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize,
-                          codecs.master_codec(master_codec).mode, stochastic_rounding, seed, stream_ids, elem_offsets,
-                          exp_avg_scales, exp_avg_sq_scales, moment_codec=codecs.moment_codec(moment_codec))
+# ---- adamw_step_'s flat schema <-> the bundle (mpkern.op_args.AdamwArgs) ---------------------------
+# The one place in Python that knows the order of the op's arguments, and it reads it from the schema.
+def _schema_signature(schema: str, defaults: dict[str, Any]) -> inspect.Signature:
+    """The Python signature of an op schema: its arguments in order, keyword-only after ``*``, and
+    ``defaults`` (the bundle's) for those the schema gives a default."""
+    inner = schema[schema.index("(") + 1:schema.rindex(") ->")]
+    params, kind = [], inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for arg in inner.split(", "):
+        if arg == "*":
+            kind = inspect.Parameter.KEYWORD_ONLY
+            continue
+        m = re.fullmatch(r"\S+ (\w+)(=\S+)?", arg)
+        if m is None:
+            raise RuntimeError(f"{codecs.DEF_PATH.name}: cannot read the argument {arg!r} of {schema!r}")
+        name, has_default = m.group(1), m.group(2) is not None
+        if has_default != (name in defaults):
+            raise RuntimeError(f"{codecs.DEF_PATH.name}: {name} has {'a' if has_default else 'no'} default in the "
+                               f"schema but {'none' if has_default else 'one'} in mpkern.op_args.AdamwArgs")
+        params.append(inspect.Parameter(name, kind, **({"default": defaults[name]} if has_default else {})))
+    return inspect.Signature(params)
+
+
+_ADAMW_SIGNATURE = _schema_signature(_ADAMW_SCHEMA, {
+    f.name: f.default for f in dataclasses.fields(AdamwArgs) if f.default is not dataclasses.MISSING})
+#: adamw_step_'s argument names in the schema's order (mpkern/codecs.def)
+ADAMW_ARGUMENTS = tuple(_ADAMW_SIGNATURE.parameters)
+_ADAMW_POSITIONAL = tuple(n for n, p in _ADAMW_SIGNATURE.parameters.items() if p.kind is not p.KEYWORD_ONLY)
+_ADAMW_KEYWORD = tuple(n for n, p in _ADAMW_SIGNATURE.parameters.items() if p.kind is p.KEYWORD_ONLY)
+if set(ADAMW_ARGUMENTS) != {f.name for f in dataclasses.fields(AdamwArgs)}:
+    raise RuntimeError(f"{codecs.DEF_PATH.name}: adamw_step_'s arguments {ADAMW_ARGUMENTS} are not the fields of "
+                       f"mpkern.op_args.AdamwArgs")
+
+
+def adamw_args(*args: Any, **kwargs: Any) -> AdamwArgs:
+    """The bundle of one ``adamw_step_`` call given in the flat schema's form (as the dispatcher passes
+    it to a Python kernel: the tensors positionally, the scalars and codecs by keyword). TypeError, as
+    for a Python call, for a missing, unknown or repeated argument."""
+    try:
+        bound = _ADAMW_SIGNATURE.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"mpkern::adamw_step_: {e}") from None
+    return AdamwArgs(**bound.arguments)
+
+
+def adamw_schema_args(a: AdamwArgs) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``a`` in the flat schema's form: the (positional, keyword) arguments of ``torch.ops.mpkern.adamw_step_``."""
+    return tuple(getattr(a, n) for n in _ADAMW_POSITIONAL), {n: getattr(a, n) for n in _ADAMW_KEYWORD}
+
+
+def _reference_adamw_step_(*args: Any, **kwargs: Any) -> None:
+    """``mpkern::adamw_step_``'s schema on :func:`mpkern.reference.adamw_step_`."""
+    reference.adamw_step_(adamw_args(*args, **kwargs))
 
 
 def _define_fallback_schemas() -> None:
@@ -71,39 +117,39 @@ def _fake_scale_(tensors: Sequence[Tensor], scale: Tensor) -> None:
     return None
 
 
-def _fake_adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
-                      lr_tensor, exp_avg_scales=None, exp_avg_sq_scales=None, *, lr, beta1, beta2, eps, weight_decay,
-                      maximize, master_codec, moment_codec, stochastic_rounding, seed, stream_ids=(),
-                      elem_offsets=()) -> None:
+def _fake_adamw_step_(*args: Any, **kwargs: Any) -> None:
     # the checks that need no data, so a traced call fails like an eager one (the eager kernels
     # run the full check_adamw_args)
+    a = adamw_args(*args, **kwargs)
     op = "mpkern::adamw_step_"
-    mc, mo = codecs.master_codec(master_codec), codecs.moment_codec(moment_codec)  # ValueError naming the codecs
-    check_adamw_scalars(lr_tensor, lr, beta1, beta2, eps, weight_decay)
-    for i, m in enumerate(exp_avgs):
+    mc, mo = a.master, a.moments  # ValueError naming the codecs
+    check_adamw_scalars(a)
+    for i, m in enumerate(a.exp_avgs):
         torch._check(m.dtype == mo.exp_avg_dtype, lambda i=i, m=m: (
-            f"{op}: moment_codec {moment_codec!r} needs {mo.exp_avg_dtype} exp_avgs; exp_avgs[{i}] is {m.dtype}"))
-        torch._check(exp_avg_sqs[i].dtype == mo.exp_avg_sq_dtype, lambda i=i: (
-            f"{op}: moment_codec {moment_codec!r} needs {mo.exp_avg_sq_dtype} exp_avg_sqs; exp_avg_sqs[{i}] is "
-            f"{exp_avg_sqs[i].dtype}"))
-    sm, sv = exp_avg_scales, exp_avg_sq_scales
+            f"{op}: moment_codec {a.moment_codec!r} needs {mo.exp_avg_dtype} exp_avgs; exp_avgs[{i}] is {m.dtype}"))
+        torch._check(a.exp_avg_sqs[i].dtype == mo.exp_avg_sq_dtype, lambda i=i: (
+            f"{op}: moment_codec {a.moment_codec!r} needs {mo.exp_avg_sq_dtype} exp_avg_sqs; exp_avg_sqs[{i}] is "
+            f"{a.exp_avg_sqs[i].dtype}"))
+    sm, sv, n = a.exp_avg_scales, a.exp_avg_sq_scales, len(a.params)
     if mo.grouped:
-        torch._check(not max_exp_avg_sqs, lambda: f"{op}: amsgrad is not supported with moment_codec {moment_codec!r}")
-        torch._check(sm is not None and sv is not None and len(sm) == len(params) and len(sv) == len(params),
-                     lambda: f"{op}: moment_codec {moment_codec!r} needs exp_avg_scales and exp_avg_sq_scales, one "
-                             f"per param")
-        for i in range(len(params)):
+        torch._check(not a.max_exp_avg_sqs,
+                     lambda: f"{op}: amsgrad is not supported with moment_codec {a.moment_codec!r}")
+        torch._check(sm is not None and sv is not None and len(sm) == n and len(sv) == n,
+                     lambda: f"{op}: moment_codec {a.moment_codec!r} needs exp_avg_scales and exp_avg_sq_scales, "
+                             f"one per param")
+        assert sm is not None and sv is not None
+        for i in range(n):
             torch._check(sm[i].dtype == torch.bfloat16 and sv[i].dtype == torch.bfloat16,
                          lambda: f"{op}: the moment scales must be bfloat16")
     else:
         torch._check(not sm and not sv, lambda: (
-            f"{op}: exp_avg_scales and exp_avg_sq_scales must be empty with moment_codec {moment_codec!r}"))
+            f"{op}: exp_avg_scales and exp_avg_sq_scales must be empty with moment_codec {a.moment_codec!r}"))
     if mc.state_dtype is not None:
-        for i, t in enumerate(masters):
+        for i, t in enumerate(a.masters):
             torch._check(t.dtype == mc.state_dtype, lambda i=i, t=t: (
-                f"{op}: master_codec {master_codec!r} needs {mc.state_dtype} masters; masters[{i}] is {t.dtype}"))
-    if master_codec == "8bit":
-        for i, p in enumerate(params):
+                f"{op}: master_codec {a.master_codec!r} needs {mc.state_dtype} masters; masters[{i}] is {t.dtype}"))
+    if a.master_codec == "8bit":
+        for i, p in enumerate(a.params):
             torch._check(p.dtype in (torch.bfloat16, torch.float16), lambda i=i, p=p: (
                 f"{op}: master_codec '8bit' (8-bit master corrections) needs bfloat16 or float16 params; "
                 f"params[{i}] is {p.dtype}"))
@@ -137,35 +183,30 @@ def check_scale_args(tensors: Sequence[Tensor], scale: Tensor) -> None:
         ext.check_scale_args(list(tensors), scale)
 
 
-def check_adamw_scalars(lr_tensor, lr, beta1, beta2, eps, weight_decay) -> None:
+def check_adamw_scalars(a: AdamwArgs) -> None:
     """Raise like the C++ ``mpkern::adamw_step_`` kernels do on scalars outside torch.optim.AdamW's ranges
     (``csrc/adamw_common.h``, ``check_adamw_scalars``: the one rule, here through the extension)."""
     ext = _native_checks()
     if ext is not None:
-        ext.check_adamw_scalars(lr_tensor is not None, float(lr), float(beta1), float(beta2), float(eps),
-                                float(weight_decay))
+        ext.check_adamw_scalars(a.lr_tensor is not None, float(a.lr), float(a.beta1), float(a.beta2), float(a.eps),
+                                float(a.weight_decay))
 
 
-def check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
-                     lr_tensor, exp_avg_scales=None, exp_avg_sq_scales=None, *, master_codec, moment_codec,
-                     stream_ids=(), elem_offsets=(), **scalars: Any) -> None:
-    """Raise exactly like the C++ ``mpkern::adamw_step_`` kernels do; the arguments are the op's (the
-    scalars, where given -- lr, beta1, beta2, eps, weight_decay -- by :func:`check_adamw_scalars`; the
-    others, maximize, seed, ..., are accepted and ignored). A codec registered from Python is checked
-    against its row, the native ones by name."""
-    codecs.master_codec(master_codec)
-    mo = codecs.moment_codec(moment_codec)
-    names = ("lr", "beta1", "beta2", "eps", "weight_decay")
-    if all(n in scalars for n in names):
-        check_adamw_scalars(lr_tensor, *(scalars[n] for n in names))
+def check_adamw_args(a: AdamwArgs) -> None:
+    """Raise exactly like the C++ ``mpkern::adamw_step_`` kernels do (the scalars by
+    :func:`check_adamw_scalars`; maximize, seed, ... are not checked). A codec registered from Python
+    is checked against its row, the native ones by name."""
+    codecs.master_codec(a.master_codec)  # ValueError naming the master codecs (before the moment codec's)
+    mo = a.moments
+    check_adamw_scalars(a)
     ext = _native_checks()
     if ext is not None:
-        ext.check_adamw_args(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
-                             list(masters), list(steps), grad_factor, found_inf, lr_tensor,
-                             None if exp_avg_scales is None else list(exp_avg_scales),
-                             None if exp_avg_sq_scales is None else list(exp_avg_sq_scales),
-                             master_codec=master_codec, moment_codec=moment_codec if mo.native else mo.row(),
-                             stream_ids=[int(x) for x in stream_ids], elem_offsets=[int(x) for x in elem_offsets])
+        sm, sv = a.exp_avg_scales, a.exp_avg_sq_scales
+        ext.check_adamw_args(list(a.params), list(a.grads), list(a.exp_avgs), list(a.exp_avg_sqs),
+                             list(a.max_exp_avg_sqs), list(a.masters), list(a.steps), a.grad_factor, a.found_inf,
+                             a.lr_tensor, None if sm is None else list(sm), None if sv is None else list(sv),
+                             master_codec=a.master_codec, moment_codec=a.moment_codec if mo.native else mo.row(),
+                             stream_ids=[int(x) for x in a.stream_ids], elem_offsets=[int(x) for x in a.elem_offsets])
 
 
 def capturing() -> bool:
@@ -294,20 +335,12 @@ _triton_lib.define(_ADAMW_SCHEMA)
 _libs.append(_triton_lib)
 
 
-def _triton_adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
-                        lr_tensor, exp_avg_scales=None, exp_avg_sq_scales=None, *, lr, beta1, beta2, eps, weight_decay,
-                        maximize, master_codec, moment_codec, stochastic_rounding, seed, stream_ids=(),
-                        elem_offsets=()) -> None:
+def _triton_adamw_step_(*args: Any, **kwargs: Any) -> None:
     from mpkern.triton_kernels import adamw
 
-    check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
-                     lr_tensor, exp_avg_scales, exp_avg_sq_scales, master_codec=master_codec,
-                     moment_codec=moment_codec, stream_ids=stream_ids, elem_offsets=elem_offsets, lr=lr, beta1=beta1,
-                     beta2=beta2, eps=eps, weight_decay=weight_decay)
-    adamw.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
-                      lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, codecs.master_codec(master_codec).mode,
-                      stochastic_rounding, seed, stream_ids, elem_offsets, exp_avg_scales, exp_avg_sq_scales,
-                      moment_mode=codecs.moment_codec(moment_codec).mode)
+    a = adamw_args(*args, **kwargs)
+    check_adamw_args(a)
+    adamw.adamw_step_(a)
 
 
 for _key in ("CPU", "CUDA"):
@@ -334,8 +367,21 @@ def adamw_step_(backend: str, *args: Any, **kwargs: Any) -> None:
     elif backend == "triton":
         torch.ops.mpkern_triton.adamw_step_(*args, **kwargs)
     else:
-        check_adamw_args(*args, **kwargs)
-        _reference_adamw_step_(*args, **kwargs)
+        run_adamw_step_(backend, adamw_args(*args, **kwargs))
+
+
+def run_adamw_step_(backend: str, a: AdamwArgs) -> None:
+    """Run the fused AdamW step of the bundle ``a`` on ``backend`` (the registered op for a kernel
+    backend, the reference after the argument checks for "torch")."""
+    if backend in ("cpu", "cuda"):
+        args, kwargs = adamw_schema_args(a)
+        torch.ops.mpkern.adamw_step_(*args, **kwargs)
+    elif backend == "triton":
+        args, kwargs = adamw_schema_args(a)
+        torch.ops.mpkern_triton.adamw_step_(*args, **kwargs)
+    else:
+        check_adamw_args(a)
+        reference.adamw_step_(a)
 
 
 def scale_(tensors: Sequence[Tensor], scale: Tensor, backend: str) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from . import codecs
 from .codecs import MomentCodec
+from .op_args import AdamwArgs
 from .reference_codecs import (
     RAND_EXP_AVG,
     RAND_EXP_AVG_SQ,
@@ -180,16 +181,9 @@ def pow_int(b: float, n: Tensor) -> Tensor:
     return r
 
 
-def adamw_step_(
-    params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor],
-    max_exp_avg_sqs: Sequence[Tensor], masters: Sequence[Tensor], steps: Sequence[Tensor], grad_factor: Tensor,
-    found_inf: Tensor, lr_tensor: Tensor | None, lr: float, beta1: float, beta2: float, eps: float,
-    weight_decay: float, maximize: bool, master_mode: int, stochastic_rounding: bool, seed: int,
-    stream_ids: Sequence[int] = (), elem_offsets: Sequence[int] = (),
-    exp_avg_scales: Sequence[Tensor] | None = None, exp_avg_sq_scales: Sequence[Tensor] | None = None, *,
-    moment_codec: str | MomentCodec,
-) -> None:
-    """Pure-PyTorch version of the fused AdamW step (same contract as the C++/CUDA kernels).
+def adamw_step_(a: AdamwArgs) -> None:
+    """Pure-PyTorch version of the fused AdamW step (same contract as the C++/CUDA kernels), over the
+    arguments of one ``mpkern::adamw_step_`` call (:class:`mpkern.op_args.AdamwArgs`, read by name).
 
     Nothing is written when ``found_inf`` is non-zero: every update is computed and then committed
     with ``torch.where(found_inf == 0, new, old)``, so no host sync is needed. The random bits
@@ -197,68 +191,69 @@ def adamw_step_(
     stream (one :func:`rand_word` per element, split into fields by :func:`rand_field16`), computed with
     integer tensor ops: element i of tensor t draws the bits of element ``elem_offsets[t] + i`` of stream
     ``stream_ids[t]`` (defaults: t and 0).
-    The moments are kept as ``moment_codec`` (a name or a row of :data:`mpkern.codecs.MOMENT_CODECS`)
-    says: decoded and re-encoded by its torch-backend codec with the kernels' random bits.
+    The moments are kept as ``moment_codec`` (a row of :data:`mpkern.codecs.MOMENT_CODECS`) says:
+    decoded and re-encoded by its torch-backend codec with the kernels' random bits.
     """
-    codec = moment_codec if isinstance(moment_codec, MomentCodec) else codecs.moment_codec(moment_codec)
-    ok = found_inf.reshape(()) == 0
-    factor = grad_factor.reshape(()).to(torch.float32)
-    if maximize:
+    master_mode = a.master_mode  # ValueError naming the codecs, the master's first
+    codec = a.moments
+    ok = a.found_inf.reshape(()) == 0
+    factor = a.grad_factor.reshape(()).to(torch.float32)
+    if a.maximize:
         factor = -factor
     # a float lr stays a Python float (a kernel argument in double): no host-to-device copy
-    lr_d = lr_tensor.reshape(()).double() if lr_tensor is not None else float(lr)
-    decay = 1 - lr_d * weight_decay  # fp32 in the multiply below (a Python float is rounded to fp32 there)
+    lr_d = a.lr_tensor.reshape(()).double() if a.lr_tensor is not None else float(a.lr)
+    decay = 1 - lr_d * a.weight_decay  # fp32 in the multiply below (a Python float is rounded to fp32 there)
     decay = decay.float() if isinstance(decay, Tensor) else decay
-    for i, p in enumerate(params):
-        step = steps[i].reshape(()).double() + 1
-        stream = int(stream_ids[i]) if stream_ids else i
+    for i, p in enumerate(a.params):
+        step = a.steps[i].reshape(()).double() + 1
+        stream = int(a.stream_ids[i]) if a.stream_ids else i
         elem = torch.arange(p.numel(), dtype=torch.int64, device=p.device).reshape(p.shape)
-        elem = elem + (int(elem_offsets[i]) if elem_offsets else 0)
+        elem = elem + (int(a.elem_offsets[i]) if a.elem_offsets else 0)
         step_i = step.to(torch.int64)
 
-        word = rand_word(seed, stream, elem, step_i)  # one word per element serves every rounding
+        word = rand_word(a.seed, stream, elem, step_i)  # one word per element serves every rounding
 
         def bits(purpose: int, word=word) -> Tensor:
             return rand_field16(word, purpose)
 
-        step_size = (lr_d / (1 - pow_int(beta1, step_i))).float()
-        inv_bc2 = (1 / torch.sqrt(1 - pow_int(beta2, step_i))).float()
-        g = grads[i].float() * factor
+        step_size = (lr_d / (1 - pow_int(a.beta1, step_i))).float()
+        inv_bc2 = (1 / torch.sqrt(1 - pow_int(a.beta2, step_i))).float()
+        g = a.grads[i].float() * factor
         if master_mode == MASTER_F32:
-            w = masters[i].clone()
+            w = a.masters[i].clone()
         elif master_mode == MASTER_REMAINDER:
             hi = p.view(torch.int16).to(torch.int32) & 0xFFFF
-            w = ((hi << 16) + masters[i].to(torch.int32)).view(torch.float32)
+            w = ((hi << 16) + a.masters[i].to(torch.int32)).view(torch.float32)
         elif master_mode == MASTER_8BIT:
-            w = master8_decode(p, masters[i])
+            w = master8_decode(p, a.masters[i])
         else:
             w = p.float()
-        scales = ((exp_avg_scales[i], exp_avg_sq_scales[i]) if codec.grouped and exp_avg_scales is not None
-                  and exp_avg_sq_scales is not None else (None, None))
-        stored = (exp_avgs[i], exp_avg_sqs[i], *scales)
+        sm, sv = a.exp_avg_scales, a.exp_avg_sq_scales
+        scales = (sm[i], sv[i]) if codec.grouped and sm is not None and sv is not None else (None, None)
+        stored = (a.exp_avgs[i], a.exp_avg_sqs[i], *scales)
         m, v = _moments_in(codec, p, *stored)
-        m = fma32(1 - beta1, g - m, m)
-        v = fma32(g * (1 - beta2), g, v * beta2)
+        m = fma32(1 - a.beta1, g - m, m)
+        v = fma32(g * (1 - a.beta2), g, v * a.beta2)
         vv = v
-        if max_exp_avg_sqs:
-            vv = torch.where(max_exp_avg_sqs[i] > v, max_exp_avg_sqs[i], v)
-            max_exp_avg_sqs[i].copy_(torch.where(ok, vv, max_exp_avg_sqs[i]))
-        w = fma32(w, decay, -(step_size * m / fma32(sqrt32(vv), inv_bc2, eps)))
+        if a.max_exp_avg_sqs:
+            vv = torch.where(a.max_exp_avg_sqs[i] > v, a.max_exp_avg_sqs[i], v)
+            a.max_exp_avg_sqs[i].copy_(torch.where(ok, vv, a.max_exp_avg_sqs[i]))
+        w = fma32(w, decay, -(step_size * m / fma32(sqrt32(vv), inv_bc2, a.eps)))
         _moments_out(codec, m, v, word, ok, *stored)
         if master_mode == MASTER_F32:
-            masters[i].copy_(torch.where(ok, w, masters[i]))
+            a.masters[i].copy_(torch.where(ok, w, a.masters[i]))
             new_p = w.to(p.dtype)
         elif master_mode == MASTER_REMAINDER:
             u = w.view(torch.int32)
             hi = ((u + 0x8000) >> 16) & 0xFFFF
             new_p = hi.to(torch.int16).view(torch.bfloat16)  # int32 -> int16 keeps the low bits
-            masters[i].copy_(torch.where(ok, (u & 0xFFFF).to(torch.int16), masters[i]))
+            a.masters[i].copy_(torch.where(ok, (u & 0xFFFF).to(torch.int16), a.masters[i]))
         elif master_mode == MASTER_8BIT:
             new_p, c = master8_encode(w, p.dtype, word)
-            masters[i].copy_(torch.where(ok, c, masters[i]))
-        elif stochastic_rounding and p.dtype == torch.bfloat16:
+            a.masters[i].copy_(torch.where(ok, c, a.masters[i]))
+        elif a.stochastic_rounding and p.dtype == torch.bfloat16:
             new_p = bf16_sr(w, bits(RAND_PARAM))
         else:
             new_p = w.to(p.dtype)
         p.copy_(torch.where(ok, new_p, p))
-        steps[i].copy_(torch.where(ok, steps[i] + 1, steps[i]))
+        a.steps[i].copy_(torch.where(ok, a.steps[i] + 1, a.steps[i]))

@@ -74,7 +74,7 @@ def _run(path, p, g, step, b1, b2, lr):
     args = (*state, torch.tensor(1.0, device=DEVICE), torch.tensor(0.0, device=DEVICE), None,
             lr, b1, b2, 1e-8, 0.0, False, 0, False, 7, [0], [0])
     if path == "torch":
-        reference.adamw_step_(*args, moment_codec="float32")
+        call_adamw_op(_ops._reference_adamw_step_, *args)
     else:
         with kernel_path(path) as backend:
             call_adamw_op(partial(_ops.adamw_step_, backend), *args)

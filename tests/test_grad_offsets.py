@@ -129,11 +129,12 @@ def test_triton_plan_keeps_the_aligned_rows_of_a_misaligned_grad(sdt):
     m = torch.zeros(n, dtype=sdt)
     v = torch.zeros(n, dtype=F32 if sdt == F32 else torch.uint8)
     w = torch.zeros(n, dtype=F32)
-    scales = ([torch.zeros(n // 32, dtype=BF16)], [torch.zeros(n // 32, dtype=BF16)]) if sdt == torch.int8 else ((), ())
+    scales = (torch.zeros(n // 32, dtype=BF16), torch.zeros(n // 32, dtype=BF16)) if sdt == torch.int8 else (None, None)
     mode = tadamw.MOM8 if sdt == torch.int8 else 0  # the moment mode (mpkern/codecs.def) the op passes
-    _table, launches = tadamw._build_plan([p], [g], [m], [v], [], [w], (), (), torch.device("cpu"), mode, *scales)
+    bufs = [tadamw._ParamBuffers(p, g, m, v, None, w, *scales)]
+    _table, launches = tadamw._build_plan(bufs, (), (), mode, torch.device("cpu"))
     aligned = [(al, gal, rows) for *_k, al, gal, _first, rows in launches if al]
     assert aligned and all(not gal for _al, gal, _rows in aligned)  # the body stays aligned, its grad is not
-    _table, launches = tadamw._build_plan([p], [g.clone()], [m], [v], [], [w], (), (), torch.device("cpu"), mode,
-                                          *scales)
+    bufs = [tadamw._ParamBuffers(p, g.clone(), m, v, None, w, *scales)]
+    _table, launches = tadamw._build_plan(bufs, (), (), mode, torch.device("cpu"))
     assert all(gal == al for *_k, al, gal, _first, _rows in launches)

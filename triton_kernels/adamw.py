@@ -25,6 +25,7 @@ hash of (seed, stream id, elem_offset + element, step, purpose), the keys comput
 from __future__ import annotations
 
 import struct
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -40,11 +41,19 @@ _CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # random stream id, global index of the tensor's element 0 in that stream, exp_avg scales,
 # exp_avg_sq scales (8-bit moments; else 0)
 _ROW = 14
-# The moment modes this kernel implements beyond the dense ones (0 fp32, 2 bf16: their dtype codes):
-# the rows kMom8 / kMom4 of mpkern/codecs.def (the mode arrives with the call, from that table;
-# tests/test_codecs.py checks these numbers against it -- this package may not import mpkern)
-MOM8 = 8  # the 8-bit ladder codes
-MOM4 = 9  # the 4-bit exp_avg + 8-bit exp_avg_sq
+# The master and moment modes: the `mode` of the rows of mpkern/codecs.def (a call brings its modes from
+# that table; tests/test_codecs.py checks these numbers against it -- this package may not import mpkern).
+# Host ints, and the same values as constexprs for the kernels (a @triton.jit function reads only
+# tl.constexpr globals).
+MASTER_NONE, MASTER_F32, MASTER_REMAINDER, MASTER_8BIT = 0, 1, 2, 3  # kMasterNone .. kMaster8bit
+MOM_F32, MOM_BF16 = 0, 2  # the dense moments (kMomF32, kMomBF16): their dtype codes, which typed_ptr reads
+MOM8 = 8  # kMom8: 8-bit ladder codes for both moments
+MOM4 = 9  # kMom4: 4-bit exp_avg codes (two nibbles per byte) + 8-bit exp_avg_sq codes
+MOMENT_MODES = (MOM_F32, MOM_BF16, MOM8, MOM4)
+_MASTER_F32, _MASTER_REMAINDER, _MASTER_8BIT = (tl.constexpr(MASTER_F32), tl.constexpr(MASTER_REMAINDER),
+                                                tl.constexpr(MASTER_8BIT))
+_MOM_BF16, _MOM8, _MOM4 = tl.constexpr(MOM_BF16), tl.constexpr(MOM8), tl.constexpr(MOM4)
+_BF16 = tl.constexpr(2)  # the dtype code of bf16 (typed_ptr's DT): raw uint16 bits
 GROUP = 32
 # math.h Ladder: mantissa bits of the 8-bit (4) and 4-bit (1) ladders; floor(log2 u_max) and u_max's 23
 # mantissa bits of the 8-bit exp_avg (u_max 247), 8-bit exp_avg_sq (63487) and 4-bit exp_avg (11)
@@ -117,7 +126,7 @@ def _pow2n(k):
 @triton.jit
 def _master8_decode(h, c, PDT: tl.constexpr):
     """master8_decode of math.h: bf16 (bits(p) << 16) + 256 c; fp16 p + c * 2^(max(e, 1) - 33)."""
-    if PDT == 2:
+    if PDT == _BF16:
         return ((h.to(tl.uint32) << 16) + (c.to(tl.int32) * 256).to(tl.uint32)).to(tl.float32, bitcast=True)
     else:
         b = tl.maximum(((h.to(tl.uint32) >> 10) & 0x1F).to(tl.int32), 1)
@@ -128,7 +137,7 @@ def _master8_decode(h, c, PDT: tl.constexpr):
 def _master8_encode(w, rw, PDT: tl.constexpr):
     """(param bits uint16, correction int8) of master w from the random words rw: master8_encode of
     math.h (bf16: the master's bits rounded stochastically to a multiple of 256 and split)."""
-    if PDT == 2:
+    if PDT == _BF16:
         u = w.to(tl.uint32, bitcast=True)
         t = u + (rw & 0xFF)
         h = ((t + 0x8000) >> 16).to(tl.uint16)
@@ -237,10 +246,15 @@ def _adamw_kernel(
     factor_ptr,  # float32 [1]
     found_ptr,  # float32 [1]
     one_m_b1, beta2, one_m_b2, eps, seed,
-    PDT: tl.constexpr, GDT: tl.constexpr, SDT: tl.constexpr, MODE: tl.constexpr, AMSGRAD: tl.constexpr,
+    PDT: tl.constexpr, GDT: tl.constexpr, MOMENT_MODE: tl.constexpr, MASTER_MODE: tl.constexpr, AMSGRAD: tl.constexpr,
     MAXIMIZE: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr, GRAD_ALIGNED: tl.constexpr, ROW: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    # GROUPED: codes with a bf16 scale per 32 elements (8-bit moments, or the 4-bit exp_avg's NIBBLES);
+    # RANDOM: the step draws random bits (the 8-bit master, the param's SR, bf16 or coded moments)
+    NIBBLES: tl.constexpr = MOMENT_MODE == _MOM4
+    GROUPED: tl.constexpr = MOMENT_MODE == _MOM8 or NIBBLES
+    RANDOM: tl.constexpr = MASTER_MODE == _MASTER_8BIT or SR or MOMENT_MODE == _MOM_BF16 or GROUPED
     item = tl.program_id(0).to(tl.int64)
     found = tl.load(found_ptr)
     if found == 0.0:
@@ -249,8 +263,8 @@ def _adamw_kernel(
         # a grad view at another alignment (DDP bucket views, flat buffers) is only read: it loses
         # the 16-byte hint, the param and the state keep it
         g_ptr = _ptr_at(base, 1, GDT, ALIGNED and GRAD_ALIGNED)
-        m_ptr = _ptr_at(base, 2, SDT, ALIGNED)
-        v_ptr = _ptr_at(base, 3, SDT, ALIGNED)
+        m_ptr = _ptr_at(base, 2, MOMENT_MODE, ALIGNED)  # a dense mode is the moments' dtype code
+        v_ptr = _ptr_at(base, 3, MOMENT_MODE, ALIGNED)
         begin = tl.load(base + 6)
         end = tl.load(base + 7)
         t = tl.load(base + 8)
@@ -259,7 +273,7 @@ def _adamw_kernel(
             end = tl.multiple_of(end, 8)
         # random keys of this row (math.h rng_keys): one word per element, its fields A (param SR /
         # the 8-bit master), B (exp_avg), C (exp_avg_sq); gbase = global index of idx 0 in the stream
-        if MODE == 3 or SR or SDT == 2 or SDT == 8 or SDT == 9:
+        if RANDOM:
             step = tl.load(steps_ptr + t).to(tl.uint32)
             stream = (tl.load(base + 10) & 0xFFFFFFFF).to(tl.uint32)
             gbase = tl.load(base + 11) + tl.load(base + 9)
@@ -273,15 +287,15 @@ def _adamw_kernel(
         factor = tl.load(factor_ptr)
         if MAXIMIZE:
             factor = neg_f32(factor)
-        if SDT == 8 or SDT == 9:  # 8/4-bit moments: codes + one bf16 scale per group of 32 (rows start at a group)
+        if GROUPED:  # 8/4-bit moments: codes + one bf16 scale per group of 32 (rows start at a group)
             cm_ptr = _uint8_ptr(tl.load(base + 2), ALIGNED)
             cm4_ptr = _uint8_ptr(tl.load(base + 2), False)
             cv_ptr = _uint8_ptr(tl.load(base + 3), ALIGNED)
-            sm_ptr = _ptr_at(base, 12, 2, False)
-            sv_ptr = _ptr_at(base, 13, 2, False)
+            sm_ptr = _ptr_at(base, 12, _BF16, False)
+            sv_ptr = _ptr_at(base, 13, _BF16, False)
         # rows are at most CHUNK long; the loop stops at the row's end (short rows: fewer blocks)
         for off in range(0, end - begin, BLOCK):
-            if SDT == 8 or SDT == 9:
+            if GROUPED:
                 # [groups, 32]: row r = group (begin + off) / 32 + r, column = element in the group
                 gi = (begin + off) // 32 + tl.arange(0, BLOCK // 32).to(tl.int64)
                 gmask = gi * 32 < end
@@ -290,34 +304,34 @@ def _adamw_kernel(
                 idx = block_index(begin, off, ALIGNED, BLOCK)
             mask = idx < end
             g = load_f32(g_ptr, idx, mask, GDT) * factor
-            if MODE == 1:
+            if MASTER_MODE == _MASTER_F32:
                 w_ptr = _ptr_at(base, 5, 0, ALIGNED)
                 w = tl.load(w_ptr + idx, mask=mask, other=0.0)
-            elif MODE == 2:
+            elif MASTER_MODE == _MASTER_REMAINDER:
                 r_ptr = _ptr_at(base, 5, 3, ALIGNED)
                 hi = tl.load(p_ptr + idx, mask=mask, other=0).to(tl.uint32) << 16
                 lo = tl.load(r_ptr + idx, mask=mask, other=0).to(tl.int32).to(tl.uint32, bitcast=True)
                 w = (hi + lo).to(tl.float32, bitcast=True)
-            elif MODE == 3:
-                h_ptr = _ptr_at(base, 0, 2, ALIGNED)  # the param's raw bits
+            elif MASTER_MODE == _MASTER_8BIT:
+                h_ptr = _ptr_at(base, 0, _BF16, ALIGNED)  # the param's raw bits
                 c_ptr = _int8_ptr(tl.load(base + 5), ALIGNED)
                 h = tl.load(h_ptr + idx, mask=mask, other=0)
                 c = tl.load(c_ptr + idx, mask=mask, other=0)
                 w = _master8_decode(h, c, PDT)
             else:
                 w = load_f32(p_ptr, idx, mask, PDT)
-            if SDT == 8 or SDT == 9:
+            if GROUPED:
                 s_m = (tl.load(sm_ptr + gi, mask=gmask, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
                 s_v = (tl.load(sv_ptr + gi, mask=gmask, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-                if SDT == 9:  # the nibble of element idx in byte idx // 2 (mom4_code), sign-magnitude
+                if NIBBLES:  # the nibble of element idx in byte idx // 2 (mom4_code), sign-magnitude
                     nib = (tl.load(cm4_ptr + (idx >> 1), mask=mask, other=0).to(tl.int32) >> ((idx & 1) * 4)) & 0xF
                     m = _sm_decode(nib.to(tl.uint32), s_m[:, None], _MB4, 3)
                 else:  # a sign-magnitude byte
                     m = _sm_decode(tl.load(cm_ptr + idx, mask=mask, other=0).to(tl.uint32), s_m[:, None], _MB8, 7)
                 v = _ladder_value(tl.load(cv_ptr + idx, mask=mask, other=0).to(tl.uint32), _MB8) * s_v[:, None]
             else:
-                m = load_f32(m_ptr, idx, mask, SDT)
-                v = load_f32(v_ptr, idx, mask, SDT)
+                m = load_f32(m_ptr, idx, mask, MOMENT_MODE)
+                v = load_f32(v_ptr, idx, mask, MOMENT_MODE)
             m = tl.fma(one_m_b1, g - m, m)
             v = tl.fma(one_m_b2 * g, g, v * beta2)
             vv = v
@@ -329,19 +343,16 @@ def _adamw_kernel(
             # IEEE-rounded division (plain "/" is approximate on GPUs), math.h's fmas and no other
             # contraction (enable_fp_fusion=False at launch): the same rounding on every backend
             w = tl.fma(w, decay, neg_f32(tl.div_rn(step_size * m, tl.fma(tl.sqrt_rn(vv), inv_bc2, eps))))
-            if MODE == 3 or SR or SDT == 2 or SDT == 8 or SDT == 9:
+            if RANDOM:
                 rw = _rng_word(ka, kb, hi0, gbase + idx)  # the element's one random word
-            if SDT == 8 or SDT == 9:
+            if GROUPED:
                 am = tl.max(tl.where(mask, m.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0), axis=1)
                 av = tl.max(tl.where(mask, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0), axis=1)
-                if SDT == 9:
-                    bm = _ladder_scale_bits(am, _M4_EXP, _M4_MANT)
-                else:
-                    bm = _ladder_scale_bits(am, _M8_EXP, _M8_MANT)
+                bm = _ladder_scale_bits(am, _M4_EXP, _M4_MANT) if NIBBLES else _ladder_scale_bits(am, _M8_EXP, _M8_MANT)
                 bv = _ladder_scale_bits(av, _V8_EXP, _V8_MANT)
                 okm = (bm != _NAN_SCALE)[:, None]  # a NaN-scale group's codes are 0
                 okv = (bv != _NAN_SCALE)[:, None]
-                if SDT == 9:
+                if NIBBLES:
                     # codes of masked (past-the-end) elements are 0: an odd tail's high nibble is 0
                     cm = tl.where(mask & okm, _sm_encode(m, _ladder_inv(bm)[:, None], _rand_b16(rw), _MB4, 3), 0)
                     cm = cm.to(tl.int32)
@@ -356,20 +367,20 @@ def _adamw_kernel(
                 tl.store(cv_ptr + idx, cv.to(tl.uint8), mask=mask)
                 tl.store(sm_ptr + gi, bm.to(tl.uint16), mask=gmask)
                 tl.store(sv_ptr + gi, bv.to(tl.uint16), mask=gmask)
-            elif SDT == 2:
+            elif MOMENT_MODE == _MOM_BF16:
                 tl.store(m_ptr + idx, _bf16_sr(m, _rand_b16(rw)), mask=mask)
                 tl.store(v_ptr + idx, _bf16_sr(v, _rand_c16(rw)), mask=mask)
             else:
-                store_f32(m_ptr, idx, m, mask, SDT)
-                store_f32(v_ptr, idx, v, mask, SDT)
-            if MODE == 1:
+                store_f32(m_ptr, idx, m, mask, MOMENT_MODE)
+                store_f32(v_ptr, idx, v, mask, MOMENT_MODE)
+            if MASTER_MODE == _MASTER_F32:
                 tl.store(w_ptr + idx, w, mask=mask)
                 store_f32(p_ptr, idx, w, mask, PDT)
-            elif MODE == 2:
+            elif MASTER_MODE == _MASTER_REMAINDER:
                 u = w.to(tl.uint32, bitcast=True)
                 tl.store(p_ptr + idx, ((u + 0x8000) >> 16).to(tl.uint16), mask=mask)
                 tl.store(r_ptr + idx, (u & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
-            elif MODE == 3:
+            elif MASTER_MODE == _MASTER_8BIT:
                 h, c = _master8_encode(w, rw, PDT)
                 tl.store(h_ptr + idx, h, mask=mask)
                 tl.store(c_ptr + idx, c, mask=mask)
@@ -420,38 +431,59 @@ def _addr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _build_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, stream_ids, elem_offsets, device,
-                moment_mode, exp_avg_scales=(), exp_avg_sq_scales=()):
-    """(device table, launches) for one layout; launches: (pdt, gdt, sdt, aligned, grad aligned, first
-    row, rows). The aligned body starts where the param and its state are 16-byte aligned; the grad,
-    read only, may sit at another alignment (its rows say so). 8-bit moments (sdt MOM8): rows start
-    at element 0 (no head shift) and at multiples of 32, so a group of 32 never straddles two rows;
-    the aligned rows end at the last multiple of 32."""
+class _ParamBuffers(NamedTuple):
+    """The buffers of one param that its table rows address (columns 0-5, then 12-13)."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    max_exp_avg_sq: torch.Tensor | None  # amsgrad
+    master: torch.Tensor | None  # as the master mode says
+    exp_avg_scale: torch.Tensor | None  # a grouped moment mode's bf16 scales
+    exp_avg_sq_scale: torch.Tensor | None
+
+
+def _param_buffers(a: Any) -> list[_ParamBuffers]:
+    """The buffers of each param of the call ``a`` (an ``mpkern.op_args.AdamwArgs``, read by name)."""
+    vmax, w = a.max_exp_avg_sqs, a.masters
+    sm, sv = a.exp_avg_scales or (), a.exp_avg_sq_scales or ()
+    return [_ParamBuffers(p, a.grads[i], a.exp_avgs[i], a.exp_avg_sqs[i], vmax[i] if vmax else None,
+                          w[i] if w else None, sm[i] if sm else None, sv[i] if sv else None)
+            for i, p in enumerate(a.params)]
+
+
+def _build_plan(bufs: list[_ParamBuffers], stream_ids: tuple[int, ...], elem_offsets: tuple[int, ...],
+                moment_mode: int, device: torch.device) -> tuple[torch.Tensor, list[tuple]]:
+    """(device table, launches) for one layout; launches: (pdt, gdt, moment mode, aligned, grad aligned,
+    first row, rows). The aligned body starts where the param and its state are 16-byte aligned; the
+    grad, read only, may sit at another alignment (its rows say so). Grouped moment codes (MOM8, MOM4):
+    rows start at element 0 (no head shift) and at multiples of 32, so a group of 32 never straddles two
+    rows; the aligned rows end at the last multiple of 32."""
+    grouped = moment_mode in (MOM8, MOM4)  # codes with a scale per 32 (MOM4: the 4-bit exp_avg's nibbles)
     groups: dict[tuple[int, int, int, bool, bool], list[list[int]]] = {}
-    for i, p in enumerate(params):
-        n = p.numel()
+    for i, b in enumerate(bufs):
+        n = b.param.numel()
         if not n:
             continue
-        bufs = [p, grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i] if max_exp_avg_sqs else None,
-                masters[i] if masters else None]
-        addrs = [_addr(b) for b in bufs]
-        sizes = [4 if b is None else b.element_size() for b in bufs]
+        cols = b[:6]  # param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, master
+        addrs = [_addr(t) for t in cols]
+        sizes = [4 if t is None else t.element_size() for t in cols]
         head = common_head([(a, es) for k, (a, es) in enumerate(zip(addrs, sizes)) if k != 1], VEC)
         grad_al = head >= 0 and (addrs[1] + head * sizes[1]) % 16 == 0
-        mom8 = moment_mode in (MOM8, MOM4)  # grouped codes (MOM4: the 4-bit exp_avg, two codes per byte)
-        key = (_CODES[p.dtype], _CODES[grads[i].dtype], moment_mode)
-        scales = [_addr(exp_avg_scales[i]), _addr(exp_avg_sq_scales[i])] if mom8 else [0, 0]
-        if mom8:
+        key = (_CODES[b.param.dtype], _CODES[b.grad.dtype], moment_mode)
+        scales = [_addr(b.exp_avg_scale), _addr(b.exp_avg_sq_scale)] if grouped else [0, 0]
+        if grouped:
             body = n // GROUP * GROUP if head == 0 else 0
-            ranges = [(b, min(body, b + CHUNK), True) for b in range(0, body, CHUNK)]
-            ranges += [(b, min(n, b + CHUNK), False) for b in range(body, n, CHUNK)]
+            ranges = [(r, min(body, r + CHUNK), True) for r in range(0, body, CHUNK)]
+            ranges += [(r, min(n, r + CHUNK), False) for r in range(body, n, CHUNK)]
         else:
             ranges = work_ranges(n, head, CHUNK, VEC)
-        for b, e, al in ranges:
+        for r, e, al in ranges:
             shift = head if al else 0
             stream = stream_ids[i] if stream_ids else i
             offset = elem_offsets[i] if elem_offsets else 0
-            row = [a + shift * es if a else 0 for a, es in zip(addrs, sizes)] + [b, e, i, shift, stream, offset]
+            row = [a + shift * es if a else 0 for a, es in zip(addrs, sizes)] + [r, e, i, shift, stream, offset]
             row += scales
             groups.setdefault(key + (al, al and grad_al), []).append(row)
     rows: list[list[int]] = []
@@ -462,55 +494,48 @@ def _build_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, 
     return to_device(rows, _ROW, device), launches
 
 
-def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
-                lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, master_mode, stochastic_rounding,
-                seed, stream_ids=(), elem_offsets=(), exp_avg_scales=None, exp_avg_sq_scales=None, *,
-                moment_mode: int) -> None:
-    """Triton version of ``mpkern::adamw_step_`` (same contract), the codecs as their modes (the
-    ``mode`` of their rows in ``mpkern/codecs.def``): ``master_mode``, and ``moment_mode`` -- 0
-    (float32), 2 (bfloat16), :data:`MOM8` or :data:`MOM4`."""
-    if moment_mode not in (0, 2, MOM8, MOM4):
-        raise ValueError(f"triton adamw_step_: moment_mode must be 0, 2, {MOM8} or {MOM4}, got {moment_mode!r}")
-    n = len(params)
-    if n == 0:
+def adamw_step_(args: Any) -> None:
+    """Triton version of ``mpkern::adamw_step_`` (same contract) over one call's arguments: ``args`` is an
+    ``mpkern.op_args.AdamwArgs``, its fields read by name (this package imports nothing of mpkern), its
+    codecs as their modes (``args.master_mode``, ``args.moment_mode``: the ``mode`` of their rows in
+    ``mpkern/codecs.def``) -- the moment mode one of :data:`MOMENT_MODES`."""
+    moment_mode = args.moment_mode
+    if moment_mode not in MOMENT_MODES:
+        raise ValueError(f"triton adamw_step_: moment_mode must be {MOM_F32}, {MOM_BF16}, {MOM8} or {MOM4}, got "
+                         f"{moment_mode!r}")
+    if len(args.params) == 0:
         return
-    device = params[0].device
+    device = args.params[0].device
     with device_guard(device):
-        _adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
-                    lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, master_mode, stochastic_rounding, seed,
-                    tuple(int(x) for x in stream_ids), tuple(int(x) for x in elem_offsets),
-                    list(exp_avg_scales or ()), list(exp_avg_sq_scales or ()), int(moment_mode))
+        _adamw_step(args, device, int(args.master_mode), int(moment_mode))
 
 
-def _adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
-                lr_tensor, lr, beta1, beta2, eps, weight_decay, maximize, master_mode, stochastic_rounding,
-                seed, stream_ids, elem_offsets, exp_avg_scales, exp_avg_sq_scales, moment_mode) -> None:
-    n = len(params)
-    device = params[0].device
-    key = ("adamw", device, moment_mode, layout(params), layout(grads), layout(exp_avgs), layout(exp_avg_sqs),
-           layout(max_exp_avg_sqs), layout(masters), stream_ids, elem_offsets, layout(exp_avg_scales),
-           layout(exp_avg_sq_scales))
-    table, launches = TABLES.get(key, device, lambda: _build_plan(params, grads, exp_avgs, exp_avg_sqs,
-                                                                  max_exp_avg_sqs, masters, stream_ids,
-                                                                  elem_offsets, device, moment_mode,
-                                                                  exp_avg_scales, exp_avg_sq_scales))
-    ok = (found_inf.reshape(()) == 0).to(torch.float32)
-    step_new = torch.stack([s.reshape(()) for s in steps]).double() + 1.0
+def _adamw_step(a: Any, device: torch.device, master_mode: int, moment_mode: int) -> None:
+    n = len(a.params)
+    bufs = _param_buffers(a)
+    stream_ids, elem_offsets = tuple(int(x) for x in a.stream_ids), tuple(int(x) for x in a.elem_offsets)
+    key = ("adamw", device, moment_mode, stream_ids, elem_offsets, tuple(layout(b) for b in bufs))
+    table, launches = TABLES.get(key, device, lambda: _build_plan(bufs, stream_ids, elem_offsets, moment_mode,
+                                                                  device))
+    ok = (a.found_inf.reshape(()) == 0).to(torch.float32)
+    step_new = torch.stack([s.reshape(()) for s in a.steps]).double() + 1.0
     # lr: the tensor (read on the device) or the Python float, a kernel argument in double
-    lr_d = lr_tensor.reshape(()).double() if lr_tensor is not None else float(lr)
+    lr_d = a.lr_tensor.reshape(()).double() if a.lr_tensor is not None else float(a.lr)
+    beta1, beta2 = a.beta1, a.beta2
     pow1, pow2 = beta_pows(step_new, beta1, beta2)  # math.h pow_int, not the device's pow
     step_size = lr_d / (1.0 - pow1)
     inv_bc2 = 1.0 / torch.sqrt(1.0 - pow2)
-    decay = 1.0 - lr_d * weight_decay
+    decay = 1.0 - lr_d * a.weight_decay
     decay = decay.expand(n) if isinstance(decay, torch.Tensor) else torch.full_like(step_new, decay)
     consts = torch.stack([step_size, inv_bc2, decay], dim=1).to(torch.float32).contiguous()
     step_i32 = step_new.to(torch.int32)
-    for pdt, gdt, sdt, al, gal, first, rows in launches:
+    for pdt, gdt, mom, al, gal, first, rows in launches:
         _adamw_kernel[(rows,)](
-            table[first:], consts, step_i32, grad_factor, found_inf,
-            1.0 - beta1, beta2, 1.0 - beta2, eps, int(seed) & 0xFFFFFFFF,
-            PDT=pdt, GDT=gdt, SDT=sdt, MODE=int(master_mode), AMSGRAD=bool(max_exp_avg_sqs),
-            MAXIMIZE=bool(maximize), SR=bool(stochastic_rounding) and pdt == 2 and int(master_mode) == 0,
+            table[first:], consts, step_i32, a.grad_factor, a.found_inf,
+            1.0 - beta1, beta2, 1.0 - beta2, a.eps, int(a.seed) & 0xFFFFFFFF,
+            PDT=pdt, GDT=gdt, MOMENT_MODE=mom, MASTER_MODE=master_mode, AMSGRAD=bool(a.max_exp_avg_sqs),
+            MAXIMIZE=bool(a.maximize),
+            SR=bool(a.stochastic_rounding) and pdt == _CODES[torch.bfloat16] and master_mode == MASTER_NONE,
             ALIGNED=al, GRAD_ALIGNED=gal, ROW=_ROW, CHUNK=CHUNK,
             BLOCK=BLOCK, enable_fp_fusion=False)
-    torch._foreach_add_(list(steps), ok)
+    torch._foreach_add_(list(a.steps), ok)
