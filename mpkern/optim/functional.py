@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import _ops
+from ..op_args import AdamwArgs
 
 Tensor = torch.Tensor
 
@@ -38,7 +39,8 @@ class KernelLists(NamedTuple):
 
 
 class GroupScalars(NamedTuple):
-    """A param group's hyperparameters as the kernels take them."""
+    """A param group's hyperparameters as the kernels take them (by name: the fields are the op's
+    argument names)."""
 
     beta1: float
     beta2: float
@@ -52,8 +54,9 @@ class GroupScalars(NamedTuple):
 def group_scalars(group: dict[str, Any]) -> GroupScalars:
     """The kernel's scalar arguments of ``group`` (one conversion for the full and the cached step)."""
     beta1, beta2 = group["betas"]
-    return GroupScalars(float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-                        bool(group["maximize"]), bool(group["stochastic_rounding"]), int(group["seed"]))
+    return GroupScalars(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                        weight_decay=float(group["weight_decay"]), maximize=bool(group["maximize"]),
+                        stochastic_rounding=bool(group["stochastic_rounding"]), seed=int(group["seed"]))
 
 
 def fused_adamw_mp(backend: str, lists: KernelLists, grad_factor: Tensor, found_inf: Tensor,
@@ -68,12 +71,14 @@ def fused_adamw_mp(backend: str, lists: KernelLists, grad_factor: Tensor, found_
     of a kind without a kernel variant were decoded to fp32 (``write_backs``) and are encoded back
     here."""
     s = group_scalars(group)
-    _ops.adamw_step_(
-        backend, lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs, lists.max_exp_avg_sqs, lists.masters,
-        lists.steps, grad_factor, found_inf, lr_tensor, lists.exp_avg_scales, lists.exp_avg_sq_scales, lr=lr,
-        beta1=s.beta1, beta2=s.beta2, eps=s.eps, weight_decay=s.weight_decay, maximize=s.maximize,
-        master_codec=master_codec, moment_codec=lists.moment_codec, stochastic_rounding=s.stochastic_rounding,
-        seed=s.seed, stream_ids=lists.stream_ids, elem_offsets=lists.elem_offsets)
+    _ops.run_adamw_step_(backend, AdamwArgs(
+        params=lists.params, grads=lists.grads, exp_avgs=lists.exp_avgs, exp_avg_sqs=lists.exp_avg_sqs,
+        max_exp_avg_sqs=lists.max_exp_avg_sqs, masters=lists.masters, steps=lists.steps, grad_factor=grad_factor,
+        found_inf=found_inf, lr_tensor=lr_tensor, exp_avg_scales=lists.exp_avg_scales,
+        exp_avg_sq_scales=lists.exp_avg_sq_scales, lr=lr, beta1=s.beta1, beta2=s.beta2, eps=s.eps,
+        weight_decay=s.weight_decay, maximize=s.maximize, master_codec=master_codec, moment_codec=lists.moment_codec,
+        stochastic_rounding=s.stochastic_rounding, seed=s.seed, stream_ids=lists.stream_ids,
+        elem_offsets=lists.elem_offsets))
     for kind, p, st, moments in lists.write_backs:
         kind.write_back(p, st, moments, found_inf)
 

@@ -202,7 +202,8 @@ class Runtime:
 
 class CachedBucket(NamedTuple):
     """One cached kernel call: its group, its params, and ``scalars``: [the group values its kernel
-    scalars were made from, those scalars] (remade when a value changes, e.g. a scheduled weight decay)."""
+    scalars were made from, those scalars by their argument names] (remade when a value changes, e.g. a
+    scheduled weight decay)."""
 
     group: dict[str, Any]
     params: list[Tensor]
@@ -297,10 +298,12 @@ def build(rt: Runtime, groups: list[dict[str, Any]], state: Any, prepared: list,
     cached = []
     for prep in prepared:
         ls, b = prep.lists, prep.bucket
-        cache.add_bucket(ls.params, ls.exp_avgs, ls.exp_avg_sqs, ls.max_exp_avg_sqs, ls.masters, ls.steps,
-                         ls.exp_avg_scales, ls.exp_avg_sq_scales, ls.stream_ids, ls.elem_offsets,
-                         b.kind.name, ls.moment_codec)
-        scalars = [_scalar_inputs(b.group), group_scalars(b.group)]
+        cache.add_bucket(params=ls.params, exp_avgs=ls.exp_avgs, exp_avg_sqs=ls.exp_avg_sqs,
+                         max_exp_avg_sqs=ls.max_exp_avg_sqs, masters=ls.masters, steps=ls.steps,
+                         exp_avg_scales=ls.exp_avg_scales, exp_avg_sq_scales=ls.exp_avg_sq_scales,
+                         stream_ids=ls.stream_ids, elem_offsets=ls.elem_offsets, master_codec=b.kind.name,
+                         moment_codec=ls.moment_codec)
+        scalars = [_scalar_inputs(b.group), group_scalars(b.group)._asdict()]
         cached.append(CachedBucket(b.group, [p for p, *_ in b.pairs], scalars))
     rt.work["cache"] = StepCache(cache, groups, [(g, g["params"], cache_flags(g)) for g in groups], state, dev,
                                  os.environ.get(_backend.ENV), cached)
@@ -346,8 +349,8 @@ def fast_step(rt: Runtime, fc: StepCache, max_norm: float | None, grad_scale: Te
     for bi, (b, (lr_tensor, lr_value)) in enumerate(zip(fc.buckets, lrs)):
         inputs = _scalar_inputs(b.group)
         if inputs != b.scalars[0]:
-            b.scalars[:] = [inputs, group_scalars(b.group)]
-        if fc.cache.adamw(bi, factor, found, lr_tensor, lr_value, *b.scalars[1]):
+            b.scalars[:] = [inputs, group_scalars(b.group)._asdict()]
+        if fc.cache.adamw(bi, grad_factor=factor, found_inf=found, lr_tensor=lr_tensor, lr=lr_value, **b.scalars[1]):
             # a kernel that bumps versions (as in the full path): take the params as ours again
             for p in b.params:
                 versions[id(p)] = stamp(p)
