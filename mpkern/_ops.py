@@ -39,10 +39,10 @@ def _schema_signature(schema: str, defaults: dict[str, Any]) -> inspect.Signatur
     """The Python signature of an op schema: its arguments in order, keyword-only after ``*``, and
     ``defaults`` (the bundle's) for those the schema gives a default."""
     inner = schema[schema.index("(") + 1:schema.rindex(") ->")]
-    params, kind = [], inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params, keyword_only = [], False
     for arg in inner.split(", "):
         if arg == "*":
-            kind = inspect.Parameter.KEYWORD_ONLY
+            keyword_only = True
             continue
         m = re.fullmatch(r"\S+ (\w+)(=\S+)?", arg)
         if m is None:
@@ -51,6 +51,7 @@ def _schema_signature(schema: str, defaults: dict[str, Any]) -> inspect.Signatur
         if has_default != (name in defaults):
             raise RuntimeError(f"{codecs.DEF_PATH.name}: {name} has {'a' if has_default else 'no'} default in the "
                                f"schema but {'none' if has_default else 'one'} in mpkern.op_args.AdamwArgs")
+        kind = inspect.Parameter.KEYWORD_ONLY if keyword_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
         params.append(inspect.Parameter(name, kind, **({"default": defaults[name]} if has_default else {})))
     return inspect.Signature(params)
 

@@ -488,8 +488,8 @@ def _build_plan(bufs: list[_ParamBuffers], stream_ids: tuple[int, ...], elem_off
             groups.setdefault(key + (al, al and grad_al), []).append(row)
     rows: list[list[int]] = []
     launches = []
-    for key, grp in sorted(groups.items()):
-        launches.append(key + (len(rows), len(grp)))
+    for launch, grp in sorted(groups.items()):
+        launches.append(launch + (len(rows), len(grp)))
         rows += grp
     return to_device(rows, _ROW, device), launches
 
