@@ -15,6 +15,7 @@ What only a GPU run shows (CUDA peaks, the cap enforced by the allocator, the 7B
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -36,6 +37,12 @@ TIMEOUT_LIMIT = 11  # the driver keeps 5.5 s of it to stop the worker, whose min
 LLAMA_CLI = ("amp", "mpkern-8bit-4bitm-release")
 
 
+def _needs_transformers() -> None:
+    """The recipes' workers build their models with transformers (GPT-2, Llama): an optional package."""
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("the end-to-end recipes build transformers models: needs transformers (the hf extra)")
+
+
 def _start(*args: str) -> subprocess.Popen:
     return subprocess.Popen([*E2E, *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -48,6 +55,7 @@ def _quick(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The three stage runs, started together; ``{name: (exit status, output, stage JSON, seconds)}``."""
+    _needs_transformers()
     base = tmp_path_factory.mktemp("e2e")
     common = ("--device", "cpu", "--size", "tiny", "--steps", str(STEPS), "--warmup", str(WARMUP))
     procs = {
@@ -183,6 +191,7 @@ def test_llama7b_a_small_cap_makes_oom_rows_with_their_planned_bytes_and_the_sta
 
 @pytest.mark.parametrize("recipe", ["bf16-adamw", "mpkern-fp32-master", "mpkern-8bit-8bit"])
 def test_llama7b_the_other_recipes_in_process(tmp_path, recipe):
+    _needs_transformers()
     import torch
 
     from tools.gpu_check import e2e_recipes, e2e_worker
