@@ -115,15 +115,15 @@ fi
 # of the CUDA/Triton kernels with the CPU ones and CUDA-graph capture, then sync-freedom, then the rest.
 # "all" runs every test of the file (on a GPU its tests run on cuda: conftest's DEVICE), "k" only its
 # cuda/triton variants (its cpu and torch-reference variants add nothing on a GPU).
-GPU_TESTS=(test_gpu_paths:all test_kernels_compact:all test_kernels_m4:all test_norm_identity:all test_moments8:all
-           test_ops:all test_capture:all test_capture_recipe:all
+GPU_TESTS=(test_gpu_paths:all test_compact_kernels:all test_compact_kernels_4bit:all test_norm_identity:all
+           test_compact_moments:all test_ops:all test_capture:all test_capture_recipe:all
            test_nosync:all test_streams:all test_gpu_launches:all
            test_unscale:k test_release:all test_backend:all test_grad_offsets:all test_step_cache:all
-           test_optim:k test_optim_generic:k test_math:k test_compact_state:k test_dropin:k test_matmul:k
+           test_optim:k test_optim_generic:k test_math:k test_compact_master:k test_dropin:k test_matmul:k
            test_matmul_routes:all test_scaler:k test_shared_params:k test_param_changes:k test_clip_and_scaler:k
            test_compact_remainder:k test_nn_convert:all test_bias_correction:all test_step_cache_dispatch:all
            test_op_schema:all test_step_plan:all test_bench:k
-           test_gpu_check:k test_codec_legacy:all test_adamw_shapes:all test_codecs:all)
+           test_gpu_check:k test_compact_legacy_checkpoints:all test_adamw_shapes:all test_codecs:all)
 # the test files that mention cuda but stay off the GPU check, and why (CI runs them on every change)
 NOT_ON_GPU=("test_distributed: its NCCL variants need >= 2 GPUs; gloo on CPU runs in CI"
             "test_compare: the compare stage (scale profile) runs mpkern compare on the GPU itself"

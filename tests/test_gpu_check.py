@@ -89,7 +89,7 @@ def test_the_default_profile_is_proof_and_its_tests_cover_every_file_that_touche
     # the most valuable evidence first: bit-identity and capture, then sync-freedom, then the rest
     pos = {f: i for i, f in enumerate(listed)}
     assert pos["tests/test_gpu_paths.py"] == 0
-    assert max(pos["tests/test_kernels_compact.py"], pos["tests/test_capture.py"]) < pos["tests/test_nosync.py"]
+    assert max(pos["tests/test_compact_kernels.py"], pos["tests/test_capture.py"]) < pos["tests/test_nosync.py"]
     assert pos["tests/test_nosync.py"] < pos["tests/test_optim.py"]
     assert '-k "cuda or triton' in p.stdout
 

@@ -10,7 +10,7 @@ sign-magnitude 4-bit codes per byte (element 2j in the low nibble of byte j), ``
 * the codec against float64 written here (tests/_ladder64.py): unbiased over two decades below the group
   max, no code above 7, scales the smallest powers of two that put the group max at or below 11, the
   odd tail's high nibble 0;
-* bad arguments are refused alike everywhere (found_inf as a bitwise no-op: test_kernels_compact's
+* bad arguments are refused alike everywhere (found_inf as a bitwise no-op: test_compact_kernels's
   test for both grouped kinds).
 """
 
@@ -24,7 +24,7 @@ import torch
 import _ladder64
 from conftest import DEVICE, available_backends, call_adamw_op
 from mpkern import _ops, reference_codecs
-from test_kernels_compact import (
+from test_compact_kernels import (
     BF16,
     CPU_PATHS,
     EPS,
@@ -63,7 +63,7 @@ def _decode_m64(packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Ten
 
 
 def _case4(mode, pdt, seed=0, sizes=SIZES + (300,)):
-    """4-bit state for one call (test_kernels_compact's _case8 with these moments): the SIZES and an
+    """4-bit state for one call (test_compact_kernels's _case8 with these moments): the SIZES and an
     offset view; the stream offset of the 1000-element tensor crosses 2^32 inside a group of 32."""
     state, streams, offsets = _case8(mode, pdt, seed, sizes, moments=_mom4_state)
     return state, streams, offsets + [2**32 - 2000] * (len(sizes) - len(offsets))

@@ -2,10 +2,10 @@
 per 32 elements), alone and with ``master_weights="8bit"`` / ``"remainder"``.
 
 The kernels' bit-identity across backends and the codec statistics are in
-test_kernels_compact.py; here the public API against float64 references written in the tests:
+test_compact_kernels.py; here the public API against float64 references written in the tests:
 the constant-grad small-update case of the issue, checkpoints (compact, resume bit-identical,
 conversions from AdamW and our other modes, bad shapes), layout changes, ``adamw_state_dict``,
-bytes, errors. The spike-then-decay case and the bitwise overflow skip are test_compact_state's,
+bytes, errors. The spike-then-decay case and the bitwise overflow skip are test_compact_master's,
 run for both compact moment kinds; so is the float64 decoding of the documented format (not the
 code under test).
 """
@@ -25,7 +25,7 @@ from mpkern import FusedAdamWMP
 from mpkern.optim import storage
 
 # float64 AdamW path; a small bf16 Linear trained; the float64 decoding of 8-bit moments
-from test_compact_state import _adamw64_path, _decode64, _run
+from test_compact_master import _adamw64_path, _decode64, _run
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
 #: every compact moment kind with group scales: the 8-bit one and the 4-bit exp_avg + 8-bit exp_avg_sq

@@ -1,6 +1,6 @@
 """Issue 15 at the optimizer level: master_weights="8bit", unbiased bf16 moments, unique streams.
 
-The kernels' bit-identity across backends is in test_kernels_compact.py; here the public API:
+The kernels' bit-identity across backends is in test_compact_kernels.py; here the public API:
 small-update fidelity against float64 AdamW written in the test, the bitwise overflow skip,
 checkpoints (resume bit-identical, conversions), streams per param, errors, bytes.
 """
@@ -33,7 +33,7 @@ def _adamw64_path(w0: float, g: float, lr: float, steps: int) -> float:
     return w
 
 
-# The two long runs use the default backend (the kernels agree bit for bit: test_kernels_compact.py).
+# The two long runs use the default backend (the kernels agree bit for bit: test_compact_kernels.py).
 def test_8bit_master_moves_small_updates_in_expectation():
     # bf16 param at 1.0 (ulp 2^-7), lr 1e-5: every update is ~1e-5, a 1/780 of the ulp and below
     # the correction's resolution (ulp/256 = 3.1e-5). Round-to-nearest would never move it.
