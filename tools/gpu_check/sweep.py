@@ -9,7 +9,7 @@ events over back-to-back ``FusedAdamWMP.step`` calls on the cuda backend) and th
 the step's byte model; then ``best``: the shape with the smallest geometric mean of time relative to
 the arch's current shape over every (layout, mode), the per-mode bests beside it, and the row to put
 in ``csrc/cuda/adamw_cuda.cu``'s ``kArchConfigs`` (the dispatch's arch -> shape table). Every shape
-gives the same results bit for bit (``tests/test_gpu_adamw_shapes.py``); the sweep only times.
+gives the same results bit for bit (``tests/test_adamw_shapes.py``); the sweep only times.
 
 The shapes are set with :func:`mpkern.launch_shape.adamw_shape_set`; the block size is at most the
 kernels' launch bound (256): larger blocks, and other blocks-per-SM register budgets, would need other
