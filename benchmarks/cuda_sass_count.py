@@ -1,9 +1,10 @@
 """SASS instructions per element of the compact-moment AdamW CUDA kernel's main loop (no GPU needed).
 
-Compiles csrc/cuda/adamw_cuda.cu of a tree (the working tree, or a git revision with --rev) to a
-cubin for one arch with nvcc, disassembles it with cuobjdump, and counts the instructions of the
-main loop of the named kernel instances (static count: every instruction between the loop's head
-and its backward branch; out-of-line slow paths -- the IEEE divide/sqrt fallbacks that are CALLs --
+Compiles csrc/cuda/adamw_cuda.cu of a tree (the working tree, or a git revision with --rev; one
+translation unit, which since issue 55 includes the kernels from adamw_lanes.cuh, adamw_dense.cuh and
+adamw_compact.cuh -- both layouts are read) to a cubin for one arch with nvcc, disassembles it with
+cuobjdump, and counts the instructions of the main loop of the named kernel instances (static count:
+every instruction between the loop's head and its backward branch; out-of-line slow paths -- the IEEE divide/sqrt fallbacks that are CALLs --
 are not in it, cold branches inside it are). The main loop is the innermost loop that has the
 group-amax shuffles and the widest global loads; where the kernel has two such loops (since issue 43
 stop 50: one for grads 16-byte aligned like the other buffers, the case of every grad autograd
@@ -72,8 +73,15 @@ def compile_cubin(src_root: str, arch: str, out: str) -> str:
     return res.stderr  # ptxas -v report
 
 
+def kernel_source(src_root: str) -> str:
+    """The AdamW kernel's translation unit as text: adamw_cuda.cu and the adamw_*.cuh files it includes (one
+    file before issue 55)."""
+    cuda = Path(src_root, "csrc", "cuda")
+    return "\n".join(p.read_text() for p in sorted(cuda.glob("adamw_*.cu*")))
+
+
 def elems_per_iteration(src_root: str) -> int:
-    text = Path(src_root, "csrc", "cuda", "adamw_cuda.cu").read_text()
+    text = kernel_source(src_root)
     if "adam_mom_chunk" not in text:
         return 1  # one element per lane
     ve = int(re.search(r"constexpr int kVE = (\d+);", text).group(1))

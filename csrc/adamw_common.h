@@ -3,6 +3,19 @@
 #pragma once
 
 #include "common.h"
+#include "kernels.h"
+
+namespace mpkern {
+// The random stream of tensor i: (stream id, offset of its element 0), defaults when not given.
+inline uint32_t stream_of(at::IntArrayRef stream_ids, size_t i) {
+  return static_cast<uint32_t>(stream_ids.empty() ? static_cast<int64_t>(i) : stream_ids[i]);
+}
+// An optional tensor list of the schema (Tensor[]?) as a list (None: empty).
+inline at::TensorList list_or_empty(const std::optional<at::TensorList>& l) { return l.has_value() ? *l : at::TensorList(); }
+inline uint64_t offset_of(at::IntArrayRef elem_offsets, size_t i) {
+  return elem_offsets.empty() ? 0u : static_cast<uint64_t>(elem_offsets[i]);
+}
+}  // namespace mpkern
 
 namespace mpkern {
 
@@ -60,14 +73,14 @@ inline const MomentCodec& moment_codec_of(const char* op, c10::string_view codec
 
 // Every argument of one call against the codecs' rows: list lengths, the streams, each tensor's
 // device, layout, size and dtype (the moments' as the moment codec's row says, with a bf16 scale per
-// group when it groups; the masters' as the master codec's), the scalars.
-inline void check_adamw_args(const char* op, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                             at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters,
-                             at::TensorList steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
-                             const std::optional<at::Tensor>& lr_tensor, const MasterCodec& master,
-                             const MomentCodec& moments, at::IntArrayRef stream_ids = {},
-                             at::IntArrayRef elem_offsets = {}, at::TensorList exp_avg_scales = {},
-                             at::TensorList exp_avg_sq_scales = {}) {
+// group when it groups; the masters' as the master codec's). The scalars: check_adamw_scalars.
+inline void check_adamw_args(const char* op, const AdamwArgs& a, const MasterCodec& master,
+                             const MomentCodec& moments) {
+  const at::TensorList params = a.params, grads = a.grads, exp_avgs = a.exp_avgs, exp_avg_sqs = a.exp_avg_sqs;
+  const at::TensorList max_exp_avg_sqs = a.max_exp_avg_sqs, masters = a.masters, steps = a.steps;
+  const at::TensorList exp_avg_scales = list_or_empty(a.exp_avg_scales);
+  const at::TensorList exp_avg_sq_scales = list_or_empty(a.exp_avg_sq_scales);
+  const at::IntArrayRef stream_ids = a.stream_ids, elem_offsets = a.elem_offsets;
   const size_t n = params.size();
   TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n, op,
               ": params, grads, exp_avgs, exp_avg_sqs and steps must have the same length");
@@ -100,10 +113,10 @@ inline void check_adamw_args(const char* op, at::TensorList params, at::TensorLi
                       ": exp_avg_scales and exp_avg_sq_scales must be empty with moment_codec '", codec,
                       "' (only grouped codes have scales)");
   }
-  const c10::Device dev = n ? params[0].device() : grad_factor.device();
-  check_scalar_f32(op, "grad_factor", grad_factor, dev);
-  check_scalar_f32(op, "found_inf", found_inf, dev);
-  if (lr_tensor.has_value()) check_scalar_f32(op, "lr", *lr_tensor, dev);
+  const c10::Device dev = n ? params[0].device() : a.grad_factor.device();
+  check_scalar_f32(op, "grad_factor", a.grad_factor, dev);
+  check_scalar_f32(op, "found_inf", a.found_inf, dev);
+  if (a.lr_tensor.has_value()) check_scalar_f32(op, "lr", *a.lr_tensor, dev);
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
     const int64_t numel = p.numel();
@@ -178,32 +191,19 @@ inline void check_adamw_scalars(const char* op, bool has_lr_tensor, double lr, d
   TORCH_CHECK_VALUE(weight_decay >= 0.0, op, ": weight_decay must be >= 0, got ", weight_decay);
 }
 
-// The same, for a kernel that runs on one device type only; returns the call's device.
-inline c10::Device check_adamw_args_on(const char* op, at::TensorList params, at::TensorList grads,
-                                       at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                                       at::TensorList max_exp_avg_sqs, at::TensorList masters, at::TensorList steps,
-                                       const at::Tensor& grad_factor, const at::Tensor& found_inf,
-                                       const std::optional<at::Tensor>& lr_tensor, const MasterCodec& master,
-                                       const MomentCodec& moments, at::IntArrayRef stream_ids,
-                                       at::IntArrayRef elem_offsets, at::TensorList exp_avg_scales,
-                                       at::TensorList exp_avg_sq_scales, c10::DeviceType device_type) {
-  check_adamw_args(op, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
-                   lr_tensor, master, moments, stream_ids, elem_offsets, exp_avg_scales, exp_avg_sq_scales);
-  const c10::Device dev = params.empty() ? grad_factor.device() : params[0].device();
+// The bundle's scalars (lr counts only without lr_tensor).
+inline void check_adamw_scalars(const char* op, const AdamwArgs& a) {
+  check_adamw_scalars(op, a.lr_tensor.has_value(), a.lr, a.beta1, a.beta2, a.eps, a.weight_decay);
+}
+
+// check_adamw_args for a kernel that runs on one device type only; returns the call's device.
+inline c10::Device check_adamw_args_on(const char* op, const AdamwArgs& a, const MasterCodec& master,
+                                       const MomentCodec& moments, c10::DeviceType device_type) {
+  check_adamw_args(op, a, master, moments);
+  const c10::Device dev = a.params.empty() ? a.grad_factor.device() : a.params[0].device();
   TORCH_CHECK_VALUE(dev.type() == device_type, op, ": tensors are on ", dev, ", expected ", device_type);
   return dev;
 }
 
 }  // namespace mpkern
 
-namespace mpkern {
-// The random stream of tensor i: (stream id, offset of its element 0), defaults when not given.
-inline uint32_t stream_of(at::IntArrayRef stream_ids, size_t i) {
-  return static_cast<uint32_t>(stream_ids.empty() ? static_cast<int64_t>(i) : stream_ids[i]);
-}
-// An optional tensor list of the schema (Tensor[]?) as a list (None: empty).
-inline at::TensorList list_or_empty(const std::optional<at::TensorList>& l) { return l.has_value() ? *l : at::TensorList(); }
-inline uint64_t offset_of(at::IntArrayRef elem_offsets, size_t i) {
-  return elem_offsets.empty() ? 0u : static_cast<uint64_t>(elem_offsets[i]);
-}
-}  // namespace mpkern

@@ -134,28 +134,28 @@ class StepCache {
     main_grad_ = py::reinterpret_steal<py::object>(PyUnicode_InternFromString("main_grad"));
   }
 
-  void add_bucket(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
-                  std::vector<at::Tensor> max_exp_avg_sqs, std::vector<at::Tensor> masters,
-                  std::vector<at::Tensor> steps, std::optional<std::vector<at::Tensor>> mscales,
-                  std::optional<std::vector<at::Tensor>> vscales, std::vector<int64_t> stream_ids,
-                  std::vector<int64_t> elem_offsets, std::string master_codec, std::string moment_codec) {
+  // One bucket's kernel lists, read by name from `lists` (mpkern.optim.functional.KernelLists: the
+  // tensor lists, stream_ids, elem_offsets, exp_avg_scales / exp_avg_sq_scales -- None without scales --
+  // and moment_codec), stepped with `master_codec`.
+  void add_bucket(const py::object& lists, std::string master_codec) {
+    auto tensors = [&](const char* name) { return lists.attr(name).cast<std::vector<at::Tensor>>(); };
     Bucket b;
-    b.grads.resize(params.size());
-    b.params = std::move(params);
-    b.exp_avgs = std::move(exp_avgs);
-    b.exp_avg_sqs = std::move(exp_avg_sqs);
-    b.max_exp_avg_sqs = std::move(max_exp_avg_sqs);
-    b.masters = std::move(masters);
-    b.steps = std::move(steps);
-    b.scaled = mscales.has_value();
+    b.params = tensors("params");
+    b.grads.resize(b.params.size());
+    b.exp_avgs = tensors("exp_avgs");
+    b.exp_avg_sqs = tensors("exp_avg_sqs");
+    b.max_exp_avg_sqs = tensors("max_exp_avg_sqs");
+    b.masters = tensors("masters");
+    b.steps = tensors("steps");
+    b.scaled = !lists.attr("exp_avg_scales").is_none();
     if (b.scaled) {
-      b.mscales = std::move(*mscales);
-      b.vscales = std::move(*vscales);
+      b.mscales = tensors("exp_avg_scales");
+      b.vscales = tensors("exp_avg_sq_scales");
     }
-    b.stream_ids = std::move(stream_ids);
-    b.elem_offsets = std::move(elem_offsets);
+    b.stream_ids = lists.attr("stream_ids").cast<std::vector<int64_t>>();
+    b.elem_offsets = lists.attr("elem_offsets").cast<std::vector<int64_t>>();
     b.master_codec = std::move(master_codec);
-    b.moment_codec = std::move(moment_codec);
+    b.moment_codec = lists.attr("moment_codec").cast<std::string>();
     b.stats_offset = stats_.size();
     stats_.resize(stats_.size() + b.params.size());
     buckets_.push_back(std::move(b));
@@ -208,21 +208,42 @@ class StepCache {
 
   // One mpkern::adamw_step_ call over bucket bi; true when it moved the version counter of the
   // bucket's first param (a kernel that bumps versions: the caller re-records the stamps).
+  // The group's scalars -- beta1, beta2, eps, weight_decay, maximize, stochastic_rounding, seed -- come by
+  // name in `scalars` (mpkern.optim.functional.GroupScalars as a dict).
   bool adamw(int64_t bi, const at::Tensor& grad_factor, const at::Tensor& found_inf,
-             const std::optional<at::Tensor>& lr_tensor, double lr, double beta1, double beta2, double eps,
-             double weight_decay, bool maximize, bool stochastic_rounding, int64_t seed) {
+             const std::optional<at::Tensor>& lr_tensor, double lr, const py::dict& scalars) {
     TORCH_CHECK(bi >= 0 && bi < static_cast<int64_t>(buckets_.size()), "StepCache: bad bucket ", bi);
     Bucket& b = buckets_[bi];
-    std::optional<at::TensorList> sm, sv;
+    AdamwArgs a;
+    a.params = b.params;
+    a.grads = b.grads;
+    a.exp_avgs = b.exp_avgs;
+    a.exp_avg_sqs = b.exp_avg_sqs;
+    a.max_exp_avg_sqs = b.max_exp_avg_sqs;
+    a.masters = b.masters;
+    a.steps = b.steps;
+    a.grad_factor = grad_factor;
+    a.found_inf = found_inf;
+    a.lr_tensor = lr_tensor;
     if (b.scaled) {
-      sm = at::TensorList(b.mscales);
-      sv = at::TensorList(b.vscales);
+      a.exp_avg_scales = at::TensorList(b.mscales);
+      a.exp_avg_sq_scales = at::TensorList(b.vscales);
     }
+    a.lr = lr;
+    a.beta1 = scalars["beta1"].cast<double>();
+    a.beta2 = scalars["beta2"].cast<double>();
+    a.eps = scalars["eps"].cast<double>();
+    a.weight_decay = scalars["weight_decay"].cast<double>();
+    a.maximize = scalars["maximize"].cast<bool>();
+    a.master_codec = b.master_codec;
+    a.moment_codec = b.moment_codec;
+    a.stochastic_rounding = scalars["stochastic_rounding"].cast<bool>();
+    a.seed = scalars["seed"].cast<int64_t>();
+    a.stream_ids = b.stream_ids;
+    a.elem_offsets = b.elem_offsets;
     const int64_t v0 = b.params.empty() ? 0 : b.params[0]._version();
     py::gil_scoped_release nogil;
-    adamw_step_handle().call(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.masters, b.steps, grad_factor,
-                    found_inf, lr_tensor, sm, sv, lr, beta1, beta2, eps, weight_decay, maximize, b.master_codec,
-                    b.moment_codec, stochastic_rounding, seed, b.stream_ids, b.elem_offsets);
+    adamw_step_call(a);
     return !b.params.empty() && b.params[0]._version() != v0;
   }
 
@@ -260,15 +281,11 @@ void register_fastpath(py::module_& mod) {
       .def(py::init<py::list, py::list, py::list, py::list, py::object, std::vector<int64_t>, std::vector<int64_t>>(),
            py::arg("group_lists"), py::arg("params"), py::arg("param_dicts"), py::arg("state_dicts"),
            py::arg("state"), py::arg("bucket_of"), py::arg("pos_of"))
-      .def("add_bucket", &StepCache::add_bucket, py::arg("params"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
-           py::arg("max_exp_avg_sqs"), py::arg("masters"), py::arg("steps"), py::arg("exp_avg_scales"),
-           py::arg("exp_avg_sq_scales"), py::arg("stream_ids"), py::arg("elem_offsets"), py::arg("master_codec"),
-           py::arg("moment_codec"))
+      .def("add_bucket", &StepCache::add_bucket, py::arg("lists"), py::arg("master_codec"))
       .def("refresh", &StepCache::refresh)
       .def("grad_stats", &StepCache::grad_stats, py::arg("inv_scale"))
       .def("adamw", &StepCache::adamw, py::arg("bucket"), py::arg("grad_factor"), py::arg("found_inf"),
-           py::arg("lr_tensor"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-           py::arg("weight_decay"), py::arg("maximize"), py::arg("stochastic_rounding"), py::arg("seed"))
+           py::arg("lr_tensor"), py::arg("lr"), py::arg("scalars"))
       .def("release", &StepCache::release)
       .def("grads", &StepCache::grads)
       .def_property_readonly("num_buckets", &StepCache::num_buckets);

@@ -13,7 +13,7 @@
 #if defined(MPKERN_WITH_CUDA) && MPKERN_WITH_CUDA
 namespace mpkern {
 namespace cuda {
-// csrc/cuda/multi_tensor.cu: the cached device metadata tables, and whether this build has a
+// csrc/cuda/table_cache.cpp: the cached device metadata tables; csrc/cuda/unscale_cuda.cu: whether this build has a
 // kernel image (SASS or PTX) the given GPU can run.
 std::tuple<int64_t, int64_t, int64_t> table_cache_stats();
 void table_cache_clear();
@@ -49,9 +49,42 @@ namespace mpkern {
 namespace {
 constexpr const char* kAdamwOp = "mpkern::adamw_step_";
 
-// The registered kernels of mpkern::adamw_step_ (signature AdamwStepOp, csrc/kernels.h): the codecs
-// parsed and every argument checked (here, in host-compiled code), then the device kernel.
-template <void (*Kernel)(MPKERN_ADAMW_KERNEL_ARGS), c10::DeviceType Dev>
+// mpkern::adamw_step_ as the dispatcher calls it: the schema's arguments (mpkern/codecs.def) in order, the
+// tensor lists and tensors positional, then the keyword-only scalars and codecs. This file is the only
+// place that knows the order: adamw_args / adamw_step_call convert between it and the named bundle.
+using AdamwStepOp = void(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                         at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters,
+                         at::TensorList steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
+                         const std::optional<at::Tensor>& lr_tensor,
+                         const std::optional<at::TensorList>& exp_avg_scales,
+                         const std::optional<at::TensorList>& exp_avg_sq_scales, double lr, double beta1,
+                         double beta2, double eps, double weight_decay, bool maximize,
+                         c10::string_view master_codec, c10::string_view moment_codec, bool stochastic_rounding,
+                         int64_t seed, at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets);
+
+const c10::TypedOperatorHandle<AdamwStepOp>& adamw_step_handle() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mpkern::adamw_step_", "").typed<AdamwStepOp>();
+  return op;
+}
+
+// The dispatcher's flat arguments as the bundle.
+AdamwArgs adamw_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                     at::TensorList max_exp_avg_sqs, at::TensorList masters, at::TensorList steps,
+                     const at::Tensor& grad_factor, const at::Tensor& found_inf,
+                     const std::optional<at::Tensor>& lr_tensor, const std::optional<at::TensorList>& exp_avg_scales,
+                     const std::optional<at::TensorList>& exp_avg_sq_scales, double lr, double beta1, double beta2,
+                     double eps, double weight_decay, bool maximize, c10::string_view master_codec,
+                     c10::string_view moment_codec, bool stochastic_rounding, int64_t seed,
+                     at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets) {
+  return AdamwArgs{params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
+                   lr_tensor, exp_avg_scales, exp_avg_sq_scales, lr, beta1, beta2, eps, weight_decay, maximize,
+                   master_codec, moment_codec, stochastic_rounding, seed, stream_ids, elem_offsets};
+}
+
+// The registered kernels of mpkern::adamw_step_: the codecs parsed and every argument checked (here, in
+// host-compiled code), then the device kernel with the bundle.
+template <void (*Kernel)(const AdamwArgs&, int64_t, int64_t), c10::DeviceType Dev>
 void adamw_step_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                    at::TensorList max_exp_avg_sqs, at::TensorList masters, at::TensorList steps,
                    const at::Tensor& grad_factor, const at::Tensor& found_inf,
@@ -60,15 +93,15 @@ void adamw_step_op(at::TensorList params, at::TensorList grads, at::TensorList e
                    double eps, double weight_decay, bool maximize, c10::string_view master_codec,
                    c10::string_view moment_codec, bool stochastic_rounding, int64_t seed, at::IntArrayRef stream_ids,
                    at::IntArrayRef elem_offsets) {
-  const MasterCodec& master = master_codec_of(kAdamwOp, master_codec);
-  const MomentCodec& moments = moment_codec_of(kAdamwOp, moment_codec);
-  check_adamw_args_on(kAdamwOp, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor,
-                      found_inf, lr_tensor, master, moments, stream_ids, elem_offsets, list_or_empty(exp_avg_scales),
-                      list_or_empty(exp_avg_sq_scales), Dev);
-  check_adamw_scalars(kAdamwOp, lr_tensor.has_value(), lr, beta1, beta2, eps, weight_decay);
-  Kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf, lr_tensor, lr,
-         beta1, beta2, eps, weight_decay, maximize, master.mode, moments.mode, stochastic_rounding, seed, stream_ids,
-         elem_offsets, exp_avg_scales, exp_avg_sq_scales);
+  const AdamwArgs a = adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor,
+                                 found_inf, lr_tensor, exp_avg_scales, exp_avg_sq_scales, lr, beta1, beta2, eps,
+                                 weight_decay, maximize, master_codec, moment_codec, stochastic_rounding, seed,
+                                 stream_ids, elem_offsets);
+  const MasterCodec& master = master_codec_of(kAdamwOp, a.master_codec);
+  const MomentCodec& moments = moment_codec_of(kAdamwOp, a.moment_codec);
+  check_adamw_args_on(kAdamwOp, a, master, moments, Dev);
+  check_adamw_scalars(kAdamwOp, a);
+  Kernel(a, master.mode, moments.mode);
 }
 // The Autograd kernels: the ops are not differentiable (nothing to record), so they go straight to
 // the device kernel. Without them the dispatcher's boxed autograd fallback would box every tensor
@@ -88,10 +121,8 @@ void adamw_step_autograd(c10::DispatchKeySet ks, at::TensorList params, at::Tens
                                  moment_codec, stochastic_rounding, seed, stream_ids, elem_offsets);
 }
 
-// The registered kernels of mpkern::grad_stats / mpkern::scale_: the arguments checked here, in this
-// translation unit, then the device kernel. (The first GPU run, 2026-12-04, died with a segfault
-// when the CUDA kernel's own check threw for a strided view; the checks of every op now run in
-// host-compiled code before any device kernel, as adamw_step_'s always did.)
+// The registered kernels of mpkern::grad_stats / mpkern::scale_: the arguments checked here, in
+// host-compiled code, before the device kernel (a device kernel does not check its arguments).
 template <std::tuple<at::Tensor, at::Tensor> (*Kernel)(at::TensorList, const at::Tensor&), c10::DeviceType Dev>
 std::tuple<at::Tensor, at::Tensor> grad_stats_op(at::TensorList grads, const at::Tensor& inv_scale) {
   check_list_op_on("mpkern::grad_stats", "grads", grads, "inv_scale", inv_scale, Dev);
@@ -110,10 +141,11 @@ std::tuple<at::Tensor, at::Tensor> grad_stats_autograd(c10::DispatchKeySet ks, a
 }
 }  // namespace
 
-const c10::TypedOperatorHandle<AdamwStepOp>& adamw_step_handle() {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mpkern::adamw_step_", "").typed<AdamwStepOp>();
-  return op;
+void adamw_step_call(const AdamwArgs& a) {
+  adamw_step_handle().call(a.params, a.grads, a.exp_avgs, a.exp_avg_sqs, a.max_exp_avg_sqs, a.masters, a.steps,
+                           a.grad_factor, a.found_inf, a.lr_tensor, a.exp_avg_scales, a.exp_avg_sq_scales, a.lr,
+                           a.beta1, a.beta2, a.eps, a.weight_decay, a.maximize, a.master_codec, a.moment_codec,
+                           a.stochastic_rounding, a.seed, a.stream_ids, a.elem_offsets);
 }
 
 const c10::TypedOperatorHandle<GradStatsOp>& grad_stats_handle() {
@@ -201,9 +233,25 @@ PYBIND11_MODULE(_C, mod) {
                                         mpkern::codec_dtype_of(op, std::get<2>(row)), std::get<3>(row),
                                         std::get<4>(row)};
         }
-        mpkern::check_adamw_args(op, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps,
-                                 grad_factor, found_inf, lr_tensor, master, moments, stream_ids, elem_offsets,
-                                 exp_avg_scales.value_or(none), exp_avg_sq_scales.value_or(none));
+        mpkern::AdamwArgs a;
+        a.params = params;
+        a.grads = grads;
+        a.exp_avgs = exp_avgs;
+        a.exp_avg_sqs = exp_avg_sqs;
+        a.max_exp_avg_sqs = max_exp_avg_sqs;
+        a.masters = masters;
+        a.steps = steps;
+        a.grad_factor = grad_factor;
+        a.found_inf = found_inf;
+        a.lr_tensor = lr_tensor;
+        // the scale lists as views of vectors that outlive the check (None: empty lists)
+        const std::vector<at::Tensor>& sm = exp_avg_scales.has_value() ? *exp_avg_scales : none;
+        const std::vector<at::Tensor>& sv = exp_avg_sq_scales.has_value() ? *exp_avg_sq_scales : none;
+        a.exp_avg_scales = at::TensorList(sm);
+        a.exp_avg_sq_scales = at::TensorList(sv);
+        a.stream_ids = stream_ids;
+        a.elem_offsets = elem_offsets;
+        mpkern::check_adamw_args(op, a, master, moments);
       },
       pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("exp_avgs"), pybind11::arg("exp_avg_sqs"),
       pybind11::arg("max_exp_avg_sqs"), pybind11::arg("masters"), pybind11::arg("steps"),

@@ -2,8 +2,9 @@
 
 The dispatcher needs the flat schema (``mpkern/codecs.def``, ``MPKERN_OP_SCHEMA(adamw_step_, ...)``); the
 code that unpacks it -- ``mpkern/_ops.py`` in Python (it builds ``mpkern.op_args.AdamwArgs``, reading the
-argument names from the schema), ``csrc/ops.cpp`` in C++ (the C++ bundle), and the dispatcher's typedef
-``AdamwStepOp`` in ``csrc/kernels.h`` -- is the only code that knows the order. Every backend takes the
+argument names from the schema) and ``csrc/ops.cpp`` in C++ (the dispatcher's typedef ``AdamwStepOp``,
+the C++ bundle ``AdamwArgs`` built from it, a call of the op from one) -- is the only code that knows the
+order. Every backend takes the
 named bundle and reads its fields by name, so a new op argument touches the schema, the bundle and the
 kernels that use it, not every argument list in between.
 
@@ -47,9 +48,9 @@ MIN_RUN = 6
 PY_ROOTS = ("mpkern", "triton_kernels", "benchmarks", "tools", "scripts", "setup.py")
 #: the Python files that may spell the order: the one unpacking of the flat schema
 ALLOWED_PY = frozenset({"mpkern/_ops.py"})
-#: the C++ files that may spell the order: the unpacking into the C++ bundle (ops.cpp) and the dispatcher's
-#: typedef of the schema (kernels.h). Edit here, with the reason, if another file must call the op flat.
-ALLOWED_CPP = frozenset({"csrc/ops.cpp", "csrc/kernels.h"})
+#: the C++ files that may spell the order: the dispatcher's typedef of the schema and the unpacking into the
+#: C++ bundle (ops.cpp). Edit here, with the reason, if another file must call the op flat.
+ALLOWED_CPP = frozenset({"csrc/ops.cpp"})
 CPP_SUFFIXES = (".h", ".hpp", ".cpp", ".cc", ".cu", ".cuh")
 
 

@@ -43,40 +43,33 @@ using adamw_impl::pick_avx512;
 #endif
 
 
-void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters,
-                     at::TensorList steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
-                     const std::optional<at::Tensor>& lr_tensor, double lr, double beta1, double beta2, double eps,
-                     double weight_decay, bool maximize, int64_t master_mode, int64_t moment_mode,
-                     bool stochastic_rounding,
-                     int64_t seed, at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets,
-                     const std::optional<at::TensorList>& exp_avg_scales_opt,
-                     const std::optional<at::TensorList>& exp_avg_sq_scales_opt) {
-  const at::TensorList exp_avg_scales = list_or_empty(exp_avg_scales_opt);
-  const at::TensorList exp_avg_sq_scales = list_or_empty(exp_avg_sq_scales_opt);
+void adamw_step_cpu_(const AdamwArgs& a, int64_t master_mode, int64_t moment_mode) {
+  const at::TensorList params = a.params, grads = a.grads, steps = a.steps;
+  const at::TensorList exp_avg_scales = list_or_empty(a.exp_avg_scales);
+  const at::TensorList exp_avg_sq_scales = list_or_empty(a.exp_avg_sq_scales);
   // arguments checked by the registered op (csrc/ops.cpp, adamw_step_op); a moment mode of the table
   // without a CPU variant is refused before anything is written
   TORCH_CHECK_NOT_IMPLEMENTED(cpu_has_moment_mode(static_cast<int32_t>(moment_mode)),
                               "mpkern::adamw_step_: the CPU kernel has no variant for moment mode ", moment_mode);
   // CPU tensors: plain memory reads (no dispatcher round trips, no device sync)
-  if (*found_inf.data_ptr<float>() != 0.0f) return;
-  if (lr_tensor.has_value()) lr = *lr_tensor->data_ptr<float>();
+  if (*a.found_inf.data_ptr<float>() != 0.0f) return;
+  const double lr = a.lr_tensor.has_value() ? static_cast<double>(*a.lr_tensor->data_ptr<float>()) : a.lr;
   Flags f;
   f.mode = static_cast<int>(master_mode);
-  f.maximize = maximize;
-  f.sr = stochastic_rounding;
-  f.seed = static_cast<uint32_t>(seed);
-  f.factor = *grad_factor.data_ptr<float>();
+  f.maximize = a.maximize;
+  f.sr = a.stochastic_rounding;
+  f.seed = static_cast<uint32_t>(a.seed);
+  f.factor = *a.grad_factor.data_ptr<float>();
   const int64_t n = static_cast<int64_t>(params.size());
   std::vector<TensorPtrs> tp(n);
   for (int64_t t = 0; t < n; ++t) {
     TensorPtrs& x = tp[t];
     x.p = params[t].data_ptr();
     x.g = grads[t].data_ptr();
-    x.m = exp_avgs[t].data_ptr();
-    x.v = exp_avg_sqs[t].data_ptr();
-    x.vmax = max_exp_avg_sqs.empty() ? nullptr : max_exp_avg_sqs[t].data_ptr<float>();
-    x.master = masters.empty() ? nullptr : masters[t].data_ptr();
+    x.m = a.exp_avgs[t].data_ptr();
+    x.v = a.exp_avg_sqs[t].data_ptr();
+    x.vmax = a.max_exp_avg_sqs.empty() ? nullptr : a.max_exp_avg_sqs[t].data_ptr<float>();
+    x.master = a.masters.empty() ? nullptr : a.masters[t].data_ptr();
     x.pdt = dtype_code(params[t].scalar_type());
     x.gdt = dtype_code(grads[t].scalar_type());
     x.sdt = static_cast<int32_t>(moment_mode);
@@ -85,9 +78,9 @@ void adamw_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList
     x.sv = grouped ? static_cast<uint16_t*>(exp_avg_sq_scales[t].data_ptr()) : nullptr;
     const double step = static_cast<double>(*steps[t].data_ptr<float>()) + 1.0;
     x.step = static_cast<uint32_t>(step);
-    x.stream = stream_of(stream_ids, static_cast<size_t>(t));
-    x.offset = offset_of(elem_offsets, static_cast<size_t>(t));
-    x.c = adamw_consts(lr, beta1, beta2, eps, weight_decay, step);
+    x.stream = stream_of(a.stream_ids, static_cast<size_t>(t));
+    x.offset = offset_of(a.elem_offsets, static_cast<size_t>(t));
+    x.c = adamw_consts(lr, a.beta1, a.beta2, a.eps, a.weight_decay, step);
   }
   const auto items = make_work(params, kChunk);
 #if MPK_X86

@@ -298,11 +298,7 @@ def build(rt: Runtime, groups: list[dict[str, Any]], state: Any, prepared: list,
     cached = []
     for prep in prepared:
         ls, b = prep.lists, prep.bucket
-        cache.add_bucket(params=ls.params, exp_avgs=ls.exp_avgs, exp_avg_sqs=ls.exp_avg_sqs,
-                         max_exp_avg_sqs=ls.max_exp_avg_sqs, masters=ls.masters, steps=ls.steps,
-                         exp_avg_scales=ls.exp_avg_scales, exp_avg_sq_scales=ls.exp_avg_sq_scales,
-                         stream_ids=ls.stream_ids, elem_offsets=ls.elem_offsets, master_codec=b.kind.name,
-                         moment_codec=ls.moment_codec)
+        cache.add_bucket(ls, b.kind.name)
         scalars = [_scalar_inputs(b.group), group_scalars(b.group)._asdict()]
         cached.append(CachedBucket(b.group, [p for p, *_ in b.pairs], scalars))
     rt.work["cache"] = StepCache(cache, groups, [(g, g["params"], cache_flags(g)) for g in groups], state, dev,
@@ -350,7 +346,7 @@ def fast_step(rt: Runtime, fc: StepCache, max_norm: float | None, grad_scale: Te
         inputs = _scalar_inputs(b.group)
         if inputs != b.scalars[0]:
             b.scalars[:] = [inputs, group_scalars(b.group)._asdict()]
-        if fc.cache.adamw(bi, grad_factor=factor, found_inf=found, lr_tensor=lr_tensor, lr=lr_value, **b.scalars[1]):
+        if fc.cache.adamw(bi, factor, found, lr_tensor, lr_value, b.scalars[1]):
             # a kernel that bumps versions (as in the full path): take the params as ours again
             for p in b.params:
                 versions[id(p)] = stamp(p)

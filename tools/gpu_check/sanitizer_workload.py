@@ -55,7 +55,7 @@ CHUNK = 1 << 16
 NORM_CHUNK = 16384
 #: bytes of the kernels' vector loads (multi_tensor.cuh Vec: 16-byte uint4)
 VEC_BYTES = 16
-#: AdamW elements per thread-iteration (adamw_cuda.cu kVE) and per compact-moment warp pass (kMomSpan)
+#: AdamW elements per thread-iteration (csrc/cuda/adamw_lanes.cuh kVE) and per compact-moment warp pass (kMomSpan)
 ADAM_VE, MOM_SPAN = 8, 256
 #: 8-bit moments: elements per bf16 scale (math.h kMom8Group)
 MOM_GROUP = 32
