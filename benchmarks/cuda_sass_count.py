@@ -1,11 +1,11 @@
 """SASS instructions per element of the compact-moment AdamW CUDA kernel's main loop (no GPU needed).
 
-Compiles csrc/cuda/adamw_cuda.cu of a tree (the working tree, or a git revision with --rev; one
-translation unit, which since issue 55 includes the kernels from adamw_lanes.cuh, adamw_dense.cuh and
-adamw_compact.cuh -- both layouts are read) to a cubin for one arch with nvcc, disassembles it with
-cuobjdump, and counts the instructions of the main loop of the named kernel instances (static count:
-every instruction between the loop's head and its backward branch; out-of-line slow paths -- the IEEE divide/sqrt fallbacks that are CALLs --
-are not in it, cold branches inside it are). The main loop is the innermost loop that has the
+Compiles csrc/cuda/adamw_cuda.cu of a tree (the working tree, or a git revision with --rev; one translation unit,
+which since issue 55 includes the kernels from adamw_lanes.cuh, adamw_dense.cuh and adamw_compact.cuh -- both
+layouts are read) to a cubin for one arch with nvcc, disassembles it with cuobjdump, and counts the instructions of
+the main loop of the named kernel instances (static count: every instruction between the loop's head and its
+backward branch; out-of-line slow paths -- the IEEE divide/sqrt fallbacks that are CALLs -- are not in it, cold
+branches inside it are). The main loop is the innermost loop that has the
 group-amax shuffles and the widest global loads; where the kernel has two such loops (since issue 43
 stop 50: one for grads 16-byte aligned like the other buffers, the case of every grad autograd
 allocates, one for a grad view at another offset, which shifts its bytes into place), the main loop
