@@ -173,7 +173,8 @@ def cuda_device_problem(index: int) -> str:
     falls back to Triton instead of failing with "no kernel image is available".
     """
     ext = native()
-    cap = tuple(torch.cuda.get_device_capability(index))
+    major, minor = torch.cuda.get_device_capability(index)
+    cap = (major, minor)
     ok, why = arch_match(cap, ext.cuda_archs)
     if not ok:
         return why

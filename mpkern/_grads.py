@@ -55,7 +55,8 @@ def mark_feeds_main_grad(p: Tensor) -> None:
     """Mark ``p`` as a weight whose gradient is accumulated into ``p.main_grad`` by a layer's own
     backward (``mpkern.nn`` with ``fp32_main_grad=True``), not by autograd's AccumulateGrad."""
     if not getattr(p, "_mpkern_feeds_main_grad", False):
-        p._mpkern_feeds_main_grad = True  # noqa: SLF001 -- mpkern's own mark, read only by feeds_main_grad
+        # mpkern's own mark (not an attribute torch declares), read only by feeds_main_grad
+        p._mpkern_feeds_main_grad = True  # type: ignore[attr-defined]  # noqa: SLF001 -- see above
 
 
 def feeds_main_grad(p: Tensor) -> bool:

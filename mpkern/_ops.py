@@ -14,6 +14,7 @@ The public API calls :func:`grad_stats` / :func:`scale_` here with the backend c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import re
 from collections import OrderedDict
@@ -109,7 +110,8 @@ else:
 def _fake_grad_stats(grads: Sequence[Tensor], inv_scale: Tensor) -> tuple[Tensor, Tensor]:
     for g in grads:
         torch._check(g.dtype in (torch.float32, torch.float16, torch.bfloat16),
-                     lambda g=g: f"grad_stats: grads must be float32/float16/bfloat16, got {g.dtype}")
+                     functools.partial(lambda g: f"grad_stats: grads must be float32/float16/bfloat16, got {g.dtype}",
+                                       g))
     n = len(grads)
     return inv_scale.new_empty(n, dtype=torch.float32), inv_scale.new_empty(n, dtype=torch.float32)
 
@@ -126,11 +128,12 @@ def _fake_adamw_step_(*args: Any, **kwargs: Any) -> None:
     mc, mo = a.master, a.moments  # ValueError naming the codecs
     check_adamw_scalars(a)
     for i, m in enumerate(a.exp_avgs):
-        torch._check(m.dtype == mo.exp_avg_dtype, lambda i=i, m=m: (
-            f"{op}: moment_codec {a.moment_codec!r} needs {mo.exp_avg_dtype} exp_avgs; exp_avgs[{i}] is {m.dtype}"))
-        torch._check(a.exp_avg_sqs[i].dtype == mo.exp_avg_sq_dtype, lambda i=i: (
+        torch._check(m.dtype == mo.exp_avg_dtype, functools.partial(lambda i, m: (
+            f"{op}: moment_codec {a.moment_codec!r} needs {mo.exp_avg_dtype} exp_avgs; exp_avgs[{i}] is {m.dtype}"),
+            i, m))
+        torch._check(a.exp_avg_sqs[i].dtype == mo.exp_avg_sq_dtype, functools.partial(lambda i: (
             f"{op}: moment_codec {a.moment_codec!r} needs {mo.exp_avg_sq_dtype} exp_avg_sqs; exp_avg_sqs[{i}] is "
-            f"{a.exp_avg_sqs[i].dtype}"))
+            f"{a.exp_avg_sqs[i].dtype}"), i))
     sm, sv, n = a.exp_avg_scales, a.exp_avg_sq_scales, len(a.params)
     if mo.grouped:
         torch._check(not a.max_exp_avg_sqs,
@@ -147,13 +150,14 @@ def _fake_adamw_step_(*args: Any, **kwargs: Any) -> None:
             f"{op}: exp_avg_scales and exp_avg_sq_scales must be empty with moment_codec {a.moment_codec!r}"))
     if mc.state_dtype is not None:
         for i, t in enumerate(a.masters):
-            torch._check(t.dtype == mc.state_dtype, lambda i=i, t=t: (
-                f"{op}: master_codec {a.master_codec!r} needs {mc.state_dtype} masters; masters[{i}] is {t.dtype}"))
+            torch._check(t.dtype == mc.state_dtype, functools.partial(lambda i, t: (
+                f"{op}: master_codec {a.master_codec!r} needs {mc.state_dtype} masters; masters[{i}] is {t.dtype}"),
+                i, t))
     if a.master_codec == "8bit":
         for i, p in enumerate(a.params):
-            torch._check(p.dtype in (torch.bfloat16, torch.float16), lambda i=i, p=p: (
+            torch._check(p.dtype in (torch.bfloat16, torch.float16), functools.partial(lambda i, p: (
                 f"{op}: master_codec '8bit' (8-bit master corrections) needs bfloat16 or float16 params; "
-                f"params[{i}] is {p.dtype}"))
+                f"params[{i}] is {p.dtype}"), i, p))
 
 
 torch.library.register_fake("mpkern::grad_stats")(_fake_grad_stats)

@@ -62,7 +62,10 @@ def record_found_inf(scaler: torch.amp.GradScaler, opt: Any, found_inf: Tensor, 
     it as their own inf check (``unscaled``: and mark ``opt`` unscaled, as ``scaler.unscale_`` does).
     A copy on the scale's device: GradScaler sums other optimizers' flags into these tensors in place."""
     internals = scaler_internals(scaler, opt)
-    dev, state = internals.scale.device, internals.optimizer_state
+    scale, state = internals.scale, internals.optimizer_state
+    assert scale is not None, "record_found_inf: the scaler has no scale yet (scaler.scale(loss) not called)"
+    assert state is not None, "record_found_inf: needs the optimizer"
+    dev = scale.device
     state["found_inf_per_device"] = {dev: to_device(found_inf, dev).clone() if found_inf.device == dev
                                      else to_device(found_inf, dev)}
     if unscaled:
@@ -75,7 +78,9 @@ def check_unscale_stage(scaler: torch.amp.GradScaler, opt: Any) -> None:
     """GradScaler's own errors for ``unscale_`` called twice or after ``step`` in one iteration."""
     from torch.amp.grad_scaler import OptState
 
-    stage = scaler_internals(scaler, opt).optimizer_state["stage"]
+    state = scaler_internals(scaler, opt).optimizer_state
+    assert state is not None, "check_unscale_stage: needs the optimizer"
+    stage = state["stage"]
     if stage is OptState.UNSCALED:
         raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
     if stage is OptState.STEPPED:

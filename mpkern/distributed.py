@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,8 +37,11 @@ try:  # torch >= 2.5 has the public DTensor module; mpkern must import without i
 except ImportError:  # pragma: no cover - depends on the torch build
     DTensor = Partial = Replicate = Shard = None  # type: ignore[assignment,misc]
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
-def is_dtensor(t: Any) -> bool:
+
+def is_dtensor(t: Any) -> TypeIs[DTensor]:
     return DTensor is not None and isinstance(t, DTensor)
 
 
@@ -103,7 +106,8 @@ def mark_replicated(*params: Tensor) -> None:
     for p in params:
         if not isinstance(p, Tensor):
             raise TypeError(f"mark_replicated: expected tensors, got {type(p).__name__}")
-        p._mpkern_replicated = True  # noqa: SLF001 -- mpkern's own mark on the param, read only by plan() below
+        # mpkern's own mark on the param (not an attribute torch declares), read only by plan() below
+        p._mpkern_replicated = True  # type: ignore[attr-defined]  # noqa: SLF001 -- see above
 
 
 def plan(grads: list[Tensor], process_group: Any = None, params: list[Tensor] | None = None) -> ReducePlan | None:

@@ -8,6 +8,8 @@ codes against them and their own float64 computations.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 Tensor = torch.Tensor
@@ -346,7 +348,12 @@ def _v8_encode(x: Tensor, r16: Tensor) -> tuple[Tensor, Tensor]:
     return moment8_encode(x, "exp_avg_sq", r16)
 
 
-REFERENCE_MOMENT_CODECS = {
+#: a moment codec's (decode exp_avg, decode exp_avg_sq, encode exp_avg, encode exp_avg_sq)
+#: (mpkern.codecs' Decoder / Encoder; that module imports this one)
+_Decoder = Callable[[Tensor, "Tensor | None", int], Tensor]
+_Encoder = Callable[[Tensor, Tensor], "tuple[Tensor, Tensor | None]"]
+
+REFERENCE_MOMENT_CODECS: dict[str, tuple[_Decoder, _Decoder, _Encoder, _Encoder]] = {
     "float32": (_dense_decode, _dense_decode, _f32_encode, _f32_encode),
     "bfloat16": (_dense_decode, _dense_decode, _bf16_encode, _bf16_encode),
     "8bit": (_m8_decode, _m8_decode, _m8_encode, _v8_encode),

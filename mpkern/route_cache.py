@@ -237,7 +237,7 @@ def choose(problem: Problem, device: torch.device, runs: Mapping[str, Callable[[
     if len(runs) == 1:
         return next(iter(runs))
     route = remembered(problem)
-    if route in runs:
+    if route is not None and route in runs:
         return route
     if not timing_allowed(device):
         return default
