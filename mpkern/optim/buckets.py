@@ -159,6 +159,7 @@ def prepare(rt: Runtime, groups: list[dict[str, Any]], state: Any, bucket: Bucke
         km = kernel_tensors(st)
         m, v, m_scale, v_scale = km
         if m_scale is not None:
+            assert v_scale is not None  # a kind with scales has both
             mscales.append(m_scale)
             vscales.append(v_scale)
         if write_back:
@@ -284,10 +285,11 @@ def consume_main_grads(work: list[Bucket]) -> None:
     if not mains:
         return
     if _ops.capturing():
-        torch._foreach_zero_([p.main_grad for p in mains])
+        # main_grad: mpkern.nn's fp32 grad attribute on a weight (not one torch declares)
+        torch._foreach_zero_([p.main_grad for p in mains])  # type: ignore[attr-defined]
         return
     for p in mains:
-        p.main_grad = None
+        p.main_grad = None  # type: ignore[attr-defined]  # as above
 
 
 def run(rt: Runtime, prepared: list[Prepared], factor: Tensor, found: Tensor, check_writes: bool) -> None:
@@ -335,7 +337,12 @@ def stats_pass(work: list[Bucket], process_group: Any) -> Callable[[Tensor], tup
     torch's clip), for :func:`mpkern.optim.step_plan.plan_step`: the stages of ``mpkern.unscale_``
     (:func:`mpkern.optim.step_plan.stats_pass`) on each bucket's backend."""
     seen: set[int] = set()
-    firsts = [x for b in work for x in b.pairs if not (id(x[0]) in seen or seen.add(id(x[0])))]
+    firsts = []
+    for b in work:
+        for x in b.pairs:
+            if id(x[0]) not in seen:
+                seen.add(id(x[0]))
+                firsts.append(x)
     backends = {b.device: b.backend for b in work}
     return step_plan.stats_pass([x[1] for x in firsts], [x[0] for x in firsts], process_group, backends)
 

@@ -12,20 +12,21 @@ import uuid
 import warnings
 import weakref
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import storage, writes
 from .runtime import LIVE_KEYS, stamp
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
 Tensor = torch.Tensor
 # mpkern's own param-group keys; the storage-layout ones are the constructor's choice even when a
 # checkpoint says otherwise (the state is converted, with a warning)
 OWN_KEYS = ("max_grad_norm", "master_weights", "state_dtype", "stochastic_rounding", "seed")
 LAYOUT_KEYS = ("master_weights", "state_dtype")
-
-Tensor = torch.Tensor
 
 
 @torch.no_grad()
@@ -60,15 +61,22 @@ def state_from_checkpoint(p: Tensor, src: Any, group: dict[str, Any], kind: stor
         st["max_exp_avg_sq"] = storage.laid(p, vm, torch.float32)
     elif group["amsgrad"]:
         st["max_exp_avg_sq"] = storage.like(p, torch.float32).zero_()
-    saved = {k: storage.laid(p, src.pop(k.key), k.state_dtype) for k in storage.STORED_MASTERS if k.key in src}
+    saved: dict[storage.MasterKind, Tensor] = {}
+    for k in storage.STORED_MASTERS:
+        if k.key in src:
+            # a stored master kind has a state key (register_master_kind) and a state tensor dtype
+            assert k.key is not None and k.state_dtype is not None, f"master kind {k!r} stores no tensor"
+            saved[k] = storage.laid(p, src.pop(k.key), k.state_dtype)
     if kind.key is None:
         if saved and p.dtype != torch.float32:  # no master kept: the param takes the saved master, rounded
             source, tmp = next(iter(saved.items()))
+            assert source.key is not None  # a stored master kind (above)
             p.copy_(source.to_fp32(p, {source.key: tmp}))
     elif kind in saved:
         st[kind.key] = saved[kind]
     elif saved and all(k.describes(p.dtype) for k in saved):
         source, tmp = next(iter(saved.items()))
+        assert source.key is not None  # a stored master kind (above)
         st[source.key] = tmp  # kept: converted again at the next step, from the param as it is then
         kind.from_fp32(p, st, source.to_fp32(p, st), write_param=False)
     else:
@@ -81,7 +89,7 @@ def state_from_checkpoint(p: Tensor, src: Any, group: dict[str, Any], kind: stor
     return st
 
 
-def _same_structure(groups: list[dict[str, Any]], saved_groups: Any) -> bool:
+def _same_structure(saved_groups: Any, groups: list[dict[str, Any]]) -> TypeIs[list[dict[str, Any]]]:
     """Whether ``saved_groups`` has this optimizer's number of groups with its group sizes (what
     ``torch.optim.Optimizer.load_state_dict`` validates; when not, it raises, with its own message)."""
     return (isinstance(saved_groups, list) and len(saved_groups) == len(groups)
@@ -132,14 +140,14 @@ class _Load:
         groups = opt.param_groups
         saved_groups = state_dict.get("param_groups")
         saved_state = state_dict.get("state")
-        if not isinstance(saved_state, dict) or not _same_structure(groups, saved_groups):
+        if not isinstance(saved_state, dict) or not _same_structure(saved_groups, groups):
             return None  # the base class's validation raises (or loads it like any Optimizer does)
         merged, self.converted = _merge_groups(groups, saved_groups, saved_state)
         group_of = {}
         for g, ng in zip(groups, merged):
             for sid, p in zip(ng["params"], g["params"]):
                 group_of[sid] = (p, ng)
-        placeholders = {}
+        placeholders: dict[Any, Any] = {}
         for sid, saved in saved_state.items():
             if sid in group_of:
                 p, ng = group_of[sid]
@@ -210,9 +218,9 @@ def adamw_state_dict(opt: Any) -> dict[str, Any]:
     for i, st in sd["state"].items():
         out = {"step": torch.as_tensor(st["step"], dtype=torch.float32).detach().clone()}
         for key in ("exp_avg", "exp_avg_sq"):
-            val = storage.moments_fp32(st, key)
-            if val is not None:
-                out[key] = val.detach()
+            moment = storage.moments_fp32(st, key)
+            if moment is not None:
+                out[key] = moment.detach()
         if "max_exp_avg_sq" in st:
             out["max_exp_avg_sq"] = st["max_exp_avg_sq"].detach().to(torch.float32).clone()
         state[i] = out

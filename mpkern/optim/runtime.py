@@ -275,7 +275,9 @@ def build(rt: Runtime, groups: list[dict[str, Any]], state: Any, prepared: list,
         return            # (a later eager step re-validates it in full)
     rt.drop_cache()
     dev = None if uses_main else _device_if_cacheable(rt, prepared)
-    index = None if dev is None else _param_index(prepared, dev)
+    if dev is None:
+        return
+    index = _param_index(prepared, dev)
     if index is None:
         return
     versions = rt.versions

@@ -94,6 +94,7 @@ def plan_step(pending: Any, *, max_norm: float | None, grad_scale: Tensor | None
     else:
         coef, found = pending.coef, pending.found
         if mnorm is not None and pending.inf_norm:  # the pending norm is the inf-norm: the clip needs L2
+            assert stats is not None, "plan_step: a max_norm needs the step's statistics pass"
             fin = finish_stats(*stats(pending.inv), pending.inv, False, mnorm, device)
             coef, found = torch.minimum(coef, fin.clip_coef), torch.maximum(found, fin.found_inf)
         elif mnorm is not None:

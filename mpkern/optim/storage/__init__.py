@@ -224,7 +224,7 @@ def label(master_weights: Any, state_dtype: Any) -> str:
 def modes(param_dtype: torch.dtype = torch.bfloat16, *, backend: str | None = None) -> list[tuple[Any, str]]:
     """Every ``(master_weights, state_dtype)`` pair a param of ``param_dtype`` can be stepped with
     (on ``backend``, when given: only the kinds with a kernel there), in registry order."""
-    out = []
+    out: list[tuple[Any, str]] = []
     for mw, mk in MASTER_KINDS.items():
         if param_dtype != torch.float32 and param_dtype not in mk.param_dtypes:
             continue

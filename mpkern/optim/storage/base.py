@@ -43,6 +43,11 @@ def flat_view(t: Tensor) -> Tensor:
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
 
 
+#: what :meth:`MomentKind.kernel_tensors` returns: a :class:`KernelMoments`, or (kinds with a
+#: kernel variant) a plain tuple in its order
+KernelTensors = tuple[Tensor, Tensor, "Tensor | None", "Tensor | None"]
+
+
 class KernelMoments(NamedTuple):
     """The moment tensors one param hands the kernel (scales: None unless the kind has them)."""
 
@@ -184,7 +189,7 @@ class MomentKind:
             return None
         return {k: laid(p, src[k], src[k].dtype) for k in self.keys}
 
-    def kernel_tensors(self, st: State) -> KernelMoments:
+    def kernel_tensors(self, st: State) -> KernelTensors:
         """The tensors the kernel updates, in :class:`KernelMoments`' order (kinds with a kernel
         variant may return a plain tuple: this runs per param per step). Without a kernel variant:
         fp32 copies, stored back by :meth:`write_back` after the reference step."""

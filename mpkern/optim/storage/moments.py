@@ -9,7 +9,7 @@ import torch
 
 from ... import codecs, distributed, reference_codecs
 from ...distributed import local as _local
-from .base import ALL_BACKENDS, KernelMoments, MomentKind, State, Tensor, flat_view, laid, like
+from .base import ALL_BACKENDS, KernelTensors, MomentKind, State, Tensor, flat_view, laid, like
 
 #: elements per scale of the 8-bit moments: consecutive elements of a tensor's buffer
 _PLAIN = (torch.nn.Parameter, torch.Tensor)
@@ -57,7 +57,7 @@ class DenseMoments(MomentKind):
             out[key] = laid(p, val, self.dtype) if val is not None else like(p, self.dtype).zero_()
         return out
 
-    def kernel_tensors(self, st: State) -> KernelMoments:
+    def kernel_tensors(self, st: State) -> KernelTensors:
         return st["exp_avg"], st["exp_avg_sq"], None, None  # a plain tuple: this runs per param per step
 
     def to_fp32(self, st: State, key: str) -> Tensor:
@@ -165,7 +165,7 @@ class Int8Moments(MomentKind):
                 ms: src[ms].to(dev, torch.bfloat16).reshape(-1).clone(),
                 vs: src[vs].to(dev, torch.bfloat16).reshape(-1).clone()}
 
-    def kernel_tensors(self, st: State) -> KernelMoments:
+    def kernel_tensors(self, st: State) -> KernelTensors:
         mk, vk, ms, vs = self.keys
         return st[mk], st[vk], st[ms], st[vs]
 
