@@ -49,18 +49,24 @@ namespace mpkern {
 namespace {
 constexpr const char* kAdamwOp = "mpkern::adamw_step_";
 
-// mpkern::adamw_step_ as the dispatcher calls it: the schema's arguments (mpkern/codecs.def) in order, the
-// tensor lists and tensors positional, then the keyword-only scalars and codecs. This file is the only
-// place that knows the order: adamw_args / adamw_step_call convert between it and the named bundle.
-using AdamwStepOp = void(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                         at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters,
-                         at::TensorList steps, const at::Tensor& grad_factor, const at::Tensor& found_inf,
-                         const std::optional<at::Tensor>& lr_tensor,
-                         const std::optional<at::TensorList>& exp_avg_scales,
-                         const std::optional<at::TensorList>& exp_avg_sq_scales, double lr, double beta1,
-                         double beta2, double eps, double weight_decay, bool maximize,
-                         c10::string_view master_codec, c10::string_view moment_codec, bool stochastic_rounding,
-                         int64_t seed, at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets);
+// mpkern::adamw_step_'s arguments as the dispatcher passes them -- the schema's (mpkern/codecs.def), in its
+// order: the tensor lists and tensors positional, then the keyword-only scalars and codecs -- as a parameter
+// list and as the names that forward it. This file is the only place that knows the order: adamw_args and
+// adamw_step_call convert between it and the named bundle AdamwArgs.
+#define MPKERN_ADAMW_PARAMS                                                                                        \
+  at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,               \
+      at::TensorList max_exp_avg_sqs, at::TensorList masters, at::TensorList steps, const at::Tensor &grad_factor, \
+      const at::Tensor &found_inf, const std::optional<at::Tensor> &lr_tensor,                                    \
+      const std::optional<at::TensorList> &exp_avg_scales, const std::optional<at::TensorList> &exp_avg_sq_scales, \
+      double lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,                      \
+      c10::string_view master_codec, c10::string_view moment_codec, bool stochastic_rounding, int64_t seed,       \
+      at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets
+#define MPKERN_ADAMW_NAMES                                                                                      \
+  params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf, lr_tensor,      \
+      exp_avg_scales, exp_avg_sq_scales, lr, beta1, beta2, eps, weight_decay, maximize, master_codec, moment_codec, \
+      stochastic_rounding, seed, stream_ids, elem_offsets
+
+using AdamwStepOp = void(MPKERN_ADAMW_PARAMS);
 
 const c10::TypedOperatorHandle<AdamwStepOp>& adamw_step_handle() {
   static const auto op =
@@ -68,35 +74,23 @@ const c10::TypedOperatorHandle<AdamwStepOp>& adamw_step_handle() {
   return op;
 }
 
-// The dispatcher's flat arguments as the bundle.
-AdamwArgs adamw_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                     at::TensorList max_exp_avg_sqs, at::TensorList masters, at::TensorList steps,
-                     const at::Tensor& grad_factor, const at::Tensor& found_inf,
-                     const std::optional<at::Tensor>& lr_tensor, const std::optional<at::TensorList>& exp_avg_scales,
-                     const std::optional<at::TensorList>& exp_avg_sq_scales, double lr, double beta1, double beta2,
-                     double eps, double weight_decay, bool maximize, c10::string_view master_codec,
-                     c10::string_view moment_codec, bool stochastic_rounding, int64_t seed,
-                     at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets) {
-  return AdamwArgs{params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf,
-                   lr_tensor, exp_avg_scales, exp_avg_sq_scales, lr, beta1, beta2, eps, weight_decay, maximize,
-                   master_codec, moment_codec, stochastic_rounding, seed, stream_ids, elem_offsets};
+// The dispatcher's flat arguments as the bundle (designated: a field out of the struct's order does not compile).
+AdamwArgs adamw_args(MPKERN_ADAMW_PARAMS) {
+  return AdamwArgs{.params = params, .grads = grads, .exp_avgs = exp_avgs, .exp_avg_sqs = exp_avg_sqs,
+                   .max_exp_avg_sqs = max_exp_avg_sqs, .masters = masters, .steps = steps,
+                   .grad_factor = grad_factor, .found_inf = found_inf, .lr_tensor = lr_tensor,
+                   .exp_avg_scales = exp_avg_scales, .exp_avg_sq_scales = exp_avg_sq_scales, .lr = lr,
+                   .beta1 = beta1, .beta2 = beta2, .eps = eps, .weight_decay = weight_decay, .maximize = maximize,
+                   .master_codec = master_codec, .moment_codec = moment_codec,
+                   .stochastic_rounding = stochastic_rounding, .seed = seed, .stream_ids = stream_ids,
+                   .elem_offsets = elem_offsets};
 }
 
 // The registered kernels of mpkern::adamw_step_: the codecs parsed and every argument checked (here, in
 // host-compiled code), then the device kernel with the bundle.
 template <void (*Kernel)(const AdamwArgs&, int64_t, int64_t), c10::DeviceType Dev>
-void adamw_step_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                   at::TensorList max_exp_avg_sqs, at::TensorList masters, at::TensorList steps,
-                   const at::Tensor& grad_factor, const at::Tensor& found_inf,
-                   const std::optional<at::Tensor>& lr_tensor, const std::optional<at::TensorList>& exp_avg_scales,
-                   const std::optional<at::TensorList>& exp_avg_sq_scales, double lr, double beta1, double beta2,
-                   double eps, double weight_decay, bool maximize, c10::string_view master_codec,
-                   c10::string_view moment_codec, bool stochastic_rounding, int64_t seed, at::IntArrayRef stream_ids,
-                   at::IntArrayRef elem_offsets) {
-  const AdamwArgs a = adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor,
-                                 found_inf, lr_tensor, exp_avg_scales, exp_avg_sq_scales, lr, beta1, beta2, eps,
-                                 weight_decay, maximize, master_codec, moment_codec, stochastic_rounding, seed,
-                                 stream_ids, elem_offsets);
+void adamw_step_op(MPKERN_ADAMW_PARAMS) {
+  const AdamwArgs a = adamw_args(MPKERN_ADAMW_NAMES);
   const MasterCodec& master = master_codec_of(kAdamwOp, a.master_codec);
   const MomentCodec& moments = moment_codec_of(kAdamwOp, a.moment_codec);
   check_adamw_args_on(kAdamwOp, a, master, moments, Dev);
@@ -106,19 +100,8 @@ void adamw_step_op(at::TensorList params, at::TensorList grads, at::TensorList e
 // The Autograd kernels: the ops are not differentiable (nothing to record), so they go straight to
 // the device kernel. Without them the dispatcher's boxed autograd fallback would box every tensor
 // list (7 lists of one entry per param) on each call -- most of a cached step's host time.
-void adamw_step_autograd(c10::DispatchKeySet ks, at::TensorList params, at::TensorList grads,
-                         at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-                         at::TensorList masters, at::TensorList steps, const at::Tensor& grad_factor,
-                         const at::Tensor& found_inf, const std::optional<at::Tensor>& lr_tensor,
-                         const std::optional<at::TensorList>& exp_avg_scales,
-                         const std::optional<at::TensorList>& exp_avg_sq_scales, double lr, double beta1,
-                         double beta2, double eps, double weight_decay, bool maximize, c10::string_view master_codec,
-                         c10::string_view moment_codec, bool stochastic_rounding, int64_t seed,
-                         at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets) {
-  adamw_step_handle().redispatch(ks & c10::after_autograd_keyset, params, grads, exp_avgs, exp_avg_sqs,
-                                 max_exp_avg_sqs, masters, steps, grad_factor, found_inf, lr_tensor, exp_avg_scales,
-                                 exp_avg_sq_scales, lr, beta1, beta2, eps, weight_decay, maximize, master_codec,
-                                 moment_codec, stochastic_rounding, seed, stream_ids, elem_offsets);
+void adamw_step_autograd(c10::DispatchKeySet ks, MPKERN_ADAMW_PARAMS) {
+  adamw_step_handle().redispatch(ks & c10::after_autograd_keyset, MPKERN_ADAMW_NAMES);
 }
 
 // The registered kernels of mpkern::grad_stats / mpkern::scale_: the arguments checked here, in
