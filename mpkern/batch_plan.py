@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -28,10 +28,27 @@ from .measure import fmt_size
 SAFETY_MARGIN = 0.10
 
 
+class StepBytes(TypedDict):
+    """What :func:`measure_step` measured: the two ``batches``, their ``peaks`` (bytes), and the line
+    through them -- ``per_sample`` bytes per sample and the batch-independent ``fixed`` bytes."""
+
+    batches: list[int]
+    peaks: list[int]
+    per_sample: float
+    fixed: float
+
+
+class Compute(TypedDict, total=False):
+    """:func:`measure_step`'s ``dtype`` / ``autocast`` arguments of one compute kind (:data:`COMPUTE`)."""
+
+    dtype: torch.dtype
+    autocast: torch.dtype
+
+
 def measure_step(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int], tuple[Any, ...]],
                  loss_fn: Callable[..., torch.Tensor], *, dtype: torch.dtype = torch.float32,
                  autocast: torch.dtype | None = None, batches: tuple[int, int] = (32, 64),
-                 device: str = "meta") -> dict[str, float]:
+                 device: str = "meta") -> StepBytes:
     """Peak bytes of the tensors one forward + backward creates, at two batch sizes; the per-sample
     slope and the batch-independent rest (grads, the step's fixed temporaries).
 
@@ -62,7 +79,7 @@ def measure_step(make_model: Callable[[], torch.nn.Module], make_batch: Callable
     return {"batches": list(batches), "peaks": peaks, "per_sample": per_sample, "fixed": p1 - per_sample * b1}
 
 
-def estimate_batch(budget: int, state_bytes: float, step: dict[str, float], *,
+def estimate_batch(budget: int, state_bytes: float, step: StepBytes, *,
                    margin: float = SAFETY_MARGIN) -> dict[str, Any]:
     """The largest batch whose predicted peak -- ``state_bytes`` (persistent state without grads) +
     ``step["fixed"]`` + ``batch * step["per_sample"]`` -- stays within ``budget * (1 - margin)``."""
@@ -130,8 +147,9 @@ def _hf_model(path: str, seq_len: int) -> tuple[Callable[[], torch.nn.Module], C
 
 
 #: how each plan row computes: fp32 params, fp32 params under bf16 autocast, 16-bit params
-COMPUTE = {"fp32": dict(dtype=torch.float32), "autocast": dict(dtype=torch.float32, autocast=torch.bfloat16),
-           "bf16": dict(dtype=torch.bfloat16)}
+COMPUTE: dict[str, Compute] = {"fp32": Compute(dtype=torch.float32),
+                               "autocast": Compute(dtype=torch.float32, autocast=torch.bfloat16),
+                               "bf16": Compute(dtype=torch.bfloat16)}
 
 
 def row_compute(row: dict[str, Any]) -> str:
@@ -162,12 +180,12 @@ def plan_batches(budget: int, *, hf_config: str | None = None, seq_len: int | No
     with torch.device("meta"):
         params = sum(p.numel() for p in make_model().parameters())
     rows = rows if rows is not None else plan_table(params)
-    steps: dict[str, dict[str, float]] = {}
+    steps: dict[str, StepBytes] = {}
     out_rows = []
     for row in rows:
         kind = row_compute(row)
         if kind not in steps:
-            kw = dict(COMPUTE[kind])
+            kw = COMPUTE[kind].copy()
             if device == "meta":
                 kw.pop("autocast", None)
             steps[kind] = measure_step(make_model, make_batch, loss_fn, device=device, **kw)

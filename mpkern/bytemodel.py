@@ -159,8 +159,11 @@ def _probe_model(dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     return m.to(dtype)
 
 
+#: an mpkern row's FusedAdamWMP arguments: (master_weights, state_dtype)
+Mode = tuple[bool | str, torch.dtype | str]
+
 #: the mpkern rows of :data:`RECIPES`: recipe name -> (master_weights, state_dtype)
-_MPKERN_RECIPES: dict[str, tuple[object, object]] = {
+_MPKERN_RECIPES: dict[str, Mode] = {
     "mpkern master_weights=True": (True, torch.float32),
     "mpkern master_weights='remainder'": ("remainder", torch.float32),
     "mpkern bf16 moments": (True, torch.bfloat16),
@@ -173,7 +176,7 @@ _MPKERN_RECIPES: dict[str, tuple[object, object]] = {
 }
 
 
-def _extra_recipes() -> dict[str, tuple[object, str]]:
+def _extra_recipes() -> dict[str, Mode]:
     """One row per registered moment kind that no row of :data:`RECIPES` uses (fp32 masters)."""
     used = {_storage.moment_name(sd) for _mw, sd in _MPKERN_RECIPES.values()}
     return {f"mpkern {_storage.label(True, name)}": (True, name) for name in _storage.MOMENT_KINDS if name not in used}
@@ -192,7 +195,7 @@ def _backend_with_kernel(kind: _storage.MomentKind):
         yield
 
 
-def _mpkern_modes() -> dict[str, tuple[object, object]]:
+def _mpkern_modes() -> dict[str, Mode]:
     """Every mpkern row (:data:`_MPKERN_RECIPES` and :func:`_extra_recipes`): name -> (master_weights, state_dtype)."""
     return {**_MPKERN_RECIPES, **_extra_recipes()}
 
@@ -240,7 +243,7 @@ def build_recipe(name: str, seed: int = 0) -> tuple[list[Tensor], torch.optim.Op
         raise ValueError(f"recipe must be one of {list(recipes())}, got {name!r}")
     fp32 = name.startswith(("fp32", "AMP"))
     model = _probe_model(torch.float32 if fp32 else torch.bfloat16, seed)
-    params = list(model.parameters())
+    params: list[Tensor] = list(model.parameters())
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(seed + 1)).to(params[0].dtype)
     loss = model(x).float().square().mean()
     if not release:
@@ -251,6 +254,7 @@ def build_recipe(name: str, seed: int = 0) -> tuple[list[Tensor], torch.optim.Op
     elif name.startswith("bf16 params + fp32 masters"):
         masters = [torch.nn.Parameter(p.detach().float()) for p in params]
         for m, p in zip(masters, params):
+            assert p.grad is not None  # loss.backward() above
             m.grad = p.grad.float()
         opt = torch.optim.AdamW(masters, lr=1e-3)
     else:

@@ -21,6 +21,8 @@ from .common import (
     FULL,
     adamw_problem,
     amp_fp32_recipe,
+    fused_flag,
+    grads_of,
     row,
     tensor_sizes,
     unscale_clip,
@@ -39,7 +41,6 @@ def bench_adamw(device: torch.device | str, *, params: int = FULL["params"], ten
     grads16, init = adamw_problem(dev, tensor_sizes(params, tensors))
     inv = torch.tensor(ADAMW_INV_SCALE, device=dev)
     lr = ADAMW_LR
-    fused_kw = {"fused": True} if dev.type in ("cuda", "cpu") else {}
     recipe_a, restore_a, _ = amp_fp32_recipe(init, grads16, inv, lr)  # (a) fp32 params and grads
 
     pb = [torch.nn.Parameter(w.to(torch.bfloat16)) for w in init]  # (b) bf16 params, fp32 masters by hand
@@ -48,10 +49,10 @@ def bench_adamw(device: torch.device | str, *, params: int = FULL["params"], ten
     masters = [torch.nn.Parameter(p.detach().float()) for p in pb]
     for m in masters:
         m.grad = torch.empty_like(m)
-    opt_b = torch.optim.AdamW(masters, lr=lr, **fused_kw)
+    opt_b = torch.optim.AdamW(masters, lr=lr, fused=fused_flag(dev))
 
     def recipe_b() -> None:
-        torch._foreach_copy_([m.grad for m in masters], [p.grad for p in pb])
+        torch._foreach_copy_(grads_of(masters), grads_of(pb))
         unscale_clip(masters, inv)
         opt_b.step()
         torch._foreach_copy_([p.data for p in pb], [m.data for m in masters])

@@ -7,12 +7,13 @@ Timing, bandwidth and machine helpers live in :mod:`mpkern.measure` (shared with
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from ..measure import sync
+from ..optim import FusedAdamWMP
 
 Tensor = torch.Tensor
 KERNELS = ("unscale", "adamw", "matmul", "release")
@@ -109,11 +110,28 @@ def adamw_problem(dev: torch.device, sizes: list[int], seed: int = 1) -> tuple[l
     return grads16, init
 
 
+def grads_of(params: Iterable[Tensor]) -> list[Tensor]:
+    """Each param's ``.grad``: the benchmarks' problems give every param one (a param without raises)."""
+    grads = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            raise ValueError(f"a benchmark param of shape {tuple(p.shape)} has no .grad")
+        grads.append(g)
+    return grads
+
+
+def fused_flag(dev: torch.device) -> bool | None:
+    """``torch.optim.AdamW``'s ``fused``: True where a fused kernel exists (CUDA, and CPU from torch 2.4),
+    else None (its default: foreach)."""
+    return True if dev.type in ("cuda", "cpu") else None
+
+
 def backward_step(opt: torch.optim.Optimizer, loss: Tensor) -> None:
     """One training step's backward and optimizer step: ``opt.backward(loss)`` for a ``FusedAdamWMP`` with
     ``release_grads=True`` (the step inside backward), else ``loss.backward(); opt.step();
     opt.zero_grad(set_to_none=True)`` -- the two ways the release benchmarks set side by side."""
-    if getattr(opt, "release_grads", False):
+    if isinstance(opt, FusedAdamWMP) and opt.release_grads:
         opt.backward(loss)
         return
     loss.backward()
@@ -121,14 +139,14 @@ def backward_step(opt: torch.optim.Optimizer, loss: Tensor) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def torch_unscale_clip(params: list[Tensor], inv: Tensor, max_norm: float) -> Tensor:
+def torch_unscale_clip(params: Sequence[Tensor], inv: Tensor, max_norm: float) -> Tensor:
     """PyTorch's recipe for what ``mpkern.unscale_(params, inv, max_norm=...)`` does, on the same grads;
     returns found_inf. GradScaler's ``_amp_foreach_non_finite_check_and_unscale_`` (read + write), then
     ``clip_grad_norm_(foreach=True)`` (norm read + scale read/write): 5 grad-sized accesses
     (bytemodel.UNSCALE_TRAFFIC["torch"]). bf16 grads on CUDA, which that op has no kernel for (torch
     2.11: "not implemented for 'BFloat16'"), take its foreach equivalent with the same accesses: the
     multiply, then the clip, whose total norm is non-finite exactly when a grad is."""
-    grads = [p.grad for p in params]
+    grads = grads_of(params)
     if inv.device.type == "cuda" and any(g.dtype == torch.bfloat16 for g in grads):
         torch._foreach_mul_(grads, inv)
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
@@ -139,7 +157,7 @@ def torch_unscale_clip(params: list[Tensor], inv: Tensor, max_norm: float) -> Te
     return found
 
 
-def unscale_clip(params: list[Tensor], inv: Tensor) -> None:
+def unscale_clip(params: Sequence[Tensor], inv: Tensor) -> None:
     """PyTorch's AMP recipe before the step: GradScaler's unscale (with its inf check), then the clip."""
     torch_unscale_clip(params, inv, ADAMW_MAX_NORM)
 
@@ -151,15 +169,14 @@ def amp_fp32_recipe(init: list[Tensor], grads16: list[Tensor], inv: Tensor, lr: 
     ``torch.optim.AdamW(fused=True)``; 48 B/param). ``restore()`` puts the grads back (untimed).
     ``capturable``: AdamW's own switch (its step may then be captured in a CUDA graph)."""
     dev = inv.device
-    fused_kw = {"fused": True} if dev.type in ("cuda", "cpu") else {}
     pa = [torch.nn.Parameter(w.clone()) for w in init]
     ga = [x.float() for x in grads16]
     for p, x in zip(pa, ga):
         p.grad = x.clone()
-    opt = torch.optim.AdamW(pa, lr=lr, capturable=capturable, **fused_kw)
+    opt = torch.optim.AdamW(pa, lr=lr, capturable=capturable, fused=fused_flag(dev))
 
     def restore() -> None:
-        torch._foreach_copy_([p.grad for p in pa], ga)
+        torch._foreach_copy_(grads_of(pa), ga)
 
     def step() -> None:
         unscale_clip(pa, inv)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..measure import sync
-from .common import ADAMW_MAX_NORM, best_of, failure, row
+from .common import ADAMW_MAX_NORM, best_of, failure, fused_flag, row
 from .modes import adamw_modes, mode_label, optimizer_kwargs
 from .switches import set_switch
 
@@ -64,8 +64,7 @@ def host_time(device: torch.device | str = "cpu", *, tensors: int = 1000, numel:
     ref_ps = [torch.nn.Parameter(x.float()) for x in base]
     for q, x in zip(ref_ps, grads):
         q.grad = x.float()
-    fused_kw = {"fused": True} if dev.type in ("cuda", "cpu") else {}
-    ref = torch.optim.AdamW(ref_ps, lr=1e-3, **fused_kw)
+    ref = torch.optim.AdamW(ref_ps, lr=1e-3, fused=fused_flag(dev))
 
     def torch_step() -> None:
         if clip:

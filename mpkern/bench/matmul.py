@@ -130,6 +130,11 @@ def problems(device: torch.device | str, quick: bool) -> list[tuple[str, int, in
     return out
 
 
+def _matmul_float(a: Tensor, b: Tensor) -> Tensor:
+    """The peer of a 16-bit GEMM with an fp32 output where ``torch.mm`` takes no ``out_dtype``."""
+    return torch.matmul(a, b).float()
+
+
 def _forced(route: str | None, fn: Callable[[], Any]) -> Callable[[], Any]:
     """``fn`` run with ``MPKERN_MATMUL_ROUTE=route`` (None: the default, auto)."""
     from ..matmul import use_route
@@ -169,7 +174,7 @@ def bench_matmul(device: torch.device | str, *, quick: bool = False, dtypes: str
                 elif mm_out:
                     peer, peer_fn = "torch.mm(out_dtype=fp32)", partial(torch.mm, a, b, out_dtype=torch.float32)
                 else:
-                    peer, peer_fn = "torch.matmul + .float()", (lambda a=a, b=b: torch.matmul(a, b).float())
+                    peer, peer_fn = "torch.matmul + .float()", partial(_matmul_float, a, b)
                 cands = [r for r, why in routes(dev, dt, od).items() if not why]
                 fns = {peer: peer_fn} | {f"route {r}": _forced(r, partial(mpkern.matmul, a, b, out_dtype=od))
                                          for r in cands}
@@ -228,6 +233,8 @@ def bench_linear_e2e(device: torch.device | str, *, model: str = "gpt2", dtype: 
     from .. import nn as mpnn
 
     dev = torch.device(device)
+    cfg: transformers.PretrainedConfig
+    base: torch.nn.Module
     if model == "gpt2":
         cfg = transformers.GPT2Config(n_positions=max(1024, seq))
         base = transformers.GPT2LMHeadModel(cfg)
@@ -238,7 +245,8 @@ def bench_linear_e2e(device: torch.device | str, *, model: str = "gpt2", dtype: 
         base = transformers.LlamaForCausalLM(cfg)
     else:
         raise ValueError(f"model must be 'gpt2' or 'llama', got {model!r}")
-    base = base.to(dev, dtype)
+    # transformers wraps PreTrainedModel.to in functools.wraps, whose _Wrapped type mypy does not bind as a method
+    base = base.to(dev, dtype)  # type: ignore[arg-type]
     models = {"torch.nn.Linear": base, "mpkern.nn.convert": mpnn.convert(copy.deepcopy(base)),
               "mpkern.nn.convert(fp32_main_grad)": mpnn.convert(copy.deepcopy(base), fp32_main_grad=True)}
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)).to(dev)
@@ -249,7 +257,7 @@ def bench_linear_e2e(device: torch.device | str, *, model: str = "gpt2", dtype: 
             for p in m.parameters():
                 p.grad = None
                 if getattr(p, "main_grad", None) is not None:
-                    p.main_grad = None
+                    p.main_grad = None  # type: ignore[attr-defined]  # the attribute mpkern.nn adds to weights
         return go
 
     converted = sum(isinstance(mod, mpnn.Linear) for mod in models["mpkern.nn.convert"].modules())

@@ -140,9 +140,10 @@ def bench_adamw_modes(device: torch.device | str, *, params: int = FULL["params"
         state_model = storage.bytes_per_param(mw, sd, torch.bfloat16)
         label = mode_label(mw, sd)
         try:
-            if step_a is None:
+            if baseline_s is not None:
                 t, base_t = time_fn(fused, dev, reps=reps), baseline_s
             else:  # the baseline beside this mode, round by round
+                assert step_a is not None and restore_a is not None  # built above when no baseline_s is given
                 t, base_t = time_alternating([(fused, None), (step_a, restore_a)], dev, reps=reps)
         except Exception as e:  # noqa: BLE001 -- e.g. a Python storage kind ahead of the built kernels
             why = failure(e)
@@ -151,7 +152,7 @@ def bench_adamw_modes(device: torch.device | str, *, params: int = FULL["params"
                             note=why) | {"master_weights": mw, "state_dtype": sd})
             del opt, ps, fused
             continue
-        vs = BASELINE if step_a is None else f"{BASELINE} ({base_t * 1e3:.1f} ms, timed in alternation)"
+        vs = BASELINE if baseline_s is not None else f"{BASELINE} ({base_t * 1e3:.1f} ms, timed in alternation)"
         r = row("adamw", f"FusedAdamWMP {label} ({_backend.select(dev)})", t, bpp=bpp, params=params,
                 bw=inplace_bw, peer_ratio=base_t / t,
                 limit=bytemodel.limit(base_bpp, bpp), state_bpp=state_model, vs=vs)

@@ -69,8 +69,8 @@ def _variants(base: torch.nn.Module, x: Tensor, y: Tensor,
     opts: dict[str, Any] = {}
     for key, clip, release in (("a", False, False), ("b", False, True), ("c", True, False), ("d", True, True)):
         model = copy.deepcopy(base)
-        kw = {"release_grads": True, "release_bucket_bytes": bucket_bytes} if release else {}
-        opt = FusedAdamWMP(model.parameters(), lr=ADAMW_LR, max_grad_norm=ADAMW_MAX_NORM if clip else None, **kw)
+        opt = FusedAdamWMP(model.parameters(), lr=ADAMW_LR, max_grad_norm=ADAMW_MAX_NORM if clip else None,
+                           release_grads=release, release_bucket_bytes=bucket_bytes if release else None)
         opts[key] = (model, opt)
 
         def step(model: torch.nn.Module = model, opt: Any = opt) -> None:

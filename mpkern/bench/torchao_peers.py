@@ -20,6 +20,7 @@ from .common import (
     Tensor,
     adamw_problem,
     failure,
+    grads_of,
     row,
     state_nbytes,
     unscale_clip,
@@ -99,10 +100,10 @@ def bench_torchao(device: torch.device | str, *, params: int = FULL["params"], t
             p.grad = x.clone()
         opt = cls(ps, lr=ADAMW_LR, **kw)
 
-        def restore(ps: list[Tensor] = ps, gs: list[Tensor] = gs) -> None:
-            torch._foreach_copy_([p.grad for p in ps], gs)
+        def restore(ps: list[torch.nn.Parameter] = ps, gs: list[Tensor] = gs) -> None:
+            torch._foreach_copy_(grads_of(ps), gs)
 
-        def step(ps: list[Tensor] = ps, opt: torch.optim.Optimizer = opt) -> None:
+        def step(ps: list[torch.nn.Parameter] = ps, opt: torch.optim.Optimizer = opt) -> None:
             unscale_clip(ps, inv)
             opt.step()
 

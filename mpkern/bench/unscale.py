@@ -10,7 +10,7 @@ import torch
 
 from .. import _backend, bytemodel
 from ..measure import measure_bandwidth, time_fn
-from .common import FULL, row, tensor_sizes, torch_unscale_clip, unscale_problem
+from .common import FULL, grads_of, row, tensor_sizes, torch_unscale_clip, unscale_problem
 
 
 def bench_unscale(device: torch.device | str, *, params: int = FULL["params"], tensors: int = FULL["tensors"],
@@ -22,7 +22,7 @@ def bench_unscale(device: torch.device | str, *, params: int = FULL["params"], t
     dev = torch.device(device)
     bw = bandwidth or measure_bandwidth(dev)
     ps = unscale_problem(dev, tensor_sizes(params, tensors))
-    grads = [p.grad for p in ps]
+    grads = grads_of(ps)
     backup = [x.clone() for x in grads]
     inv = torch.tensor(1.0 / 1024.0, device=dev)
 

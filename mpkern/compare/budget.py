@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -93,7 +93,10 @@ def steps_that_fit(step_s: dict[str, float], cfg: Config, reserved_s: float = 0.
     aside for that (forward passes over ``val_size`` sequences: about a third of a step's time per token)."""
     per_step = sum(step_s.values())
     eval_s = per_step * cfg.val_size / cfg.batch_size / 3
-    fit = (cfg.time_budget - reserved_s - eval_s) / per_step if per_step > 0 else math.inf
+    budget = cfg.time_budget
+    if budget is None:
+        raise ValueError("steps_that_fit needs a cfg.time_budget")
+    fit = (budget - reserved_s - eval_s) / per_step if per_step > 0 else math.inf
     return max(0, int(min(fit, 1e9) // cfg.log_every * cfg.log_every)), eval_s
 
 
@@ -104,7 +107,7 @@ def time_boxes(step_s: dict[str, float], emulated: dict[str, str] | None = None)
     emulated = emulated or {}
     if len(step_s) < 2 and not emulated:
         return {}
-    ref_name = "fp32" if "fp32" in step_s else min(step_s, key=step_s.get)
+    ref_name = "fp32" if "fp32" in step_s else min(step_s, key=step_s.__getitem__)
     ref = step_s[ref_name]
     out = {}
     for name, s in step_s.items():
@@ -124,7 +127,8 @@ def time_boxes(step_s: dict[str, float], emulated: dict[str, str] | None = None)
 
 def fit_budget(cfg: Config, base: nn.Module, linear_choice: dict[str, dict[str, Any]] | None = None, *,
                support: dict[str, Any] | None = None,
-               probe: Callable[..., dict[str, float]] = probe_step_seconds) -> tuple[Config, dict[str, Any]]:
+               probe: Callable[..., Mapping[str, dict[str, float] | float]] = probe_step_seconds,
+               ) -> tuple[Config, dict[str, Any]]:
     """Choose the steps so that all runs fit ``cfg.time_budget`` seconds on this device.
 
     A run whose GEMMs the native-compute probe (``support``) found emulated on this CPU (e.g.

@@ -22,6 +22,7 @@ class CpuPeak:
     def __init__(self) -> None:
         self.ok = False
         self.base = 0
+        self._trim: Callable[[int], object] | None
         try:
             self._trim = ctypes.CDLL("libc.so.6").malloc_trim
         except OSError:

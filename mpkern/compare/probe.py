@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -113,10 +114,10 @@ def compute_support(device: str | torch.device, m: int = 1024, k: int = 128, n: 
         out["capability"] = list(cap)
     g = torch.Generator().manual_seed(0)
     a32, b32 = torch.randn(m, k, generator=g).to(dev), torch.randn(k, n, generator=g).to(dev)
-    ops = {}
+    ops: dict[str, Callable[[], Any]] = {}
     for dt in (torch.float32, torch.bfloat16, torch.float16):
         a, b = a32.to(dt), b32.to(dt)
-        ops[DTYPE_NAME[dt]] = (lambda a=a, b=b: torch.mm(a, b))
+        ops[DTYPE_NAME[dt]] = partial(torch.mm, a, b)
     with cpu_threads(dev, 1):
         ms = (timer or _min_ms)(ops, dev, reps)
     out["gemm"] = {"shape": [m, k, n], "ms": ms, "threads": 1 if dev.type == "cpu" else None}
@@ -129,6 +130,7 @@ def compute_support(device: str | torch.device, m: int = 1024, k: int = 128, n: 
             why = (f"compute capability {cap[0]}.{cap[1]} {'>=' if native else '<'} {need[0]}.{need[1]}; {probe}")
         else:
             native = speed >= NATIVE_MIN_SPEED
+            assert flags is not None  # no capability: a CPU, whose flags were read above
             listed = [f for f in CPU_FLAGS[name] if f in flags]
             flag_txt = (f"the CPU flags list {', '.join(listed)}" if listed
                         else f"no {'/'.join(CPU_FLAGS[name][:2])} in the CPU flags")
@@ -269,7 +271,10 @@ def choose_threads(device: torch.device, requested: int, m: int, k: int, n: int,
     if requested:
         torch.set_num_threads(requested)
         return {"threads": requested, "why": f"--threads {requested}"}
-    load = _others_load() if load == "read" else load
+    if load == "read":
+        load = _others_load()
+    elif isinstance(load, str):
+        raise ValueError(f"load must be a number, None or 'read', got {load!r}")
     cores = os.cpu_count() or avail
     free = avail if load is None else min(avail, max(1, int(cores - load + 0.5)))
     out: dict[str, Any] = {"available": avail, "cores": cores, "load_1min": load}

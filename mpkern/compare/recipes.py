@@ -40,9 +40,9 @@ class Recipe:
     describe: dict[str, str]
 
 
-def _fused_ok(device: torch.device) -> dict[str, bool]:
-    # fused AdamW exists for CUDA and (torch >= 2.4) CPU; fall back to foreach elsewhere
-    return {"fused": True} if device.type in ("cuda", "cpu") else {}
+def _fused_ok(device: torch.device) -> bool | None:
+    # AdamW's ``fused``: a fused kernel exists for CUDA and (torch >= 2.4) CPU; None (its default: foreach) elsewhere
+    return True if device.type in ("cuda", "cpu") else None
 
 
 def param_dtype(name: str) -> torch.dtype:
@@ -90,7 +90,7 @@ def _linear_path(model: nn.Module, pdt: torch.dtype, cfg: Config, device: torch.
 def _torch_optimizer(name: str, cfg: Config, model: nn.Module, device: torch.device) -> dict[str, Any]:
     """The fp32-param runs (fp32, bf16 / fp16 autocast): torch AdamW, autocast, GradScaler."""
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **_fused_ok(device))
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=_fused_ok(device))
     layers = "the model's own layers" if cfg.hf_model else "torch.nn.Linear"
     autocast: Any = nullcontext
     linear, gemm, scaler = f"{layers} (ATen)", "ATen fp32", None
@@ -129,7 +129,7 @@ def _mp_optimizer(name: str, cfg: Config, model: nn.Module, device: torch.device
     scaler = None
     if name == "bf16-naive":
         opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                                       **_fused_ok(device))
+                                                       fused=_fused_ok(device))
         describe = {"param_dtype": "bfloat16", "compute": "bfloat16",
                     "optimizer": "torch.optim.AdamW(fused), no master weights", "clip": "clip_grad_norm_"}
         return {"params": params, "opt": opt, "autocast": nullcontext, "scaler": None, "describe": describe}

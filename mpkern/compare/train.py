@@ -14,6 +14,7 @@ from torch import nn
 from .. import _progress, bytemodel
 from .._scaler_internals import scaler_internals
 from ..measure import sync
+from ..optim import FusedAdamWMP
 from .budget import TIME_BOX_WARMUP
 from .config import Config, split_run
 from .memory import CpuPeak, LiveBytes, saved_bytes
@@ -89,9 +90,13 @@ class _Loop:
                 self.t0 = time.perf_counter()
             self.losses[i] = self.one(i)
             if self.scales is not None:
+                assert r.scaler is not None  # scales are kept only with a scaler (__init__)
                 # after update(): the scale the next step uses (the live tensor: no host sync)
-                self.scales[i] = scaler_internals(r.scaler).scale.reshape(())
-            elif split_run(self.name)[0] in ("mpkern-bf16", "mpkern-8bit") and r.opt.last_found_inf is not None:
+                scale = scaler_internals(r.scaler).scale
+                assert scale is not None  # set by the step's scaler.scale(loss)
+                self.scales[i] = scale.reshape(())
+            elif (split_run(self.name)[0] in ("mpkern-bf16", "mpkern-8bit") and isinstance(r.opt, FusedAdamWMP)
+                  and r.opt.last_found_inf is not None):
                 self.skipped_fused += r.opt.last_found_inf
             self.done = i + 1
             if self.deadline_s is not None and self.done > self.warm and time.perf_counter() - start >= self.deadline_s:
@@ -125,6 +130,7 @@ class _Loop:
         r, done = self.r, self.done
         if self.scales is not None:
             sc = self.scales[:done].cpu()
+            assert r.scaler is not None  # scales are kept only with a scaler (__init__)
             init = scaler_internals(r.scaler).init_scale
             prev = torch.cat([torch.tensor([init]), sc[:-1]])
             return int((sc < prev).sum()), _compress_scales(sc.tolist(), init)
@@ -170,9 +176,11 @@ def train_one(name: str, cfg: Config, task: Task, base: nn.Module, *, progress: 
     bar.close()
     done, warm = loop.done, loop.warm
     timed_steps = done - warm if loop.t0 is not None else 0
-    tokens_per_s = timed_steps * cfg.batch_size * cfg.seq_len / (loop.t1 - loop.t0) if timed_steps > 0 else None
+    tokens_per_s = (timed_steps * cfg.batch_size * cfg.seq_len / (loop.t1 - loop.t0)
+                    if timed_steps > 0 and loop.t0 is not None else None)  # timed_steps > 0: t0 was set
     rss = cpu_peak.peak() if device.type == "cpu" else None
-    release = r.opt.mpkern_runtime.release if split_run(name)[1] else None
+    # a release run's optimizer is a FusedAdamWMP (recipes._mp_optimizer)
+    release = r.opt.mpkern_runtime.release if split_run(name)[1] and isinstance(r.opt, FusedAdamWMP) else None
     state = (_state_with_grads(r, loop.x_all[:cfg.batch_size], loop.y_all[:cfg.batch_size]) if release is None
              else _state_released(r, release))
     hist = loop.losses[:done].cpu()
@@ -223,6 +231,7 @@ def _state_released(r: Recipe, release: Any) -> bytemodel.StateBytes:
 
 def _release_entry(name: str, r: Recipe, release: Any) -> dict[str, Any]:
     """What ``results.json`` says of a release run: its recipe, bucket, passes and grad bytes held."""
+    assert isinstance(r.opt, FusedAdamWMP)  # a release run's optimizer (recipes._mp_optimizer)
     return {"of": split_run(name)[0], "bucket_bytes": r.opt.release_bucket_bytes,
             "backward_passes": release.passes, "peak_grad_bytes": release.peak_bytes,
             "grad_bytes_all": sum(p.numel() * p.element_size() for p in r.params if p.requires_grad)}
