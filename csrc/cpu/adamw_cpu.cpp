@@ -13,8 +13,9 @@
 // AVX-512 F/BW/VL/DQ (16 lanes; chosen at run time when the CPU has it, MPKERN_CPU_AVX512=0 forces
 // AVX2). The vector paths use the same operations in the same order (math.h's explicit fmas, no other
 // contraction).
-// The three paths live in adamw_cpu_scalar.cpp, adamw_cpu_avx2.cpp and adamw_cpu_avx512.cpp
-// (adamw_cpu_impl.h: what they share); this file is the op and picks the path per work item.
+// The scalar path lives in adamw_cpu_scalar.cpp, the vector paths in adamw_cpu_vec.h, compiled per ISA
+// by adamw_cpu_avx2.cpp and adamw_cpu_avx512.cpp (adamw_cpu_impl.h: what they share); this file is the
+// op and picks the path per work item.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -35,7 +36,7 @@ using adamw_impl::AvxFn;
 using adamw_impl::Flags;
 using adamw_impl::TensorPtrs;
 using adamw_impl::adamw_scalar;
-using adamw_impl::adamw_scalar_mom8;
+using adamw_impl::adamw_scalar_grouped;
 using adamw_impl::cpu_has_moment_mode;
 #if MPK_X86
 using adamw_impl::pick_avx2;
@@ -55,7 +56,7 @@ void adamw_step_cpu_(const AdamwArgs& a, int64_t master_mode, int64_t moment_mod
   if (*a.found_inf.data_ptr<float>() != 0.0f) return;
   const double lr = a.lr_tensor.has_value() ? static_cast<double>(*a.lr_tensor->data_ptr<float>()) : a.lr;
   Flags f;
-  f.mode = static_cast<int>(master_mode);
+  f.master_mode = static_cast<int>(master_mode);
   f.maximize = a.maximize;
   f.sr = a.stochastic_rounding;
   f.seed = static_cast<uint32_t>(a.seed);
@@ -72,8 +73,8 @@ void adamw_step_cpu_(const AdamwArgs& a, int64_t master_mode, int64_t moment_mod
     x.master = a.masters.empty() ? nullptr : a.masters[t].data_ptr();
     x.pdt = dtype_code(params[t].scalar_type());
     x.gdt = dtype_code(grads[t].scalar_type());
-    x.sdt = static_cast<int32_t>(moment_mode);
-    const bool grouped = moment_grouped(x.sdt);
+    x.moment_mode = static_cast<int32_t>(moment_mode);
+    const bool grouped = moment_grouped(x.moment_mode);
     x.sm = grouped ? static_cast<uint16_t*>(exp_avg_scales[t].data_ptr()) : nullptr;
     x.sv = grouped ? static_cast<uint16_t*>(exp_avg_sq_scales[t].data_ptr()) : nullptr;
     const double step = static_cast<double>(*steps[t].data_ptr<float>()) + 1.0;
@@ -103,11 +104,11 @@ void adamw_step_cpu_(const AdamwArgs& a, int64_t master_mode, int64_t moment_mod
       const TensorPtrs& x = tp[w.tensor];
 #if MPK_X86
       // the vector path of the tensor's dtypes and moment mode (none: the scalar path runs it)
-      const AvxFn fn = !avx ? nullptr : avx512 ? pick_avx512(x.pdt, x.gdt, x.sdt) : pick_avx2(x.pdt, x.gdt, x.sdt);
+      const AvxFn fn = !avx ? nullptr : avx512 ? pick_avx512(x.pdt, x.gdt, x.moment_mode) : pick_avx2(x.pdt, x.gdt, x.moment_mode);
       if (fn != nullptr) {
         // one random key per call: split the range where the global element index crosses a
         // multiple of 2^32 (a chunk crosses at most one)
-        if (moment_grouped(x.sdt)) {  // group-aligned: the kernel handles a crossing of 2^32 itself
+        if (moment_grouped(x.moment_mode)) {  // group-aligned: the kernel handles a crossing of 2^32 itself
           fn(x, w.begin, w.end, f);
           continue;
         }
@@ -120,8 +121,8 @@ void adamw_step_cpu_(const AdamwArgs& a, int64_t master_mode, int64_t moment_mod
         continue;
       }
 #endif
-      if (moment_grouped(x.sdt)) {
-        adamw_scalar_mom8(x, w.begin, w.end, f);
+      if (moment_grouped(x.moment_mode)) {
+        adamw_scalar_grouped(x, w.begin, w.end, f);
       } else {
         adamw_scalar(x, w.begin, w.end, f);
       }

@@ -1,8 +1,8 @@
 // Internal to the CPU AdamW kernel (csrc/cpu/adamw_cpu*.cpp): what its three paths share -- the
-// per-tensor pointers and step flags, which stores draw on the random word, the nibble helpers the
-// AVX2 and AVX-512 4-bit paths both use -- and the entry points of each path. One file per path:
-// adamw_cpu_scalar.cpp (the math.h functions element by element), adamw_cpu_avx2.cpp (8 lanes),
-// adamw_cpu_avx512.cpp (16 lanes); adamw_cpu.cpp is the op and picks the path per call.
+// per-tensor pointers and step flags, which stores draw on the random word -- and the entry points
+// of each path: adamw_cpu_scalar.cpp (the math.h functions element by element), the vector paths
+// adamw_cpu_vec.h written once over a lane traits type and compiled per ISA by adamw_cpu_avx2.cpp
+// (8 lanes) and adamw_cpu_avx512.cpp (16 lanes); adamw_cpu.cpp is the op and picks the path per call.
 #pragma once
 
 #include <cstdint>
@@ -23,10 +23,12 @@ struct TensorPtrs {
   void* m;
   void* v;
   float* vmax;
-  void* master;  // float* (mode 1), int16_t* (mode 2) or int8_t* (mode 3)
-  uint16_t* sm;  // 8-bit / 4-bit moments (sdt kMom8 / kMom4): bf16 scale bits, one per 32 elements
+  void* master;  // float* (kMasterF32), int16_t* (kMasterRemainder) or int8_t* (kMaster8bit)
+  uint16_t* sm;  // grouped moments (kMom8 / kMom4): bf16 scale bits, one per 32 elements
   uint16_t* sv;
-  int32_t pdt, gdt, sdt;  // sdt: kF32, kBF16, kMom8 (int8 m + uint8 v codes) or kMom4 (packed 4-bit m)
+  int32_t pdt, gdt;  // the param's and the grad's dtype (math.h DType)
+  // kMomF32, kMomBF16 (the moments' dtype), kMom8 (int8 m + uint8 v codes) or kMom4 (packed 4-bit m)
+  int32_t moment_mode;
   uint32_t step;    // after the increment
   uint32_t stream;  // random stream id
   uint64_t offset;  // global index of element 0 in its stream
@@ -34,7 +36,7 @@ struct TensorPtrs {
 };
 
 struct Flags {
-  int mode;
+  int master_mode;  // kMasterNone, kMasterF32, kMasterRemainder or kMaster8bit
   bool maximize;
   bool sr;
   uint32_t seed;
@@ -44,46 +46,24 @@ struct Flags {
 // Whether a tensor's param/master store draws on the random word (field A: param SR or the 8-bit
 // master); its moments do when they are bf16 or 8-bit (fields B, C). One word per element serves all.
 inline bool needs_word0(const TensorPtrs& t, const Flags& f) {
-  return f.mode == kMaster8bit || (f.mode == kMasterNone && f.sr && t.pdt == kBF16);
+  return f.master_mode == kMaster8bit || (f.master_mode == kMasterNone && f.sr && t.pdt == kBF16);
 }
-inline bool needs_word(const TensorPtrs& t, const Flags& f) { return needs_word0(t, f) || t.sdt != kF32; }
+inline bool needs_word(const TensorPtrs& t, const Flags& f) { return needs_word0(t, f) || t.moment_mode != kMomF32; }
 
 using AvxFn = void (*)(const TensorPtrs&, int64_t, int64_t, const Flags&);
 
 // the scalar path (adamw_cpu_scalar.cpp): every mode; the vector paths' tails and partial groups.
 // cpu_has_moment_mode: the moment modes it implements (the CPU op refuses any other).
-bool cpu_has_moment_mode(int32_t sdt);
+bool cpu_has_moment_mode(int32_t moment_mode);
 void adamw_scalar(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f);
-void adamw_scalar_mom8(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f);
+// the grouped moment modes (kMom8, kMom4), group by group
+void adamw_scalar_grouped(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f);
 
 #if MPK_X86
-// the vector paths' kernel for a tensor's dtypes (adamw_cpu_avx2.cpp, adamw_cpu_avx512.cpp)
-AvxFn pick_avx2(int32_t pdt, int32_t gdt, int32_t sdt);
-AvxFn pick_avx512(int32_t pdt, int32_t gdt, int32_t sdt);
-
-// 2 u(q) with the sign of a group's 32 sign-magnitude 4-bit codes (16 bytes at p, mom4_code;
-// mom4_decode_m is u(q) * s, the vector paths multiply 2 u(q) by s / 2: exact; a negative zero
-// nibble gives +0, whose update is the same as -0's) as 32 int8 in element order at dst (16-byte
-// aligned): the low and high nibbles split, interleaved back into element order and looked up with
-// pshufb (it reads the low 4 bits). Two 16-byte stores, read back by 16-byte (AVX-512) or contained
-// 8-byte (AVX2) loads, which store-to-load forwarding serves.
-MPK_AVX2 __attribute__((always_inline)) inline void nibble_u2_32(const uint8_t* p, int8_t* dst) {
-  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i lo4 = _mm_set1_epi8(0x0f);
-  const __m128i lo = _mm_and_si128(x, lo4), hi = _mm_and_si128(_mm_srli_epi16(x, 4), lo4);
-  const __m128i u2 = _mm_setr_epi8(0, 1, 2, 4, 6, 10, 14, 22, 0, -1, -2, -4, -6, -10, -14, -22);
-  _mm_store_si128(reinterpret_cast<__m128i*>(dst), _mm_shuffle_epi8(u2, _mm_unpacklo_epi8(lo, hi)));
-  _mm_store_si128(reinterpret_cast<__m128i*>(dst + 16), _mm_shuffle_epi8(u2, _mm_unpackhi_epi8(lo, hi)));
-}
-
-// 16 codes as bytes (nibbles in the low 4 bits) in element order -> 8 bytes of two codes each (mom4_pack) in the low
-// half, the same for hi16 in the high half: per 16-bit lane (c_even & 15) + 16 (c_odd & 15) by one
-// unsigned x signed byte multiply-add (<= 255), packed to bytes with unsigned saturation (exact).
-MPK_AVX2 __attribute__((always_inline)) inline __m128i pack_nibbles16x2(__m128i lo16, __m128i hi16) {
-  const __m128i lo4 = _mm_set1_epi8(0x0f), w = _mm_set1_epi16(0x1001);  // bytes 1, 16
-  return _mm_packus_epi16(_mm_maddubs_epi16(_mm_and_si128(lo16, lo4), w),
-                          _mm_maddubs_epi16(_mm_and_si128(hi16, lo4), w));
-}
+// the vector paths' kernel for a tensor's dtypes and moment mode (adamw_cpu_avx2.cpp,
+// adamw_cpu_avx512.cpp); nullptr where the scalar path runs it
+AvxFn pick_avx2(int32_t pdt, int32_t gdt, int32_t moment_mode);
+AvxFn pick_avx512(int32_t pdt, int32_t gdt, int32_t moment_mode);
 #endif
 
 }  // namespace adamw_impl

@@ -11,28 +11,28 @@ namespace adamw_impl {
 
 namespace {
 
-// The fp32 master value of element i (the param itself in mode 0).
+// The fp32 master value of element i (the param itself in kMasterNone).
 inline float load_w(const TensorPtrs& t, const Flags& f, int64_t i) {
-  if (f.mode == kMasterF32) return static_cast<const float*>(t.master)[i];
-  if (f.mode == kMasterRemainder)
+  if (f.master_mode == kMasterF32) return static_cast<const float*>(t.master)[i];
+  if (f.master_mode == kMasterRemainder)
     return join_master(static_cast<const uint16_t*>(t.p)[i], static_cast<const int16_t*>(t.master)[i]);
-  if (f.mode == kMaster8bit)
+  if (f.master_mode == kMaster8bit)
     return master8_decode(static_cast<const uint16_t*>(t.p)[i], static_cast<const int8_t*>(t.master)[i], t.pdt);
   return load_as_f32(t.p, i, t.pdt);
 }
 
 // Store the updated master p of element i (and the param); r0 = the element's random word when needed.
 inline void store_w(const TensorPtrs& t, const Flags& f, int64_t i, float p, uint32_t r0, bool w0) {
-  if (f.mode == kMasterF32) {
+  if (f.master_mode == kMasterF32) {
     static_cast<float*>(t.master)[i] = p;
     store_from_f32(t.p, i, t.pdt, p);
-  } else if (f.mode == kMasterRemainder) {
+  } else if (f.master_mode == kMasterRemainder) {
     uint16_t hi;
     int16_t rem;
     split_master(p, hi, rem);
     static_cast<uint16_t*>(t.p)[i] = hi;
     static_cast<int16_t*>(t.master)[i] = rem;
-  } else if (f.mode == kMaster8bit) {
+  } else if (f.master_mode == kMaster8bit) {
     uint16_t h;
     int8_t c;
     master8_encode(p, t.pdt, r0, h, c);
@@ -48,10 +48,12 @@ inline void store_w(const TensorPtrs& t, const Flags& f, int64_t i, float p, uin
 
 }  // namespace
 
-bool cpu_has_moment_mode(int32_t sdt) { return sdt == kMomF32 || sdt == kMomBF16 || sdt == kMom8 || sdt == kMom4; }
+bool cpu_has_moment_mode(int32_t moment_mode) {
+  return moment_mode == kMomF32 || moment_mode == kMomBF16 || moment_mode == kMom8 || moment_mode == kMom4;
+}
 
 void adamw_scalar(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f) {
-  const bool w0 = needs_word0(t, f), w1 = t.sdt == kBF16, w = needs_word(t, f);
+  const bool w0 = needs_word0(t, f), w1 = t.moment_mode == kMomBF16, w = needs_word(t, f);
   const RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));
   for (int64_t i = begin; i < end; ++i) {
     const uint64_t e = t.offset + static_cast<uint64_t>(i);
@@ -59,8 +61,8 @@ void adamw_scalar(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& 
     float g = load_as_f32(t.g, i, t.gdt) * f.factor;
     if (f.maximize) g = -g;
     float p = load_w(t, f, i);
-    float m = load_as_f32(t.m, i, t.sdt);
-    float v = load_as_f32(t.v, i, t.sdt);
+    float m = load_as_f32(t.m, i, t.moment_mode);
+    float v = load_as_f32(t.v, i, t.moment_mode);
     p = adamw_update(p, g, m, v, t.vmax ? t.vmax + i : nullptr, t.c);
     if (w1) {
       static_cast<uint16_t*>(t.m)[i] = f32_to_bf16_sr(m, rand_b16(r));
@@ -76,9 +78,9 @@ void adamw_scalar(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& 
 // 8-bit moments (and the 4-bit exp_avg of kMom4), group by group (begin a multiple of 32; the last
 // group may be partial): decode, update and store master/param per element, then the group's scales
 // and the codes (math.h mom8_*, mom4_*).
-void adamw_scalar_mom8(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f) {
+void adamw_scalar_grouped(const TensorPtrs& t, int64_t begin, int64_t end, const Flags& f) {
   const bool w0 = needs_word0(t, f);
-  const bool m4 = t.sdt == kMom4;
+  const bool m4 = t.moment_mode == kMom4;
   const RngKeys keys = rng_keys(f.seed, t.stream, t.step, t.offset + static_cast<uint64_t>(begin));
   uint8_t* cm = static_cast<uint8_t*>(t.m);
   uint8_t* cm4 = static_cast<uint8_t*>(t.m);

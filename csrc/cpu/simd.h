@@ -5,6 +5,7 @@
 // before they are called. `MPKERN_CPU_SIMD=0` (or mpkern._C.set_cpu_simd(False)) forces the
 // scalar path, which the tests use to cover both. AVX-512 functions (MPK_AVX512) are compiled the
 // same way and called only when cpu_has_avx512() (the AdamW kernel; MPKERN_CPU_AVX512=0 skips them).
+// The AdamW kernel's lane traits are vec_avx2.h and vec_avx512.h.
 #pragma once
 
 #include <stdint.h>
@@ -115,35 +116,6 @@ MPK_AVX2 inline __m128i pack_u16x8(__m256i r) {
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
 }
 
-// Stochastic rounding to bf16 (f32_to_bf16_sr of math.h): 16 random bits r (low halves of the
-// lanes) added below the kept part, then truncation. An inf has zero low bits, so the sum keeps
-// it; only NaN needs its own result (quiet, same sign).
-MPK_AVX2 inline __m256i bf16_sr_bits32(__m256 x, __m256i r) {
-  return bf16_keep_nan32(_mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16), x);
-}
-
-// mix32 of math.h on 8 lanes.
-MPK_AVX2 inline __m256i mix32x8(__m256i x) {
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bu)));
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-  return x;
-}
-
-// The codecs' 16-bit values of the three fields of the random words r (math.h rand_a16 / b16 / c16).
-MPK_AVX2 inline __m256i rand_a16x8(__m256i r) {
-  return _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(r, 6), _mm256_set1_epi32(0xffc0)), _mm256_set1_epi32(0x20));
-}
-MPK_AVX2 inline __m256i rand_b16x8(__m256i r) {
-  return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(r, 5), _mm256_set1_epi32(0xffe0)), _mm256_set1_epi32(0x10));
-}
-MPK_AVX2 inline __m256i rand_c16x8(__m256i r) {
-  return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(r, 16), _mm256_set1_epi32(0xffe0)), _mm256_set1_epi32(0x10));
-}
-
-// ---- AVX-512: 16 lanes, same arithmetic as the AVX2 helpers above ----------------------------
 // True when the CPU has AVX-512 F/BW/VL/DQ (checked once).
 inline bool cpu_has_avx512() {
   static const bool has = [] {
@@ -154,76 +126,58 @@ inline bool cpu_has_avx512() {
   return has;
 }
 
-// Load 16 elements of a float/half/bfloat16 buffer as 16 floats.
-template <int DT>
-MPK_AVX512 inline __m512 load16(const void* base, int64_t i) {
-  if constexpr (DT == 0) {
-    return _mm512_loadu_ps(static_cast<const float*>(base) + i);
-  } else {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
-    if constexpr (DT == 1) {
-      return _mm512_cvtph_ps(h);
-    } else {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-  }
+// 16 codes as bytes (nibbles in the low 4 bits) in element order -> 8 bytes of two codes each
+// (math.h mom4_pack) in the low half, the same for hi16 in the high half: per 16-bit lane
+// (c_even & 15) + 16 (c_odd & 15) by one unsigned x signed byte multiply-add (<= 255), packed to
+// bytes with unsigned saturation (exact).
+MPK_AVX2 __attribute__((always_inline)) inline __m128i pack_nibbles16x2(__m128i lo16, __m128i hi16) {
+  const __m128i lo4 = _mm_set1_epi8(0x0f), w = _mm_set1_epi16(0x1001);  // bytes 1, 16
+  return _mm_packus_epi16(_mm_maddubs_epi16(_mm_and_si128(lo16, lo4), w),
+                          _mm_maddubs_epi16(_mm_and_si128(hi16, lo4), w));
 }
 
-// 16 x u32 lanes (each <= 0xffff) -> 16 x u16 at dst.
-MPK_AVX512 inline void store_u16x16(void* dst, __m512i r) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
-}
-
-// f32_to_bf16_rne on 16 lanes (bf16 bits in the low halves of 32-bit lanes).
-// bf16_keep_nan32 on 16 lanes.
-MPK_AVX512 inline __m512i bf16_keep_nan(__m512i h32, __m512 x) {
-  return _mm512_mask_or_epi32(h32, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_srli_epi32(_mm512_castps_si512(x), 16),
-                              _mm512_set1_epi32(0x0040));
-}
-MPK_AVX512 inline __m512i bf16_rne_bits(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return bf16_keep_nan(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16), x);
-}
-
-// f32_to_bf16_sr on 16 lanes, r = 16 random bits per lane.
-MPK_AVX512 inline __m512i bf16_sr_bits(__m512 x, __m512i r) {
-  return bf16_keep_nan(_mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16), x);
-}
-
-// Store 16 floats into a float/half/bfloat16 buffer with round-to-nearest-even.
-template <int DT>
-MPK_AVX512 inline void store16(void* base, int64_t i, __m512 v) {
-  if constexpr (DT == 0) {
-    _mm512_storeu_ps(static_cast<float*>(base) + i, v);
-  } else if constexpr (DT == 1) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(base) + i),
-                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  } else {
-    store_u16x16(static_cast<uint16_t*>(base) + i, bf16_rne_bits(v));
-  }
-}
-
-// mix32 of math.h on 16 lanes.
-MPK_AVX512 inline __m512i mix32x16(__m512i x) {
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846ca68bu)));
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-  return x;
-}
-
-// The three fields on 16 lanes.
-MPK_AVX512 inline __m512i rand_a16x16(__m512i r) {
-  return _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(r, 6), _mm512_set1_epi32(0xffc0)), _mm512_set1_epi32(0x20));
-}
-MPK_AVX512 inline __m512i rand_b16x16(__m512i r) {
-  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(r, 5), _mm512_set1_epi32(0xffe0)), _mm512_set1_epi32(0x10));
-}
-MPK_AVX512 inline __m512i rand_c16x16(__m512i r) {
-  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(r, 16), _mm512_set1_epi32(0xffe0)), _mm512_set1_epi32(0x10));
-}
+// The lane operations of the vector traits (vec_avx2.h, vec_avx512.h) whose AVX2 and AVX-512
+// intrinsics differ only in the width prefix PFX (_mm256 / _mm512) and the integer vector suffix
+// SI (si256 / si512): one list, expanded inside each traits type (F, I, H its float, int32 and
+// 16-bit vector types), every function declared ATTR.
+#define MPK_VEC_WIDTH_OPS(ATTR, PFX, SI)                                                                      \
+  static ATTR F setf(float x) { return PFX##_set1_ps(x); }                                                    \
+  static ATTR F loadu(const float* p) { return PFX##_loadu_ps(p); }                                           \
+  static ATTR F load(const float* p) { return PFX##_load_ps(p); } /* aligned */                               \
+  static ATTR void storeu(float* p, F x) { PFX##_storeu_ps(p, x); }                                           \
+  static ATTR void store(float* p, F x) { PFX##_store_ps(p, x); } /* aligned */                               \
+  static ATTR F add(F a, F b) { return PFX##_add_ps(a, b); }                                                  \
+  static ATTR F sub(F a, F b) { return PFX##_sub_ps(a, b); }                                                  \
+  static ATTR F mul(F a, F b) { return PFX##_mul_ps(a, b); }                                                  \
+  static ATTR F div(F a, F b) { return PFX##_div_ps(a, b); }                                                  \
+  static ATTR F sqrt(F a) { return PFX##_sqrt_ps(a); }                                                        \
+  static ATTR F fmadd(F a, F b, F c) { return PFX##_fmadd_ps(a, b, c); } /* a * b + c, one rounding */        \
+  static ATTR F fmsub(F a, F b, F c) { return PFX##_fmsub_ps(a, b, c); } /* a * b - c, one rounding */        \
+  static ATTR F min(F a, F b) { return PFX##_min_ps(a, b); }                                                  \
+  static ATTR F max(F a, F b) { return PFX##_max_ps(a, b); }                                                  \
+  static ATTR F xor_(F a, F b) { return PFX##_xor_ps(a, b); }                                                 \
+  static ATTR F to_f(I a) { return PFX##_cvtepi32_ps(a); }                                                    \
+  static ATTR F as_f(I a) { return PFX##_cast##SI##_ps(a); }                                                  \
+  static ATTR F cvt_ph(H h) { return PFX##_cvtph_ps(h); } /* fp16 bits -> floats, exact */                    \
+  static ATTR H cvt_ps_ph(F x) { return PFX##_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }   \
+  static ATTR I seti(int32_t x) { return PFX##_set1_epi32(x); }                                               \
+  static ATTR I zero() { return PFX##_setzero_##SI(); }                                                       \
+  static ATTR I loadi(const uint32_t* p) { return PFX##_load_##SI(reinterpret_cast<const I*>(p)); }           \
+  static ATTR void storei(uint32_t* p, I x) { PFX##_store_##SI(reinterpret_cast<I*>(p), x); }                 \
+  static ATTR I as_i(F a) { return PFX##_castps_##SI(a); }                                                    \
+  static ATTR I add(I a, I b) { return PFX##_add_epi32(a, b); }                                               \
+  static ATTR I sub(I a, I b) { return PFX##_sub_epi32(a, b); }                                               \
+  static ATTR I mullo(I a, I b) { return PFX##_mullo_epi32(a, b); }                                           \
+  static ATTR I and_(I a, I b) { return PFX##_and_##SI(a, b); }                                               \
+  static ATTR I or_(I a, I b) { return PFX##_or_##SI(a, b); }                                                 \
+  static ATTR I xor_(I a, I b) { return PFX##_xor_##SI(a, b); }                                               \
+  static ATTR I srli(I a, int n) { return PFX##_srli_epi32(a, n); }                                           \
+  static ATTR I slli(I a, int n) { return PFX##_slli_epi32(a, n); }                                           \
+  static ATTR I max(I a, I b) { return PFX##_max_epi32(a, b); } /* signed */                                  \
+  static ATTR I maxu(I a, I b) { return PFX##_max_epu32(a, b); }                                              \
+  static ATTR I minu(I a, I b) { return PFX##_min_epu32(a, b); }                                              \
+  static ATTR I widen_u16(H h) { return PFX##_cvtepu16_epi32(h); }                                            \
+  static ATTR I widen_i16(H h) { return PFX##_cvtepi16_epi32(h); }
 
 MPK_AVX2 inline double hsum_f64(__m256 v) {
   alignas(32) float t[8];
