@@ -11,7 +11,9 @@ inline uint32_t stream_of(at::IntArrayRef stream_ids, size_t i) {
   return static_cast<uint32_t>(stream_ids.empty() ? static_cast<int64_t>(i) : stream_ids[i]);
 }
 // An optional tensor list of the schema (Tensor[]?) as a list (None: empty).
-inline at::TensorList list_or_empty(const std::optional<at::TensorList>& l) { return l.has_value() ? *l : at::TensorList(); }
+inline at::TensorList list_or_empty(const std::optional<at::TensorList>& l) {
+  return l.has_value() ? *l : at::TensorList();
+}
 inline uint64_t offset_of(at::IntArrayRef elem_offsets, size_t i) {
   return elem_offsets.empty() ? 0u : static_cast<uint64_t>(elem_offsets[i]);
 }
@@ -83,22 +85,22 @@ inline void check_adamw_args(const char* op, const AdamwArgs& a, const MasterCod
   const at::IntArrayRef stream_ids = a.stream_ids, elem_offsets = a.elem_offsets;
   const size_t n = params.size();
   TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n, op,
-              ": params, grads, exp_avgs, exp_avg_sqs and steps must have the same length");
+                    ": params, grads, exp_avgs, exp_avg_sqs and steps must have the same length");
   TORCH_CHECK_VALUE(max_exp_avg_sqs.empty() || max_exp_avg_sqs.size() == n, op,
-              ": max_exp_avg_sqs must be empty or one per param");
+                    ": max_exp_avg_sqs must be empty or one per param");
   TORCH_CHECK_VALUE(stream_ids.empty() || stream_ids.size() == n, op,
                     ": stream_ids must be empty or one per param, got ", stream_ids.size(), " for ", n, " params");
   TORCH_CHECK_VALUE(elem_offsets.empty() || elem_offsets.size() == n, op,
                     ": elem_offsets must be empty or one per param, got ", elem_offsets.size(), " for ", n, " params");
   for (size_t i = 0; i < stream_ids.size(); ++i)
-    TORCH_CHECK_VALUE(stream_ids[i] >= 0 && stream_ids[i] <= 0xffffffffLL, op, ": stream_ids[", i, "] = ",
-                      stream_ids[i], " is not in [0, 2^32)");
+    TORCH_CHECK_VALUE(stream_ids[i] >= 0 && stream_ids[i] <= 0xffffffffLL, op, ": stream_ids[", i,
+                      "] = ", stream_ids[i], " is not in [0, 2^32)");
   for (size_t i = 0; i < elem_offsets.size(); ++i)
     TORCH_CHECK_VALUE(elem_offsets[i] >= 0, op, ": elem_offsets[", i, "] = ", elem_offsets[i], " is negative");
   const at::ScalarType master_dt = scalar_type_of(master.state);
   const bool has_master = master_dt != at::ScalarType::Undefined;
   TORCH_CHECK_VALUE(has_master ? masters.size() == n : masters.empty(), op,
-              ": masters must be one per param (empty when master_codec is '", master.name, "')");
+                    ": masters must be one per param (empty when master_codec is '", master.name, "')");
   const std::string codec = moments.name;
   const at::ScalarType m_dt = scalar_type_of(moments.exp_avg), v_dt = scalar_type_of(moments.exp_avg_sq);
   const bool grouped = moments.group > 0, packed = moments.per_byte == 2;
@@ -174,7 +176,7 @@ inline void check_adamw_args(const char* op, const AdamwArgs& a, const MasterCod
                        master_dt, " masters; masters[", i, "] is ", masters[i].scalar_type());
     }
     TORCH_CHECK_VALUE(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat && steps[i].device() == dev, op,
-                ": steps[", i, "] must be a one-element float32 tensor on ", dev);
+                      ": steps[", i, "] must be a one-element float32 tensor on ", dev);
   }
 }
 
@@ -206,4 +208,3 @@ inline c10::Device check_adamw_args_on(const char* op, const AdamwArgs& a, const
 }
 
 }  // namespace mpkern
-

@@ -27,8 +27,7 @@ inline int32_t dtype_code(at::ScalarType st) {
 
 inline void check_scalar_f32(const char* op, const char* arg, const at::Tensor& s, c10::Device device) {
   TORCH_CHECK_VALUE(s.numel() == 1 && s.scalar_type() == at::kFloat, op, ": ", arg,
-                    " must be a one-element float32 tensor, got ", s.scalar_type(), " with ", s.numel(),
-                    " elements");
+                    " must be a one-element float32 tensor, got ", s.scalar_type(), " with ", s.numel(), " elements");
   TORCH_CHECK_VALUE(s.device() == device, op, ": ", arg, " is on ", s.device(), ", expected ", device);
 }
 

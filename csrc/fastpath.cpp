@@ -77,12 +77,12 @@ struct Bucket {
 
 // One param of the optimizer, in group order.
 struct Entry {
-  PyObject* param = nullptr;   // strong reference (held by `refs_`)
+  PyObject* param = nullptr;  // strong reference (held by `refs_`)
   PyTypeObject* type = nullptr;
-  PyObject* pdict = nullptr;   // the param's __dict__ (main_grad lives there)
-  DictSnapshot state;          // its state dict (stepped params only)
-  int32_t bucket = -1;         // -1: no grad when cached (must still have none)
-  int32_t pos = 0;             // index in its bucket
+  PyObject* pdict = nullptr;  // the param's __dict__ (main_grad lives there)
+  DictSnapshot state;         // its state dict (stepped params only)
+  int32_t bucket = -1;        // -1: no grad when cached (must still have none)
+  int32_t pos = 0;            // index in its bucket
   int64_t version = 0;
   const void* data = nullptr;
   std::vector<int64_t> sizes, strides;
@@ -279,8 +279,8 @@ class StepCache {
 void register_fastpath(py::module_& mod) {
   py::class_<StepCache>(mod, "StepCache", "Cached kernel argument lists of FusedAdamWMP.step (see csrc/fastpath.cpp)")
       .def(py::init<py::list, py::list, py::list, py::list, py::object, std::vector<int64_t>, std::vector<int64_t>>(),
-           py::arg("group_lists"), py::arg("params"), py::arg("param_dicts"), py::arg("state_dicts"),
-           py::arg("state"), py::arg("bucket_of"), py::arg("pos_of"))
+           py::arg("group_lists"), py::arg("params"), py::arg("param_dicts"), py::arg("state_dicts"), py::arg("state"),
+           py::arg("bucket_of"), py::arg("pos_of"))
       .def("add_bucket", &StepCache::add_bucket, py::arg("lists"), py::arg("master_codec"))
       .def("refresh", &StepCache::refresh)
       .def("grad_stats", &StepCache::grad_stats, py::arg("inv_scale"))

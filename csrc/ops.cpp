@@ -54,35 +54,50 @@ constexpr const char* kAdamwOp = "mpkern::adamw_step_";
 // list and as the names that forward it. This file is the only place that knows the order: adamw_args and
 // adamw_step_call convert between it and the named bundle AdamwArgs.
 #define MPKERN_ADAMW_PARAMS                                                                                        \
-  at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,               \
+  at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,                \
       at::TensorList max_exp_avg_sqs, at::TensorList masters, at::TensorList steps, const at::Tensor &grad_factor, \
-      const at::Tensor &found_inf, const std::optional<at::Tensor> &lr_tensor,                                    \
-      const std::optional<at::TensorList> &exp_avg_scales, const std::optional<at::TensorList> &exp_avg_sq_scales, \
-      double lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,                      \
-      c10::string_view master_codec, c10::string_view moment_codec, bool stochastic_rounding, int64_t seed,       \
+      const at::Tensor &found_inf, const std::optional<at::Tensor>&lr_tensor,                                      \
+      const std::optional<at::TensorList>&exp_avg_scales, const std::optional<at::TensorList>&exp_avg_sq_scales,   \
+      double lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,                       \
+      c10::string_view master_codec, c10::string_view moment_codec, bool stochastic_rounding, int64_t seed,        \
       at::IntArrayRef stream_ids, at::IntArrayRef elem_offsets
-#define MPKERN_ADAMW_NAMES                                                                                      \
-  params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf, lr_tensor,      \
+#define MPKERN_ADAMW_NAMES                                                                                          \
+  params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, grad_factor, found_inf, lr_tensor,         \
       exp_avg_scales, exp_avg_sq_scales, lr, beta1, beta2, eps, weight_decay, maximize, master_codec, moment_codec, \
       stochastic_rounding, seed, stream_ids, elem_offsets
 
 using AdamwStepOp = void(MPKERN_ADAMW_PARAMS);
 
 const c10::TypedOperatorHandle<AdamwStepOp>& adamw_step_handle() {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mpkern::adamw_step_", "").typed<AdamwStepOp>();
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mpkern::adamw_step_", "").typed<AdamwStepOp>();
   return op;
 }
 
 // The dispatcher's flat arguments as the bundle (designated: a field out of the struct's order does not compile).
 AdamwArgs adamw_args(MPKERN_ADAMW_PARAMS) {
-  return AdamwArgs{.params = params, .grads = grads, .exp_avgs = exp_avgs, .exp_avg_sqs = exp_avg_sqs,
-                   .max_exp_avg_sqs = max_exp_avg_sqs, .masters = masters, .steps = steps,
-                   .grad_factor = grad_factor, .found_inf = found_inf, .lr_tensor = lr_tensor,
-                   .exp_avg_scales = exp_avg_scales, .exp_avg_sq_scales = exp_avg_sq_scales, .lr = lr,
-                   .beta1 = beta1, .beta2 = beta2, .eps = eps, .weight_decay = weight_decay, .maximize = maximize,
-                   .master_codec = master_codec, .moment_codec = moment_codec,
-                   .stochastic_rounding = stochastic_rounding, .seed = seed, .stream_ids = stream_ids,
+  return AdamwArgs{.params = params,
+                   .grads = grads,
+                   .exp_avgs = exp_avgs,
+                   .exp_avg_sqs = exp_avg_sqs,
+                   .max_exp_avg_sqs = max_exp_avg_sqs,
+                   .masters = masters,
+                   .steps = steps,
+                   .grad_factor = grad_factor,
+                   .found_inf = found_inf,
+                   .lr_tensor = lr_tensor,
+                   .exp_avg_scales = exp_avg_scales,
+                   .exp_avg_sq_scales = exp_avg_sq_scales,
+                   .lr = lr,
+                   .beta1 = beta1,
+                   .beta2 = beta2,
+                   .eps = eps,
+                   .weight_decay = weight_decay,
+                   .maximize = maximize,
+                   .master_codec = master_codec,
+                   .moment_codec = moment_codec,
+                   .stochastic_rounding = stochastic_rounding,
+                   .seed = seed,
+                   .stream_ids = stream_ids,
                    .elem_offsets = elem_offsets};
 }
 
@@ -143,13 +158,15 @@ TORCH_LIBRARY_IMPL(mpkern, Autograd, m) {
 }
 
 TORCH_LIBRARY_IMPL(mpkern, CPU, m) {
-  m.impl("adamw_step_", static_cast<mpkern::AdamwStepOp*>(&mpkern::adamw_step_op<&mpkern::cpu::adamw_step_cpu_, c10::DeviceType::CPU>));
+  m.impl("adamw_step_", static_cast<mpkern::AdamwStepOp*>(
+                            &mpkern::adamw_step_op<&mpkern::cpu::adamw_step_cpu_, c10::DeviceType::CPU>));
   m.impl("grad_stats", &mpkern::grad_stats_op<&mpkern::cpu::grad_stats_cpu, c10::DeviceType::CPU>);
   m.impl("scale_", &mpkern::scale_op<&mpkern::cpu::scale_cpu_, c10::DeviceType::CPU>);
 }
 #if defined(MPKERN_WITH_CUDA) && MPKERN_WITH_CUDA
 TORCH_LIBRARY_IMPL(mpkern, CUDA, m) {
-  m.impl("adamw_step_", static_cast<mpkern::AdamwStepOp*>(&mpkern::adamw_step_op<&mpkern::cuda::adamw_step_cuda_, c10::DeviceType::CUDA>));
+  m.impl("adamw_step_", static_cast<mpkern::AdamwStepOp*>(
+                            &mpkern::adamw_step_op<&mpkern::cuda::adamw_step_cuda_, c10::DeviceType::CUDA>));
   m.impl("grad_stats", &mpkern::grad_stats_op<&mpkern::cuda::grad_stats_cuda, c10::DeviceType::CUDA>);
   m.impl("scale_", &mpkern::scale_op<&mpkern::cuda::scale_cuda_, c10::DeviceType::CUDA>);
 }
@@ -212,8 +229,11 @@ PYBIND11_MODULE(_C, mod) {
         } else {
           auto row = moment_codec.cast<std::tuple<std::string, std::string, std::string, int32_t, int32_t>>();
           name = std::get<0>(row);
-          moments = mpkern::MomentCodec{name.c_str(), -1, mpkern::codec_dtype_of(op, std::get<1>(row)),
-                                        mpkern::codec_dtype_of(op, std::get<2>(row)), std::get<3>(row),
+          moments = mpkern::MomentCodec{name.c_str(),
+                                        -1,
+                                        mpkern::codec_dtype_of(op, std::get<1>(row)),
+                                        mpkern::codec_dtype_of(op, std::get<2>(row)),
+                                        std::get<3>(row),
                                         std::get<4>(row)};
         }
         mpkern::AdamwArgs a;
@@ -237,11 +257,11 @@ PYBIND11_MODULE(_C, mod) {
         mpkern::check_adamw_args(op, a, master, moments);
       },
       pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("exp_avgs"), pybind11::arg("exp_avg_sqs"),
-      pybind11::arg("max_exp_avg_sqs"), pybind11::arg("masters"), pybind11::arg("steps"),
-      pybind11::arg("grad_factor"), pybind11::arg("found_inf"), pybind11::arg("lr_tensor"),
-      pybind11::arg("exp_avg_scales") = pybind11::none(), pybind11::arg("exp_avg_sq_scales") = pybind11::none(),
-      pybind11::kw_only(), pybind11::arg("master_codec"), pybind11::arg("moment_codec"),
-      pybind11::arg("stream_ids") = std::vector<int64_t>{}, pybind11::arg("elem_offsets") = std::vector<int64_t>{},
+      pybind11::arg("max_exp_avg_sqs"), pybind11::arg("masters"), pybind11::arg("steps"), pybind11::arg("grad_factor"),
+      pybind11::arg("found_inf"), pybind11::arg("lr_tensor"), pybind11::arg("exp_avg_scales") = pybind11::none(),
+      pybind11::arg("exp_avg_sq_scales") = pybind11::none(), pybind11::kw_only(), pybind11::arg("master_codec"),
+      pybind11::arg("moment_codec"), pybind11::arg("stream_ids") = std::vector<int64_t>{},
+      pybind11::arg("elem_offsets") = std::vector<int64_t>{},
       "Raise like mpkern::adamw_step_ does on bad arguments (the tensor arguments, the codecs, the streams)");
   mod.def(
       "check_adamw_scalars",
@@ -286,7 +306,6 @@ PYBIND11_MODULE(_C, mod) {
   mod.def("set_cuda_adamw_config", &mpkern::cuda::set_adamw_config, pybind11::arg("block"),
           pybind11::arg("grid_per_sm"), pybind11::arg("chunk"), pybind11::arg("stages"),
           "Launch the AdamW kernel with this shape on every device until clear_cuda_adamw_config (a sweep)");
-  mod.def("clear_cuda_adamw_config", &mpkern::cuda::clear_adamw_config,
-          "Back to each arch's shape from the table");
+  mod.def("clear_cuda_adamw_config", &mpkern::cuda::clear_adamw_config, "Back to each arch's shape from the table");
 #endif
 }

@@ -32,17 +32,16 @@
 namespace mpkern {
 namespace cpu {
 
-using adamw_impl::AvxFn;
-using adamw_impl::Flags;
-using adamw_impl::TensorPtrs;
 using adamw_impl::adamw_scalar;
 using adamw_impl::adamw_scalar_grouped;
+using adamw_impl::AvxFn;
 using adamw_impl::cpu_has_moment_mode;
+using adamw_impl::Flags;
+using adamw_impl::TensorPtrs;
 #if MPK_X86
 using adamw_impl::pick_avx2;
 using adamw_impl::pick_avx512;
 #endif
-
 
 void adamw_step_cpu_(const AdamwArgs& a, int64_t master_mode, int64_t moment_mode) {
   const at::TensorList params = a.params, grads = a.grads, steps = a.steps;
@@ -104,7 +103,9 @@ void adamw_step_cpu_(const AdamwArgs& a, int64_t master_mode, int64_t moment_mod
       const TensorPtrs& x = tp[w.tensor];
 #if MPK_X86
       // the vector path of the tensor's dtypes and moment mode (none: the scalar path runs it)
-      const AvxFn fn = !avx ? nullptr : avx512 ? pick_avx512(x.pdt, x.gdt, x.moment_mode) : pick_avx2(x.pdt, x.gdt, x.moment_mode);
+      const AvxFn fn = !avx     ? nullptr
+                       : avx512 ? pick_avx512(x.pdt, x.gdt, x.moment_mode)
+                                : pick_avx2(x.pdt, x.gdt, x.moment_mode);
       if (fn != nullptr) {
         // one random key per call: split the range where the global element index crosses a
         // multiple of 2^32 (a chunk crosses at most one)
@@ -114,8 +115,8 @@ void adamw_step_cpu_(const AdamwArgs& a, int64_t master_mode, int64_t moment_mod
         }
         const uint64_t first = x.offset + static_cast<uint64_t>(w.begin);
         const uint64_t next = (first | 0xffffffffull) + 1u;
-        const int64_t split = next - x.offset < static_cast<uint64_t>(w.end) ? static_cast<int64_t>(next - x.offset)
-                                                                              : w.end;
+        const int64_t split =
+            next - x.offset < static_cast<uint64_t>(w.end) ? static_cast<int64_t>(next - x.offset) : w.end;
         fn(x, w.begin, split, f);
         if (split < w.end) fn(x, split, w.end, f);
         continue;

@@ -45,7 +45,6 @@ inline void store_w(const TensorPtrs& t, const Flags& f, int64_t i, float p, uin
   }
 }
 
-
 }  // namespace
 
 bool cpu_has_moment_mode(int32_t moment_mode) {

@@ -156,9 +156,11 @@ struct AdamwVec {
   static MPK_VEC_INLINE Consts consts(const TensorPtrs& t, const Flags& f) {
     // g = -(grad * factor) when maximizing, as the scalar code: a sign flip after the multiply
     // (g * (-factor) differs from it in the sign of a NaN)
-    return {V::setf(f.factor), V::as_f(V::seti(f.maximize ? static_cast<int32_t>(0x80000000u) : 0)),
-            V::setf(t.c.decay), V::setf(t.c.one_m_b1), V::setf(t.c.beta2), V::setf(t.c.one_m_b2),
-            V::setf(t.c.step_size), V::setf(t.c.inv_bc2), V::setf(t.c.eps)};
+    return {V::setf(f.factor),      V::as_f(V::seti(f.maximize ? static_cast<int32_t>(0x80000000u) : 0)),
+            V::setf(t.c.decay),     V::setf(t.c.one_m_b1),
+            V::setf(t.c.beta2),     V::setf(t.c.one_m_b2),
+            V::setf(t.c.step_size), V::setf(t.c.inv_bc2),
+            V::setf(t.c.eps)};
   }
 
   template <int GDT>
@@ -338,7 +340,7 @@ struct AdamwVec {
   static MPK_VEC_INLINE void compact_block(const TensorPtrs& t, const Flags& f, const Consts& k, int64_t gb,
                                            uint32_t elo0, int n, bool need0, I key) {
     constexpr bool kNibbles = MOMENT_MODE == kMom4;  // exp_avg: two sign-magnitude 4-bit codes per byte
-    constexpr int kG = kLanes;                        // groups per block: a lane each in the scale pass
+    constexpr int kG = kLanes;                       // groups per block: a lane each in the scale pass
     int8_t* cm = static_cast<int8_t*>(t.m);
     uint8_t* cm4 = static_cast<uint8_t*>(t.m);
     uint8_t* cv = static_cast<uint8_t*>(t.v);
@@ -368,7 +370,8 @@ struct AdamwVec {
       const F sv = V::setf(bf16_to_f32(t.sv[j0 + g]));
       I gm = V::zero(), gv = V::zero();
       if constexpr (V::kWordsFirst) {
-        for (int q = 0; q < kPerGroup; ++q) V::storei(rb + g * kMom8Group + kLanes * q, words(g * kMom8Group + kLanes * q));
+        for (int q = 0; q < kPerGroup; ++q)
+          V::storei(rb + g * kMom8Group + kLanes * q, words(g * kMom8Group + kLanes * q));
       }
       repeat<V::kUnrollGroup, kPerGroup>([&](int q) MPK_VEC __attribute__((always_inline)) {
         const int o = g * kMom8Group + kLanes * q;

@@ -23,14 +23,13 @@ bool row_major(const at::Tensor& t) {
 void mm_f32_cpu_(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, bool accumulate) {
   TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2 && out.dim() == 2, "mm_f32_: a, b and out must be 2-D, got ",
                     a.sizes(), ", ", b.sizes(), ", ", out.sizes());
-  TORCH_CHECK_TYPE((a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf) &&
-                       b.scalar_type() == a.scalar_type(),
-                   "mm_f32_: a and b must both be bfloat16 or both float16, got ", a.scalar_type(), " and ",
-                   b.scalar_type());
+  TORCH_CHECK_TYPE(
+      (a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf) && b.scalar_type() == a.scalar_type(),
+      "mm_f32_: a and b must both be bfloat16 or both float16, got ", a.scalar_type(), " and ", b.scalar_type());
   TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat, "mm_f32_: out must be float32, got ", out.scalar_type());
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
-  TORCH_CHECK_VALUE(b.size(0) == K && out.size(0) == M && out.size(1) == N, "mm_f32_: shapes a ", a.sizes(),
-                    " @ b ", b.sizes(), " -> out ", out.sizes(), " do not fit");
+  TORCH_CHECK_VALUE(b.size(0) == K && out.size(0) == M && out.size(1) == N, "mm_f32_: shapes a ", a.sizes(), " @ b ",
+                    b.sizes(), " -> out ", out.sizes(), " do not fit");
   TORCH_CHECK_VALUE(a.device().is_cpu() && b.device().is_cpu() && out.device().is_cpu(),
                     "mm_f32_: a CPU kernel, got tensors on ", a.device(), ", ", b.device(), ", ", out.device());
   TORCH_CHECK_VALUE(row_major(a) && row_major(b) && row_major(out),
@@ -63,6 +62,4 @@ TORCH_LIBRARY_FRAGMENT(mpkern, m) {
   m.def("mm_f32_(Tensor a, Tensor b, Tensor(a!) out, bool accumulate) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(mpkern, CPU, m) {
-  m.impl("mm_f32_", &mpkern::cpu::mm_f32_cpu_);
-}
+TORCH_LIBRARY_IMPL(mpkern, CPU, m) { m.impl("mm_f32_", &mpkern::cpu::mm_f32_cpu_); }

@@ -83,7 +83,8 @@ MPK_AVX2 inline __m256i bf16_keep_nan32(__m256i h32, __m256 x) {
 MPK_AVX2 inline __m256i bf16_rne_bits32(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  return bf16_keep_nan32(_mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16), x);
+  return bf16_keep_nan32(_mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16),
+                         x);
 }
 
 MPK_AVX2 inline void bf16x16_pack(void* dst, __m256 lo, __m256 hi) {
@@ -140,43 +141,43 @@ MPK_AVX2 __attribute__((always_inline)) inline __m128i pack_nibbles16x2(__m128i 
 // intrinsics differ only in the width prefix PFX (_mm256 / _mm512) and the integer vector suffix
 // SI (si256 / si512): one list, expanded inside each traits type (F, I, H its float, int32 and
 // 16-bit vector types), every function declared ATTR.
-#define MPK_VEC_WIDTH_OPS(ATTR, PFX, SI)                                                                      \
-  static ATTR F setf(float x) { return PFX##_set1_ps(x); }                                                    \
-  static ATTR F loadu(const float* p) { return PFX##_loadu_ps(p); }                                           \
-  static ATTR F load(const float* p) { return PFX##_load_ps(p); } /* aligned */                               \
-  static ATTR void storeu(float* p, F x) { PFX##_storeu_ps(p, x); }                                           \
-  static ATTR void store(float* p, F x) { PFX##_store_ps(p, x); } /* aligned */                               \
-  static ATTR F add(F a, F b) { return PFX##_add_ps(a, b); }                                                  \
-  static ATTR F sub(F a, F b) { return PFX##_sub_ps(a, b); }                                                  \
-  static ATTR F mul(F a, F b) { return PFX##_mul_ps(a, b); }                                                  \
-  static ATTR F div(F a, F b) { return PFX##_div_ps(a, b); }                                                  \
-  static ATTR F sqrt(F a) { return PFX##_sqrt_ps(a); }                                                        \
-  static ATTR F fmadd(F a, F b, F c) { return PFX##_fmadd_ps(a, b, c); } /* a * b + c, one rounding */        \
-  static ATTR F fmsub(F a, F b, F c) { return PFX##_fmsub_ps(a, b, c); } /* a * b - c, one rounding */        \
-  static ATTR F min(F a, F b) { return PFX##_min_ps(a, b); }                                                  \
-  static ATTR F max(F a, F b) { return PFX##_max_ps(a, b); }                                                  \
-  static ATTR F xor_(F a, F b) { return PFX##_xor_ps(a, b); }                                                 \
-  static ATTR F to_f(I a) { return PFX##_cvtepi32_ps(a); }                                                    \
-  static ATTR F as_f(I a) { return PFX##_cast##SI##_ps(a); }                                                  \
-  static ATTR F cvt_ph(H h) { return PFX##_cvtph_ps(h); } /* fp16 bits -> floats, exact */                    \
-  static ATTR H cvt_ps_ph(F x) { return PFX##_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }   \
-  static ATTR I seti(int32_t x) { return PFX##_set1_epi32(x); }                                               \
-  static ATTR I zero() { return PFX##_setzero_##SI(); }                                                       \
-  static ATTR I loadi(const uint32_t* p) { return PFX##_load_##SI(reinterpret_cast<const I*>(p)); }           \
-  static ATTR void storei(uint32_t* p, I x) { PFX##_store_##SI(reinterpret_cast<I*>(p), x); }                 \
-  static ATTR I as_i(F a) { return PFX##_castps_##SI(a); }                                                    \
-  static ATTR I add(I a, I b) { return PFX##_add_epi32(a, b); }                                               \
-  static ATTR I sub(I a, I b) { return PFX##_sub_epi32(a, b); }                                               \
-  static ATTR I mullo(I a, I b) { return PFX##_mullo_epi32(a, b); }                                           \
-  static ATTR I and_(I a, I b) { return PFX##_and_##SI(a, b); }                                               \
-  static ATTR I or_(I a, I b) { return PFX##_or_##SI(a, b); }                                                 \
-  static ATTR I xor_(I a, I b) { return PFX##_xor_##SI(a, b); }                                               \
-  static ATTR I srli(I a, int n) { return PFX##_srli_epi32(a, n); }                                           \
-  static ATTR I slli(I a, int n) { return PFX##_slli_epi32(a, n); }                                           \
-  static ATTR I max(I a, I b) { return PFX##_max_epi32(a, b); } /* signed */                                  \
-  static ATTR I maxu(I a, I b) { return PFX##_max_epu32(a, b); }                                              \
-  static ATTR I minu(I a, I b) { return PFX##_min_epu32(a, b); }                                              \
-  static ATTR I widen_u16(H h) { return PFX##_cvtepu16_epi32(h); }                                            \
+#define MPK_VEC_WIDTH_OPS(ATTR, PFX, SI)                                                                    \
+  static ATTR F setf(float x) { return PFX##_set1_ps(x); }                                                  \
+  static ATTR F loadu(const float* p) { return PFX##_loadu_ps(p); }                                         \
+  static ATTR F load(const float* p) { return PFX##_load_ps(p); } /* aligned */                             \
+  static ATTR void storeu(float* p, F x) { PFX##_storeu_ps(p, x); }                                         \
+  static ATTR void store(float* p, F x) { PFX##_store_ps(p, x); } /* aligned */                             \
+  static ATTR F add(F a, F b) { return PFX##_add_ps(a, b); }                                                \
+  static ATTR F sub(F a, F b) { return PFX##_sub_ps(a, b); }                                                \
+  static ATTR F mul(F a, F b) { return PFX##_mul_ps(a, b); }                                                \
+  static ATTR F div(F a, F b) { return PFX##_div_ps(a, b); }                                                \
+  static ATTR F sqrt(F a) { return PFX##_sqrt_ps(a); }                                                      \
+  static ATTR F fmadd(F a, F b, F c) { return PFX##_fmadd_ps(a, b, c); } /* a * b + c, one rounding */      \
+  static ATTR F fmsub(F a, F b, F c) { return PFX##_fmsub_ps(a, b, c); } /* a * b - c, one rounding */      \
+  static ATTR F min(F a, F b) { return PFX##_min_ps(a, b); }                                                \
+  static ATTR F max(F a, F b) { return PFX##_max_ps(a, b); }                                                \
+  static ATTR F xor_(F a, F b) { return PFX##_xor_ps(a, b); }                                               \
+  static ATTR F to_f(I a) { return PFX##_cvtepi32_ps(a); }                                                  \
+  static ATTR F as_f(I a) { return PFX##_cast##SI##_ps(a); }                                                \
+  static ATTR F cvt_ph(H h) { return PFX##_cvtph_ps(h); } /* fp16 bits -> floats, exact */                  \
+  static ATTR H cvt_ps_ph(F x) { return PFX##_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); } \
+  static ATTR I seti(int32_t x) { return PFX##_set1_epi32(x); }                                             \
+  static ATTR I zero() { return PFX##_setzero_##SI(); }                                                     \
+  static ATTR I loadi(const uint32_t* p) { return PFX##_load_##SI(reinterpret_cast<const I*>(p)); }         \
+  static ATTR void storei(uint32_t* p, I x) { PFX##_store_##SI(reinterpret_cast<I*>(p), x); }               \
+  static ATTR I as_i(F a) { return PFX##_castps_##SI(a); }                                                  \
+  static ATTR I add(I a, I b) { return PFX##_add_epi32(a, b); }                                             \
+  static ATTR I sub(I a, I b) { return PFX##_sub_epi32(a, b); }                                             \
+  static ATTR I mullo(I a, I b) { return PFX##_mullo_epi32(a, b); }                                         \
+  static ATTR I and_(I a, I b) { return PFX##_and_##SI(a, b); }                                             \
+  static ATTR I or_(I a, I b) { return PFX##_or_##SI(a, b); }                                               \
+  static ATTR I xor_(I a, I b) { return PFX##_xor_##SI(a, b); }                                             \
+  static ATTR I srli(I a, int n) { return PFX##_srli_epi32(a, n); }                                         \
+  static ATTR I slli(I a, int n) { return PFX##_slli_epi32(a, n); }                                         \
+  static ATTR I max(I a, I b) { return PFX##_max_epi32(a, b); } /* signed */                                \
+  static ATTR I maxu(I a, I b) { return PFX##_max_epu32(a, b); }                                            \
+  static ATTR I minu(I a, I b) { return PFX##_min_epu32(a, b); }                                            \
+  static ATTR I widen_u16(H h) { return PFX##_cvtepu16_epi32(h); }                                          \
   static ATTR I widen_i16(H h) { return PFX##_cvtepi16_epi32(h); }
 
 MPK_AVX2 inline double hsum_f64(__m256 v) {

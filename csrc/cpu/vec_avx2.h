@@ -39,9 +39,9 @@ struct Avx2 {
   static MPK_AVX2_INLINE I lanes() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
   static MPK_AVX2_INLINE I or_and(I a, I b, I c) { return _mm256_or_si256(a, _mm256_and_si256(b, c)); }  // a | (b & c)
   static MPK_AVX2_INLINE M eq(I a, I b) { return _mm256_cmpeq_epi32(a, b); }
-  static MPK_AVX2_INLINE M gt(I a, I b) { return _mm256_cmpgt_epi32(a, b); }  // signed
+  static MPK_AVX2_INLINE M gt(I a, I b) { return _mm256_cmpgt_epi32(a, b); }             // signed
   static MPK_AVX2_INLINE I blend(M m, I a, I b) { return _mm256_blendv_epi8(a, b, m); }  // m ? b : a
-  static MPK_AVX2_INLINE I zero_if(M m, I a) { return _mm256_andnot_si256(m, a); }  // m ? 0 : a
+  static MPK_AVX2_INLINE I zero_if(M m, I a) { return _mm256_andnot_si256(m, a); }       // m ? 0 : a
 
   // ---- narrow data: 16-bit values, bytes
   static MPK_AVX2_INLINE H load_h(const void* p) { return _mm_loadu_si128(reinterpret_cast<const H*>(p)); }
@@ -60,9 +60,9 @@ struct Avx2 {
   // byte b of each lane as 8 bytes at p: one byte shuffle to the low 4 bytes of each 128-bit half,
   // then the two halves together
   static MPK_AVX2_INLINE void store_bytes(void* p, I x, int b) {
-    const I bytes = _mm256_shuffle_epi8(x, _mm256_setr_epi8(b, b + 4, b + 8, b + 12, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                                            -1, -1, -1, b, b + 4, b + 8, b + 12, -1, -1, -1, -1, -1, -1,
-                                                            -1, -1, -1, -1, -1, -1));
+    const I bytes = _mm256_shuffle_epi8(
+        x, _mm256_setr_epi8(b, b + 4, b + 8, b + 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, b, b + 4, b + 8,
+                            b + 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
     const I packed = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
   }
@@ -109,8 +109,8 @@ struct Avx2 {
   // when the group's scale is NaN, then to bytes in element order.
   struct CodeSink {
     I ok_m, ok_v, m16[2], v16[2];
-    MPK_AVX2_INLINE CodeSink(bool ok_m_, bool ok_v_) : ok_m(_mm256_set1_epi32(ok_m_ ? -1 : 0)),
-                                                       ok_v(_mm256_set1_epi32(ok_v_ ? -1 : 0)) {}
+    MPK_AVX2_INLINE CodeSink(bool ok_m_, bool ok_v_)
+        : ok_m(_mm256_set1_epi32(ok_m_ ? -1 : 0)), ok_v(_mm256_set1_epi32(ok_v_ ? -1 : 0)) {}
     MPK_AVX2_INLINE void put(int half, const I* m, const I* v) {
       m16[half] = _mm256_and_si256(_mm256_packs_epi32(m[0], m[1]), ok_m);
       v16[half] = _mm256_and_si256(_mm256_packs_epi32(v[0], v[1]), ok_v);

@@ -35,8 +35,8 @@ struct Avx512 {
   static MPK_AVX512_INLINE I lanes() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
   static MPK_AVX512_INLINE I or_and(I a, I b, I c) { return _mm512_ternarylogic_epi32(a, b, c, 0xF8); }  // a | (b & c)
   static MPK_AVX512_INLINE M eq(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
-  static MPK_AVX512_INLINE M gt(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }  // signed
-  static MPK_AVX512_INLINE I blend(M m, I a, I b) { return _mm512_mask_mov_epi32(a, m, b); }  // m ? b : a
+  static MPK_AVX512_INLINE M gt(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }                       // signed
+  static MPK_AVX512_INLINE I blend(M m, I a, I b) { return _mm512_mask_mov_epi32(a, m, b); }              // m ? b : a
   static MPK_AVX512_INLINE I zero_if(M m, I a) { return _mm512_maskz_mov_epi32(static_cast<M>(~m), a); }  // m ? 0 : a
 
   // ---- narrow data: 16-bit values, bytes
@@ -59,8 +59,8 @@ struct Avx512 {
 
   // ---- what the kernels need of the two ISAs' own idioms (see vec_avx2.h)
   static MPK_AVX512_INLINE I keep_nan(I h, F x) {
-    return _mm512_mask_or_epi32(h, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_srli_epi32(_mm512_castps_si512(x), 16),
-                                _mm512_set1_epi32(0x0040));
+    return _mm512_mask_or_epi32(h, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                                _mm512_srli_epi32(_mm512_castps_si512(x), 16), _mm512_set1_epi32(0x0040));
   }
   static MPK_AVX512_INLINE I keep_nan_rare(I h, F x) { return keep_nan(h, x); }  // one masked OR: no test first
   static MPK_AVX512_INLINE I cvtt_where_finite(F y, F p) {

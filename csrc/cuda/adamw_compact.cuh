@@ -354,11 +354,12 @@ __device__ __forceinline__ void mom_stage_issue(const AdamMeta& t, int64_t i, Mo
 
 // mom_load's MomLane (WIDE, GA) of the kVE elements at i from stage b: the same values from the same bytes.
 template <int PDT, int GDT, int MOMENT_MODE, int MASTER_MODE>
-__device__ __forceinline__ void mom_stage_read(const MomStage<PDT, MASTER_MODE>& st, int b, int tid, int64_t i, float factor,
-                                               MomLane& x) {
+__device__ __forceinline__ void mom_stage_read(const MomStage<PDT, MASTER_MODE>& st, int b, int tid, int64_t i,
+                                               float factor, MomLane& x) {
   vec_from_raw<GDT>(st.g[b][tid], x.g);
-  const uint4 w[2] = {st.w[b][0][tid], master_words<PDT, MASTER_MODE>() == 2 ? st.w[b][master_words<PDT, MASTER_MODE>() - 1][tid]
-                                                                      : uint4{}};
+  const uint4 w[2] = {st.w[b][0][tid], master_words<PDT, MASTER_MODE>() == 2
+                                           ? st.w[b][master_words<PDT, MASTER_MODE>() - 1][tid]
+                                           : uint4{}};
   masters8_from_raw<PDT, MASTER_MODE>(w, MASTER_MODE == kMaster8bit ? st.c[b][tid] : uint2{}, x.w);
   x.cm = MOMENT_MODE == kMom4 ? make_uint2(st.cm[b][tid].x, 0u) : st.cm[b][tid];
   x.cv = st.cv[b][tid];
@@ -416,7 +417,8 @@ __device__ __forceinline__ AdamMeta chunk_view(const AdamMeta& t, int64_t begin)
   c.g += begin * elem_bytes<GDT>();
   c.m += MOMENT_MODE == kMom4 ? begin / 2 : begin;
   c.v += begin;
-  if (MASTER_MODE != kMasterNone) c.master += begin * (MASTER_MODE == kMasterF32 ? 4 : MASTER_MODE == kMasterRemainder ? 2 : 1);
+  if (MASTER_MODE != kMasterNone)
+    c.master += begin * (MASTER_MODE == kMasterF32 ? 4 : MASTER_MODE == kMasterRemainder ? 2 : 1);
   c.sm += 2 * (begin / kMom8Group);
   c.sv += 2 * (begin / kMom8Group);
   c.numel -= begin;

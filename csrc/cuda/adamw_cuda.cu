@@ -86,8 +86,8 @@ __global__ void __launch_bounds__(kAdamBlock, adam_min_blocks(MOMENT_MODE, MASTE
     // random keys for this chunk's elements (math.h, rng_keys): a few multiplies per thread and chunk
     RngKeys keys{};
     if (MOMENT_MODE == kBF16 || moment_grouped(MOMENT_MODE) || needs_word0<PDT, MOMENT_MODE, MASTER_MODE>(s.sr))
-      keys = rng_keys(s.seed, t.stream, consts[ti].step,
-                      static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(begin));
+      keys =
+          rng_keys(s.seed, t.stream, consts[ti].step, static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(begin));
     if constexpr (moment_grouped(MOMENT_MODE)) {
       const ChunkKeys ck = chunk_keys(keys, static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(end - 1));
       adam_mom_chunk<PDT, GDT, MOMENT_MODE, MASTER_MODE>(t, begin, end, cs, factor, s.sr, ck, s.stages);
@@ -109,8 +109,8 @@ __global__ void __launch_bounds__(kAdamBlock, adam_min_blocks(MOMENT_MODE, MASTE
 // once per tensor instead of once per chunk), then -- after all counts are read, so a counter shared
 // by two rows is read before either increment, as before -- the counters' increment.
 constexpr int kPrepBlock = 512;
-__global__ void __launch_bounds__(kPrepBlock) prep_kernel(const AdamMeta* __restrict__ meta, int count, AdamScalars s,
-                                                          TensorConsts* __restrict__ out) {
+__global__ void __launch_bounds__(kPrepBlock)
+    prep_kernel(const AdamMeta* __restrict__ meta, int count, AdamScalars s, TensorConsts* __restrict__ out) {
   if (*s.found_inf != 0.f) return;
   const double lr = s.lr_ptr ? static_cast<double>(*s.lr_ptr) : s.lr;
   for (int t = threadIdx.x; t < count; t += blockDim.x) {
@@ -168,10 +168,12 @@ AdamKernel pick_p(int32_t pdt, int32_t gdt, int32_t moment_mode) {
   }
 }
 AdamKernel pick(int32_t pdt, int32_t gdt, int32_t moment_mode, int64_t master_mode) {
-  if (master_mode == kMasterRemainder) return pick_g<kBF16, kMasterRemainder>(gdt, moment_mode);  // bf16 params (checked)
-  if (master_mode == kMaster8bit)  // bf16 or fp16 params (checked)
+  if (master_mode == kMasterRemainder)
+    return pick_g<kBF16, kMasterRemainder>(gdt, moment_mode);  // bf16 params (checked)
+  if (master_mode == kMaster8bit)                              // bf16 or fp16 params (checked)
     return pdt == kF16 ? pick_g<kF16, kMaster8bit>(gdt, moment_mode) : pick_g<kBF16, kMaster8bit>(gdt, moment_mode);
-  return master_mode == kMasterF32 ? pick_p<kMasterF32>(pdt, gdt, moment_mode) : pick_p<kMasterNone>(pdt, gdt, moment_mode);
+  return master_mode == kMasterF32 ? pick_p<kMasterF32>(pdt, gdt, moment_mode)
+                                   : pick_p<kMasterNone>(pdt, gdt, moment_mode);
 }
 
 int64_t addr(const at::Tensor& t) { return reinterpret_cast<int64_t>(t.data_ptr()); }
@@ -192,7 +194,8 @@ int esize(const at::Tensor& t) { return static_cast<int>(t.element_size()); }
 // (16 bytes for 16/32-bit buffers, 8 for 8-bit codes and corrections, 4 for 4-bit codes), else -1.
 int32_t compact_head(const int64_t (&ptrs)[6], const int (&sizes)[6], bool mom4) {
   const int64_t need[6] = {16, 1, mom4 ? 4 : 8, 8, 16, sizes[5] == 1 ? 8 : 16};  // grad: load8_shifted
-  for (int k = 0; k < 6; ++k) if (ptrs[k] % need[k] != 0) return -1;
+  for (int k = 0; k < 6; ++k)
+    if (ptrs[k] % need[k] != 0) return -1;
   return 0;
 }
 
@@ -230,16 +233,20 @@ std::tuple<int64_t, int64_t, int64_t, int64_t, std::string> adamw_config(int64_t
 }
 
 void set_adamw_config(int64_t block, int64_t grid_per_sm, int64_t chunk, int64_t stages) {
-  TORCH_CHECK_VALUE(block >= 32 && block <= kAdamBlock && block % 32 == 0, "set_adamw_config: block must be a "
-                    "multiple of 32 in [32, ", kAdamBlock, "] (the kernels' launch bound), got ", block);
+  TORCH_CHECK_VALUE(block >= 32 && block <= kAdamBlock && block % 32 == 0,
+                    "set_adamw_config: block must be a "
+                    "multiple of 32 in [32, ",
+                    kAdamBlock, "] (the kernels' launch bound), got ", block);
   TORCH_CHECK_VALUE(grid_per_sm >= 1 && grid_per_sm <= 64, "set_adamw_config: grid_per_sm must be in [1, 64], got ",
                     grid_per_sm);
-  TORCH_CHECK_VALUE(chunk >= kMomSpan && chunk <= kChunk && chunk % kMomSpan == 0, "set_adamw_config: chunk must be a "
-                    "multiple of ", kMomSpan, " in [", kMomSpan, ", ", kChunk, "], got ", chunk);
+  TORCH_CHECK_VALUE(chunk >= kMomSpan && chunk <= kChunk && chunk % kMomSpan == 0,
+                    "set_adamw_config: chunk must be a "
+                    "multiple of ",
+                    kMomSpan, " in [", kMomSpan, ", ", kChunk, "], got ", chunk);
   TORCH_CHECK_VALUE(stages == 1 || stages == 2, "set_adamw_config: stages must be 1 or 2, got ", stages);
   const std::lock_guard<std::mutex> lock(g_config_mutex);
-  g_config_override = AdamConfig{static_cast<int>(block), static_cast<int>(grid_per_sm), chunk,
-                                 static_cast<int>(stages)};
+  g_config_override =
+      AdamConfig{static_cast<int>(block), static_cast<int>(grid_per_sm), chunk, static_cast<int>(stages)};
 }
 
 void clear_adamw_config() {
@@ -258,9 +265,9 @@ void adamw_step_cuda_(const AdamwArgs& args, int64_t master_mode, int64_t moment
   const c10::Device dev = params[0].device();
   const c10::cuda::CUDAGuard guard(dev);
   // the moment modes this kernel has variants for (pick_s): anything else is refused before any launch
-  TORCH_CHECK_NOT_IMPLEMENTED(moment_mode == kMomF32 || moment_mode == kMomBF16 || moment_mode == kMom8 ||
-                                  moment_mode == kMom4,
-                              "mpkern::adamw_step_: the CUDA kernel has no variant for moment mode ", moment_mode);
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      moment_mode == kMomF32 || moment_mode == kMomBF16 || moment_mode == kMom8 || moment_mode == kMom4,
+      "mpkern::adamw_step_: the CUDA kernel has no variant for moment mode ", moment_mode);
   const AdamConfig cfg = config_for(dev.index()).config;
   const int32_t mm = static_cast<int32_t>(moment_mode);
   const bool grouped = moment_grouped(mm);
@@ -301,10 +308,13 @@ void adamw_step_cuda_(const AdamwArgs& args, int64_t master_mode, int64_t moment
     a.numel = params[i].numel();
     a.chunk_begin = L.chunks;
     const int64_t ptrs[6] = {a.p, 0, a.m, a.v, a.vmax, a.master};  // any grad offset: load8_shifted
-    const int sizes[6] = {esize(params[i]), esize(grads[i]), esize(exp_avgs[i]), esize(exp_avg_sqs[i]), 4,
+    const int sizes[6] = {esize(params[i]),
+                          esize(grads[i]),
+                          esize(exp_avgs[i]),
+                          esize(exp_avg_sqs[i]),
+                          4,
                           masters.empty() ? 4 : esize(masters[i])};
-    a.head = grouped ? compact_head(ptrs, sizes, moment_codes_per_byte(mm) == 2)
-                                    : common_head(ptrs, sizes);
+    a.head = grouped ? compact_head(ptrs, sizes, moment_codes_per_byte(mm) == 2) : common_head(ptrs, sizes);
     a.offset = static_cast<int64_t>(offset_of(args.elem_offsets, i));
     a.stream = stream_of(args.stream_ids, i);
     L.chunks += (a.numel + cfg.chunk - 1) / cfg.chunk;
@@ -327,16 +337,15 @@ void adamw_step_cuda_(const AdamwArgs& args, int64_t master_mode, int64_t moment
   auto stream = at::cuda::getCurrentCUDAStream();
   // the step's per-tensor constants: a stream-ordered scratch buffer (from the graph pool under capture)
   const int count = static_cast<int>(n);
-  at::Tensor scratch = at::empty({static_cast<int64_t>(n * sizeof(TensorConsts))},
-                                 params[0].options().dtype(at::kByte));
+  at::Tensor scratch =
+      at::empty({static_cast<int64_t>(n * sizeof(TensorConsts))}, params[0].options().dtype(at::kByte));
   auto* consts = reinterpret_cast<TensorConsts*>(scratch.data_ptr());
   prep_kernel<<<1, kPrepBlock, 0, stream>>>(meta, count, s, consts);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   for (const Launch& L : launches) {
     if (L.chunks == 0) continue;
     // two stages: the compact kernels' slots (only a 16-bit grad's kernel stages its loads)
-    const size_t smem = cfg.stages == 2 && grouped && L.gdt != kF32 ? mom_stage_bytes(L.pdt, master_mode)
-                                                                                  : 0;
+    const size_t smem = cfg.stages == 2 && grouped && L.gdt != kF32 ? mom_stage_bytes(L.pdt, master_mode) : 0;
     pick(L.pdt, L.gdt, mm, master_mode)<<<grid_for(L.chunks, cfg.grid_per_sm), cfg.block, smem, stream>>>(
         meta + L.first, consts + L.first, L.count, L.chunks, s);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -11,8 +11,8 @@ namespace {
 
 // One element, scalar loads and stores.
 template <int PDT, int GDT, int MOMENT_MODE, int MASTER_MODE>
-__device__ __forceinline__ void adam_scalar(const AdamMeta& t, int64_t i, const AdamWConsts& cs, float factor,
-                                            bool sr, const RngKeys& keys) {
+__device__ __forceinline__ void adam_scalar(const AdamMeta& t, int64_t i, const AdamWConsts& cs, float factor, bool sr,
+                                            const RngKeys& keys) {
   void *M = reinterpret_cast<void*>(t.m), *V = reinterpret_cast<void*>(t.v);
   float* VMAX = reinterpret_cast<float*>(t.vmax);
   const uint64_t e = static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(i);
@@ -35,8 +35,8 @@ __device__ __forceinline__ void adam_scalar(const AdamMeta& t, int64_t i, const 
 
 // kVE elements starting at i, where every buffer is 16-byte aligned (an int8 buffer: 8-byte accesses).
 template <int PDT, int GDT, int MOMENT_MODE, int MASTER_MODE>
-__device__ __forceinline__ void adam_vec(const AdamMeta& t, int64_t i, const AdamWConsts& cs, float factor,
-                                         bool sr, const RngKeys& keys) {
+__device__ __forceinline__ void adam_vec(const AdamMeta& t, int64_t i, const AdamWConsts& cs, float factor, bool sr,
+                                         const RngKeys& keys) {
   void* M = reinterpret_cast<void*>(t.m);
   void* V = reinterpret_cast<void*>(t.v);
   float g[kVE], p[kVE], m[kVE], v[kVE];

@@ -12,14 +12,14 @@ namespace cuda {
 namespace {
 
 constexpr int kAdamBlock = 256;
-constexpr int kVE = 8;  // elements per thread-iteration of the vector body
+constexpr int kVE = 8;              // elements per thread-iteration of the vector body
 constexpr int kMomSpan = 32 * kVE;  // compact moments: elements of one warp pass (8 groups of 32)
 static_assert(kChunk % kMomSpan == 0 && kAdamBlock % 32 == 0 && kVE * 4 == kMom8Group,
               "compact moments: four lanes per group, whole passes per chunk");
 
 struct AdamMeta {
   int64_t p, g, m, v, vmax, master, step;  // addresses (vmax / master may be 0)
-  int64_t sm, sv;       // 8-bit moments: addresses of the bf16 scales (one per 32 elements); else 0
+  int64_t sm, sv;                          // 8-bit moments: addresses of the bf16 scales (one per 32 elements); else 0
   int64_t numel;
   int64_t chunk_begin;  // first chunk, counted within this tensor's launch
   int64_t offset;       // global index of element 0 in its random stream (elem_offsets)
@@ -139,7 +139,9 @@ __device__ __forceinline__ void rng_words8_aligned(const ChunkKeys& keys, uint64
 // bf16 param + remainder pair, one else (the 8-bit master's param, its correction bytes beside it).
 template <int PDT, int MASTER_MODE>
 constexpr int master_words() {
-  return (MASTER_MODE == kMasterF32 || MASTER_MODE == kMasterRemainder || (MASTER_MODE == kMasterNone && PDT == kF32)) ? 2 : 1;
+  return (MASTER_MODE == kMasterF32 || MASTER_MODE == kMasterRemainder || (MASTER_MODE == kMasterNone && PDT == kF32))
+             ? 2
+             : 1;
 }
 
 // The fp32 masters of kVE elements from their bytes: w (master_words of them) and c, the 8-bit corrections.
@@ -150,7 +152,10 @@ __device__ __forceinline__ void masters8_from_raw(const uint4 (&w)[2], const uin
     vec_from_raw<kF32>(w[0], a);
     vec_from_raw<kF32>(w[1], b);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) { p[k] = a[k]; p[k + 4] = b[k]; }
+    for (int k = 0; k < 4; ++k) {
+      p[k] = a[k];
+      p[k + 4] = b[k];
+    }
   } else if constexpr (MASTER_MODE == kMasterRemainder) {
     uint16_t hi[kVE], lo[kVE];
     unpack16(w[0], hi);
@@ -216,8 +221,8 @@ __device__ __forceinline__ void load8_w(const AdamMeta& t, int64_t i, float (&p)
 // Store the updated masters p of kVE elements starting at i and the params; rw = their random words.
 // NUM: no p is NaN (the 8-bit master of bf16 params skips the NaN case).
 template <int PDT, int MASTER_MODE, bool NUM = false>
-__device__ __forceinline__ void store8_w(const AdamMeta& t, int64_t i, const float (&p)[kVE],
-                                         const uint32_t (&rw)[kVE], bool w0) {
+__device__ __forceinline__ void store8_w(const AdamMeta& t, int64_t i, const float (&p)[kVE], const uint32_t (&rw)[kVE],
+                                         bool w0) {
   void* P = reinterpret_cast<void*>(t.p);
   uint16_t hi[kVE];
   if constexpr (MASTER_MODE == kMasterF32) {

@@ -86,13 +86,18 @@ __device__ __forceinline__ int find_tensor(const Meta* meta, int count, int64_t 
   int lo = 0, hi = count - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (meta[mid].chunk_begin <= c) lo = mid; else hi = mid - 1;
+    if (meta[mid].chunk_begin <= c)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }
 
 template <int DT>
-constexpr int elem_bytes() { return DT == kF32 ? 4 : 2; }
+constexpr int elem_bytes() {
+  return DT == kF32 ? 4 : 2;
+}
 
 // Elements per 16-byte vector.
 template <int DT>
@@ -125,8 +130,10 @@ __device__ __forceinline__ uint4 pack16(const uint16_t (&h)[8]) {
 template <int DT>
 __device__ __forceinline__ void vec_from_raw(const uint4 raw, float (&x)[Vec<DT>::N]) {
   if constexpr (DT == kF32) {
-    x[0] = __uint_as_float(raw.x); x[1] = __uint_as_float(raw.y);
-    x[2] = __uint_as_float(raw.z); x[3] = __uint_as_float(raw.w);
+    x[0] = __uint_as_float(raw.x);
+    x[1] = __uint_as_float(raw.y);
+    x[2] = __uint_as_float(raw.z);
+    x[3] = __uint_as_float(raw.w);
   } else {
     uint16_t h[8];
     unpack16(raw, h);
@@ -145,8 +152,10 @@ template <int DT>
 __device__ __forceinline__ void store_vec(void* base, int64_t i, const float (&x)[Vec<DT>::N]) {
   uint4 raw;
   if constexpr (DT == kF32) {
-    raw.x = __float_as_uint(x[0]); raw.y = __float_as_uint(x[1]);
-    raw.z = __float_as_uint(x[2]); raw.w = __float_as_uint(x[3]);
+    raw.x = __float_as_uint(x[0]);
+    raw.y = __float_as_uint(x[1]);
+    raw.z = __float_as_uint(x[2]);
+    raw.w = __float_as_uint(x[3]);
   } else {
     uint16_t h[8];
 #pragma unroll
@@ -165,7 +174,10 @@ __device__ __forceinline__ void load8(const void* base, int64_t i, float (&x)[8]
     load_vec<kF32>(base, i, a);
     load_vec<kF32>(base, i + 4, b);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) { x[k] = a[k]; x[k + 4] = b[k]; }
+    for (int k = 0; k < 4; ++k) {
+      x[k] = a[k];
+      x[k + 4] = b[k];
+    }
   } else {
     load_vec<DT>(base, i, x);
   }
@@ -209,7 +221,10 @@ __device__ __forceinline__ void load8_shifted(const void* base, int64_t i, float
 #pragma unroll
   for (int b = 0; b < NB; ++b) {
     const uint4 r = blk[b];
-    w[4 * b] = r.x; w[4 * b + 1] = r.y; w[4 * b + 2] = r.z; w[4 * b + 3] = r.w;
+    w[4 * b] = r.x;
+    w[4 * b + 1] = r.y;
+    w[4 * b + 2] = r.z;
+    w[4 * b + 3] = r.w;
   }
   const uint32_t s = static_cast<uint32_t>(o & 3) * 8u;
   switch (o >> 2) {

@@ -48,10 +48,10 @@ namespace {
 constexpr size_t kMaxTables = 256;  // not counting the tables CUDA graphs use
 
 struct Table {
-  at::Tensor buffer;  // uint8 on the device
-  c10::cuda::CUDAStream stream;  // where it was allocated and copied
+  at::Tensor buffer;                            // uint8 on the device
+  c10::cuda::CUDAStream stream;                 // where it was allocated and copied
   std::shared_ptr<at::cuda::CUDAEvent> copied;  // recorded on `stream` after the copy (eager builds)
-  bool landed;  // the copy was seen complete: no stream needs to wait any more
+  bool landed;                                  // the copy was seen complete: no stream needs to wait any more
 };
 
 struct Cache {
@@ -114,8 +114,7 @@ Table build_beside_capture(Cache& c, c10::Device device, const void* bytes, size
 // A hit: order the current stream after the table's copy (table_lru.h on_hit).
 void order_after_copy(Table& t, const c10::cuda::CUDAStream& stream, bool capturing) {
   switch (on_hit(capturing, t.stream == stream, t.landed)) {
-    case HitAction::kNone:
-      return;
+    case HitAction::kNone: return;
     case HitAction::kQueryThenWait:
       if (t.copied->query()) {
         t.landed = true;
@@ -123,8 +122,7 @@ void order_after_copy(Table& t, const c10::cuda::CUDAStream& stream, bool captur
         t.copied->block(stream);  // the copy on the building stream first
       }
       break;
-    case HitAction::kRecordStream:
-      break;
+    case HitAction::kRecordStream: break;
   }
   t.buffer.record_stream(stream);
 }

@@ -66,10 +66,10 @@ static_assert(kChunk % norm::kChunk == 0, "a CUDA work item must be whole norm c
 
 template <int DT>
 struct NormTile {
-  static constexpr int L = Vec<DT>::N;                 // lanes per thread: 4 (fp32), 8 (16-bit)
-  static constexpr int TPB = norm::kLanes / L;         // threads per block row
-  static constexpr int TPC = norm::kBlocks * TPB;      // threads per norm chunk
-  static constexpr int CPP = kBlock / TPC;             // norm chunks per pass
+  static constexpr int L = Vec<DT>::N;             // lanes per thread: 4 (fp32), 8 (16-bit)
+  static constexpr int TPB = norm::kLanes / L;     // threads per block row
+  static constexpr int TPC = norm::kBlocks * TPB;  // threads per norm chunk
+  static constexpr int CPP = kBlock / TPC;         // norm chunks per pass
   static_assert(kBlock % TPC == 0 && kItemNorm % CPP == 0 && CPP <= kBlock / 32, "norm tile shape");
 };
 
@@ -77,8 +77,8 @@ struct NormTile {
 // share of the lane sums (row order, norm.h 2a) and the halves-tree over the 16 lanes (2b); the
 // block partial p[k] is left in part[k] by the block's first thread. amax updated with |x| bits.
 template <int DT>
-__device__ __forceinline__ void norm_block(const TensorMeta& m, int64_t e0, int k, int g, bool aligned,
-                                           double* part, uint32_t& mx) {
+__device__ __forceinline__ void norm_block(const TensorMeta& m, int64_t e0, int k, int g, bool aligned, double* part,
+                                           uint32_t& mx) {
   using T = NormTile<DT>;
   const void* p = reinterpret_cast<const void*>(m.ptr);
   double s[T::L];
@@ -145,9 +145,9 @@ __device__ uint32_t item_stats(const TensorMeta& m, int64_t c, double* __restric
   return mx;
 }
 
-__global__ void __launch_bounds__(kBlock) stats_kernel(const TensorMeta* __restrict__ meta, int count,
-                                                       int64_t total_chunks, double* __restrict__ part_sum,
-                                                       uint32_t* __restrict__ part_max) {
+__global__ void __launch_bounds__(kBlock)
+    stats_kernel(const TensorMeta* __restrict__ meta, int count, int64_t total_chunks, double* __restrict__ part_sum,
+                 uint32_t* __restrict__ part_max) {
   __shared__ int s_t;
   __shared__ uint32_t s_u[32];
   // block partials of the norm chunks of a pass (the 16-bit types have the most per pass)
@@ -170,10 +170,10 @@ __global__ void __launch_bounds__(kBlock) stats_kernel(const TensorMeta* __restr
 // One block of kTensorLanes threads per tensor (norm.h steps 3-4): thread f sums the chunk
 // partials c = f, f + 128, ... in order, then the halves-tree over the 128 lanes; the max of the
 // work items' maxima.
-__global__ void __launch_bounds__(norm::kTensorLanes) stats_finalize_kernel(
-    const TensorMeta* __restrict__ meta, int count, int64_t total_chunks, const double* __restrict__ part_sum,
-    const uint32_t* __restrict__ part_max, const float* __restrict__ inv_scale, float* __restrict__ sumsq,
-    float* __restrict__ amax) {
+__global__ void __launch_bounds__(norm::kTensorLanes)
+    stats_finalize_kernel(const TensorMeta* __restrict__ meta, int count, int64_t total_chunks,
+                          const double* __restrict__ part_sum, const uint32_t* __restrict__ part_max,
+                          const float* __restrict__ inv_scale, float* __restrict__ sumsq, float* __restrict__ amax) {
   __shared__ double s_d[norm::kTensorLanes];
   __shared__ uint32_t s_u[32];
   const int t = blockIdx.x, f = threadIdx.x;

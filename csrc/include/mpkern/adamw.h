@@ -18,17 +18,16 @@ MPK_HD double pow_int(double b, uint32_t n) {
 }
 
 struct AdamWConsts {
-  float decay;       // 1 - lr * weight_decay
-  float one_m_b1;    // 1 - beta1
+  float decay;     // 1 - lr * weight_decay
+  float one_m_b1;  // 1 - beta1
   float beta2;
-  float one_m_b2;    // 1 - beta2
-  float step_size;   // lr / (1 - beta1^t)
-  float inv_bc2;     // 1 / sqrt(1 - beta2^t)
+  float one_m_b2;   // 1 - beta2
+  float step_size;  // lr / (1 - beta1^t)
+  float inv_bc2;    // 1 / sqrt(1 - beta2^t)
   float eps;
 };
 
-MPK_HD AdamWConsts adamw_consts(double lr, double beta1, double beta2, double eps, double weight_decay,
-                                double step) {
+MPK_HD AdamWConsts adamw_consts(double lr, double beta1, double beta2, double eps, double weight_decay, double step) {
   AdamWConsts c;
   c.decay = static_cast<float>(1.0 - lr * weight_decay);
   c.one_m_b1 = static_cast<float>(1.0 - beta1);
@@ -71,8 +70,8 @@ MPK_HD float adamw_update(float p, float g, float& m, float& v, float* vmax, con
 MPK_HD bool adamw_step_in_range_ok(uint32_t m_lo, uint32_t m_hi, uint32_t v_lo, uint32_t v_hi, const AdamWConsts& c) {
   // inv_bc2 in [1, 2^16], eps in [+0, 2^16], step_size +0..finite, beta2 in [+0, 1)
   const uint32_t ib = f32_bits(c.inv_bc2), eb = f32_bits(c.eps), sb = f32_bits(c.step_size);
-  const bool consts = (ib - 0x3f800000u <= 0x08000000u) & (eb <= 0x47800000u) & (sb < 0x7f800000u) &
-                      (f32_bits(c.beta2) < 0x3f800000u);
+  const bool consts =
+      (ib - 0x3f800000u <= 0x08000000u) & (eb <= 0x47800000u) & (sb < 0x7f800000u) & (f32_bits(c.beta2) < 0x3f800000u);
   const bool vs = (v_lo >= 0x0d000000u) & (v_hi < 0x5a800000u);  // [2^-101, 2^54)
   const uint32_t a_lo = f32_bits(c.step_size * f32_from_bits(m_lo + 1u));
   const uint32_t a_hi = f32_bits(c.step_size * f32_from_bits(m_hi));

@@ -100,7 +100,7 @@ MPK_HD uint16_t f32_to_f16_rne(float f) {
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));  // NaN
-  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: inf
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);                        // rounds to >= 65520: inf
   if (a >= 0x38800000u) {
     // normal half range: drop 13 mantissa bits with round-to-nearest-even.
     uint32_t r = a - 0x38000000u;  // rebias exponent 127 -> 15 (in the shifted frame)
@@ -144,7 +144,7 @@ MPK_HD void store_from_f32(void* base, int64_t i, int32_t dt, float v) {
 // bits(m) == (hi << 16) + rem, hi rounded to nearest with ties away from zero.
 MPK_HD void split_master(float m, uint16_t& hi, int16_t& rem) {
   const uint32_t u = f32_bits(m);
-  hi = static_cast<uint16_t>((u + 0x8000u) >> 16);  // round half away from zero (in magnitude)
+  hi = static_cast<uint16_t>((u + 0x8000u) >> 16);                 // round half away from zero (in magnitude)
   rem = static_cast<int16_t>(static_cast<uint16_t>(u & 0xffffu));  // low half, read as signed
 }
 

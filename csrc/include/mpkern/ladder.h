@@ -20,9 +20,9 @@ struct Ladder {
   uint32_t umax_mant;  // the 23 mantissa bits of u_max
 };
 // (functions, not constants: device code may call them, it may not take a host constant's address)
-MPK_HD constexpr Ladder ladder_m8() { return {4, 7, 0x770000u}; }  // u_max = 247   = 1.9296875 * 2^7
+MPK_HD constexpr Ladder ladder_m8() { return {4, 7, 0x770000u}; }   // u_max = 247   = 1.9296875 * 2^7
 MPK_HD constexpr Ladder ladder_v8() { return {4, 15, 0x77ff00u}; }  // u_max = 63487 = 1.937469482421875 * 2^15
-MPK_HD constexpr Ladder ladder_m4() { return {1, 3, 0x300000u}; }  // u_max = 11    = 1.375 * 2^3
+MPK_HD constexpr Ladder ladder_m4() { return {1, 3, 0x300000u}; }   // u_max = 11    = 1.375 * 2^3
 
 // The bf16 scale bits of a group from its amax bits (|x| bits maxed unsigned: NaN > inf > finite).
 MPK_HD uint32_t ladder_scale_bits(uint32_t amax_bits, Ladder f) {

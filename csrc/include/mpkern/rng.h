@@ -22,9 +22,7 @@ MPK_HD uint32_t mix32(uint32_t x) { return mix32_rest(x ^ (x >> 16)); }
 enum RandPurpose : int { kRandParam = 0, kRandExpAvg = 1, kRandExpAvgSq = 2, kRandMaster8 = 3 };
 
 // Field of a purpose: its lowest bit in the word and its width.
-MPK_HD int rand_shift(int purpose) {
-  return purpose == kRandExpAvg ? 10 : (purpose == kRandExpAvgSq ? 21 : 0);
-}
+MPK_HD int rand_shift(int purpose) { return purpose == kRandExpAvg ? 10 : (purpose == kRandExpAvgSq ? 21 : 0); }
 MPK_HD int rand_width(int purpose) { return (purpose == kRandExpAvg || purpose == kRandExpAvgSq) ? 11 : 10; }
 
 // The codecs' 16-bit value of a purpose's field of random word `word` (the centre of its cell).
