@@ -20,6 +20,8 @@ mantissa bits; sign-magnitude exp_avg codes, bit 7 of the byte / bit 3 of the ni
 byte; the codes of a group with a non-finite moment, whose scale is NaN, zeroed), processed as
 [BLOCK // 32, 32] blocks, the group amax a tl.max along axis 1 of the integer bits; random bits are a
 hash of (seed, stream id, elem_offset + element, step, purpose), the keys computed once per row.
+The math.h helpers (random words, stochastic rounding, the 8-bit master, the ladder codes) and the
+ladders' constants are the ``@triton.jit`` functions of :mod:`.adamw_codecs`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,33 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import VEC, block_index, device_guard, f32_to_bf16_bits, load_f32, neg_f32, store_f32, typed_ptr
+from ._common import VEC, block_index, device_guard, load_f32, neg_f32, store_f32, typed_ptr
+from .adamw_codecs import (
+    BF16,
+    M4_EXP,
+    M4_MANT,
+    M8_EXP,
+    M8_MANT,
+    MB4,
+    MB8,
+    NAN_SCALE,
+    V8_EXP,
+    V8_MANT,
+    bf16_sr,
+    ladder_inv,
+    ladder_scale_bits,
+    ladder_value,
+    master8_decode,
+    master8_encode,
+    mom8_encode_v,
+    rand_a16,
+    rand_b16,
+    rand_c16,
+    rng_key,
+    rng_word,
+    sm_decode,
+    sm_encode,
+)
 from .tables import TABLES, common_head, layout, to_device, work_ranges
 
 CHUNK = 16384
@@ -53,166 +81,8 @@ MOMENT_MODES = (MOM_F32, MOM_BF16, MOM8, MOM4)
 _MASTER_F32, _MASTER_REMAINDER, _MASTER_8BIT = (tl.constexpr(MASTER_F32), tl.constexpr(MASTER_REMAINDER),
                                                 tl.constexpr(MASTER_8BIT))
 _MOM_BF16, _MOM8, _MOM4 = tl.constexpr(MOM_BF16), tl.constexpr(MOM8), tl.constexpr(MOM4)
-_BF16 = tl.constexpr(2)  # the dtype code of bf16 (typed_ptr's DT): raw uint16 bits
 GROUP = 32
-# math.h Ladder: mantissa bits of the 8-bit (4) and 4-bit (1) ladders; floor(log2 u_max) and u_max's 23
-# mantissa bits of the 8-bit exp_avg (u_max 247), 8-bit exp_avg_sq (63487) and 4-bit exp_avg (11)
-_MB8, _MB4 = tl.constexpr(4), tl.constexpr(1)
-_M8_EXP, _M8_MANT = tl.constexpr(7), tl.constexpr(0x770000)
-_V8_EXP, _V8_MANT = tl.constexpr(15), tl.constexpr(0x77FF00)
-_M4_EXP, _M4_MANT = tl.constexpr(3), tl.constexpr(0x300000)
-_NAN_SCALE = tl.constexpr(0x7FC0)  # math.h kMom8NaNScale: the scale of a group with a non-finite moment
 assert CHUNK % GROUP == 0 and BLOCK % GROUP == 0
-
-
-@triton.jit
-def _mix32(x):
-    x ^= x >> 16
-    x *= 0x7FEB352D
-    x ^= x >> 15
-    x *= 0x846CA68B
-    x ^= x >> 16
-    return x
-
-
-@triton.jit
-def _rng_key(seed, stream, step, hi):
-    """rng_key of math.h (one key: one random word per element)."""
-    h = _mix32(seed ^ _mix32(stream * 0x9E3779B9 + step))
-    return _mix32(h ^ _mix32(hi * 0x85EBCA6B + 0x632BE5AB))
-
-
-@triton.jit
-def _rand_a16(r):
-    """math.h rand_a16: field A (bits 0..9: param SR / 8-bit master) as the codecs' 16-bit value."""
-    return ((r << 6) & 0xFFC0) | 0x20
-
-
-@triton.jit
-def _rand_b16(r):
-    """math.h rand_b16: field B (bits 10..20: exp_avg)."""
-    return ((r >> 5) & 0xFFE0) | 0x10
-
-
-@triton.jit
-def _rand_c16(r):
-    """math.h rand_c16: field C (bits 21..31: exp_avg_sq)."""
-    return ((r >> 16) & 0xFFE0) | 0x10
-
-
-@triton.jit
-def _rng_word(key_lo, key_hi, hi0, gidx):
-    """rng_word of math.h for global element indices gidx (int64): the key of hi0 or hi0 + 1
-    (a row never spans more than one multiple of 2^32)."""
-    hi = (gidx >> 32).to(tl.uint32)
-    lo = (gidx & 0xFFFFFFFF).to(tl.uint32)
-    return _mix32(tl.where(hi == hi0, key_lo, key_hi) ^ lo)
-
-
-@triton.jit
-def _bf16_sr(x, r16):
-    """f32_to_bf16_sr of math.h: r16 (uint32 < 2^16) added below the kept half, truncated."""
-    u = x.to(tl.uint32, bitcast=True)
-    nonfinite = (u & 0x7F800000) == 0x7F800000
-    return tl.where(nonfinite, f32_to_bf16_bits(x), ((u + r16) >> 16).to(tl.uint16))
-
-
-@triton.jit
-def _pow2n(k):
-    """pow2n of math.h: 2^k (int32 k in [-126, 127]) as float32."""
-    return ((k + 127) << 23).to(tl.uint32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _master8_decode(h, c, PDT: tl.constexpr):
-    """master8_decode of math.h: bf16 (bits(p) << 16) + 256 c; fp16 p + c * 2^(max(e, 1) - 33)."""
-    if PDT == _BF16:
-        return ((h.to(tl.uint32) << 16) + (c.to(tl.int32) * 256).to(tl.uint32)).to(tl.float32, bitcast=True)
-    else:
-        b = tl.maximum(((h.to(tl.uint32) >> 10) & 0x1F).to(tl.int32), 1)
-        return h.to(tl.float16, bitcast=True).to(tl.float32) + c.to(tl.float32) * _pow2n(b - 33)
-
-
-@triton.jit
-def _master8_encode(w, rw, PDT: tl.constexpr):
-    """(param bits uint16, correction int8) of master w from the random words rw: master8_encode of
-    math.h (bf16: the master's bits rounded stochastically to a multiple of 256 and split)."""
-    if PDT == _BF16:
-        u = w.to(tl.uint32, bitcast=True)
-        t = u + (rw & 0xFF)
-        h = ((t + 0x8000) >> 16).to(tl.uint16)
-        h = tl.where((u & 0x7FFFFFFF) > 0x7F800000, ((u >> 16) | 0x40).to(tl.uint16), h)
-        c = ((t >> 8) & 0xFF).to(tl.uint8).to(tl.int8, bitcast=True)
-        return h, c
-    else:
-        h = w.to(tl.float16).to(tl.uint16, bitcast=True)
-        p = h.to(tl.float16, bitcast=True).to(tl.float32)
-        b = tl.maximum(((h.to(tl.uint32) >> 10) & 0x1F).to(tl.int32), 1)
-        x = (w - p) * _pow2n(33 - b)
-        nonfinite = (p.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000
-        y = tl.floor(x + _rand_a16(rw).to(tl.float32) * (1.0 / 65536.0))
-        y = tl.minimum(tl.maximum(y, -128.0), 127.0)
-        y = tl.where(nonfinite, 0.0, y)
-        return h, y.to(tl.int32).to(tl.int8)
-
-
-@triton.jit
-def _ladder_scale_bits(amax, UEXP: tl.constexpr, UMANT: tl.constexpr):
-    """ladder_scale_bits of math.h: bf16 bits (uint32) of the smallest power of two s = 2^e with
-    amax / s <= u_max (u_max = 1.UMANT * 2^UEXP), e >= -126, from amax's bits with integer operations
-    (the carry into the exponent is 1 exactly when amax's mantissa exceeds u_max's); NaN (0x7fc0) for
-    a non-finite group, 0 for a group of zeros (its 1 / s is 2^127: every code 0). amax: int32 max of
-    (bits & 0x7fffffff)."""
-    a = amax.to(tl.uint32, bitcast=True)
-    e = ((a + (0x7FFFFF - UMANT)) >> 23).to(tl.int32) - UEXP
-    b = tl.where(a == 0, 0, tl.maximum(e, 1) << 7).to(tl.uint32)
-    return tl.where(a >= 0x7F800000, _NAN_SCALE, b).to(tl.uint32)
-
-
-@triton.jit
-def _ladder_inv(b):
-    """ladder_inv_scale of math.h: 1 / s of scale bits b (exact, from the exponent; 2^127 for the zero
-    scale); 0 for the NaN scale (its group's codes are zeroed)."""
-    inv = ((254 - (b >> 7)) << 23).to(tl.float32, bitcast=True)
-    return tl.where(b == _NAN_SCALE, 0.0, inv)
-
-
-@triton.jit
-def _ladder_value(q, MB: tl.constexpr):
-    """ladder_value of math.h: u(q) = F(q) - 1 of uint32 magnitude codes, F(q) the fp32 number with
-    bits bits(1.0) + (q << (23 - MB)) (exact)."""
-    return (0x3F800000 + (q << (23 - MB))).to(tl.float32, bitcast=True) - 1.0
-
-
-@triton.jit
-def _ladder_encode(ax, inv, r16, MB: tl.constexpr):
-    """ladder_encode of math.h: uint32 magnitude code of |x| (ax) given inv = 1 / s and 16 random bits
-    (uint32): z = ax * inv + 1 (the product exact, no fma: enable_fp_fusion=False), the dither added
-    below z's MB kept mantissa bits, truncated."""
-    z = ax * inv + 1.0
-    return (z.to(tl.uint32, bitcast=True) + (r16 << (7 - MB)) - 0x3F800000) >> (23 - MB)
-
-
-@triton.jit
-def _sm_decode(c, s, MB: tl.constexpr, SIGN: tl.constexpr):
-    """mom8_decode_m (MB 4, SIGN 7) / mom4_decode_m (MB 1, SIGN 3) of math.h: the sign-magnitude code c
-    (uint32 < 2^(SIGN + 1)) as u(c's magnitude) * s with the sign bit OR-ed in."""
-    x = _ladder_value(c & ((1 << SIGN) - 1), MB) * s
-    return (x.to(tl.uint32, bitcast=True) | ((c >> SIGN) << 31)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _sm_encode(m, inv, r16, MB: tl.constexpr, SIGN: tl.constexpr):
-    """mom8_encode_m (MB 4, SIGN 7: the byte) / mom4_encode_m (MB 1, SIGN 3: the nibble) of math.h:
-    the magnitude code of |m| with m's sign bit at bit SIGN (uint32)."""
-    return _ladder_encode(tl.abs(m), inv, r16, MB) | ((m.to(tl.uint32, bitcast=True) >> 31) << SIGN)
-
-
-@triton.jit
-def _mom8_encode_v(v, inv, r16):
-    """mom8_encode_v of math.h: uint32 exp_avg_sq code of v >= 0; a positive v gets at least code 1."""
-    q = _ladder_encode(v, inv, r16, _MB8)
-    return tl.where((q == 0) & (v > 0.0), 1, q).to(tl.uint32)
 
 
 @triton.jit
@@ -279,8 +149,8 @@ def _adamw_kernel(
             gbase = tl.load(base + 11) + tl.load(base + 9)
             hi0 = ((gbase + begin) >> 32).to(tl.uint32)
             useed = seed.to(tl.uint32)
-            ka = _rng_key(useed, stream, step, hi0)
-            kb = _rng_key(useed, stream, step, hi0 + 1)
+            ka = rng_key(useed, stream, step, hi0)
+            kb = rng_key(useed, stream, step, hi0 + 1)
         step_size = tl.load(consts_ptr + t * 3)
         inv_bc2 = tl.load(consts_ptr + t * 3 + 1)
         decay = tl.load(consts_ptr + t * 3 + 2)
@@ -291,8 +161,8 @@ def _adamw_kernel(
             cm_ptr = _uint8_ptr(tl.load(base + 2), ALIGNED)
             cm4_ptr = _uint8_ptr(tl.load(base + 2), False)
             cv_ptr = _uint8_ptr(tl.load(base + 3), ALIGNED)
-            sm_ptr = _ptr_at(base, 12, _BF16, False)
-            sv_ptr = _ptr_at(base, 13, _BF16, False)
+            sm_ptr = _ptr_at(base, 12, BF16, False)
+            sv_ptr = _ptr_at(base, 13, BF16, False)
         # rows are at most CHUNK long; the loop stops at the row's end (short rows: fewer blocks)
         for off in range(0, end - begin, BLOCK):
             if GROUPED:
@@ -313,11 +183,11 @@ def _adamw_kernel(
                 lo = tl.load(r_ptr + idx, mask=mask, other=0).to(tl.int32).to(tl.uint32, bitcast=True)
                 w = (hi + lo).to(tl.float32, bitcast=True)
             elif MASTER_MODE == _MASTER_8BIT:
-                h_ptr = _ptr_at(base, 0, _BF16, ALIGNED)  # the param's raw bits
+                h_ptr = _ptr_at(base, 0, BF16, ALIGNED)  # the param's raw bits
                 c_ptr = _int8_ptr(tl.load(base + 5), ALIGNED)
                 h = tl.load(h_ptr + idx, mask=mask, other=0)
                 c = tl.load(c_ptr + idx, mask=mask, other=0)
-                w = _master8_decode(h, c, PDT)
+                w = master8_decode(h, c, PDT)
             else:
                 w = load_f32(p_ptr, idx, mask, PDT)
             if GROUPED:
@@ -325,10 +195,10 @@ def _adamw_kernel(
                 s_v = (tl.load(sv_ptr + gi, mask=gmask, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
                 if NIBBLES:  # the nibble of element idx in byte idx // 2 (mom4_code), sign-magnitude
                     nib = (tl.load(cm4_ptr + (idx >> 1), mask=mask, other=0).to(tl.int32) >> ((idx & 1) * 4)) & 0xF
-                    m = _sm_decode(nib.to(tl.uint32), s_m[:, None], _MB4, 3)
+                    m = sm_decode(nib.to(tl.uint32), s_m[:, None], MB4, 3)
                 else:  # a sign-magnitude byte
-                    m = _sm_decode(tl.load(cm_ptr + idx, mask=mask, other=0).to(tl.uint32), s_m[:, None], _MB8, 7)
-                v = _ladder_value(tl.load(cv_ptr + idx, mask=mask, other=0).to(tl.uint32), _MB8) * s_v[:, None]
+                    m = sm_decode(tl.load(cm_ptr + idx, mask=mask, other=0).to(tl.uint32), s_m[:, None], MB8, 7)
+                v = ladder_value(tl.load(cv_ptr + idx, mask=mask, other=0).to(tl.uint32), MB8) * s_v[:, None]
             else:
                 m = load_f32(m_ptr, idx, mask, MOMENT_MODE)
                 v = load_f32(v_ptr, idx, mask, MOMENT_MODE)
@@ -344,32 +214,32 @@ def _adamw_kernel(
             # contraction (enable_fp_fusion=False at launch): the same rounding on every backend
             w = tl.fma(w, decay, neg_f32(tl.div_rn(step_size * m, tl.fma(tl.sqrt_rn(vv), inv_bc2, eps))))
             if RANDOM:
-                rw = _rng_word(ka, kb, hi0, gbase + idx)  # the element's one random word
+                rw = rng_word(ka, kb, hi0, gbase + idx)  # the element's one random word
             if GROUPED:
                 am = tl.max(tl.where(mask, m.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0), axis=1)
                 av = tl.max(tl.where(mask, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0), axis=1)
-                bm = _ladder_scale_bits(am, _M4_EXP, _M4_MANT) if NIBBLES else _ladder_scale_bits(am, _M8_EXP, _M8_MANT)
-                bv = _ladder_scale_bits(av, _V8_EXP, _V8_MANT)
-                okm = (bm != _NAN_SCALE)[:, None]  # a NaN-scale group's codes are 0
-                okv = (bv != _NAN_SCALE)[:, None]
+                bm = ladder_scale_bits(am, M4_EXP, M4_MANT) if NIBBLES else ladder_scale_bits(am, M8_EXP, M8_MANT)
+                bv = ladder_scale_bits(av, V8_EXP, V8_MANT)
+                okm = (bm != NAN_SCALE)[:, None]  # a NaN-scale group's codes are 0
+                okv = (bv != NAN_SCALE)[:, None]
                 if NIBBLES:
                     # codes of masked (past-the-end) elements are 0: an odd tail's high nibble is 0
-                    cm = tl.where(mask & okm, _sm_encode(m, _ladder_inv(bm)[:, None], _rand_b16(rw), _MB4, 3), 0)
+                    cm = tl.where(mask & okm, sm_encode(m, ladder_inv(bm)[:, None], rand_b16(rw), MB4, 3), 0)
                     cm = cm.to(tl.int32)
                     pairs = tl.reshape(cm, (BLOCK // 32, 16, 2))
                     byte = tl.sum(pairs * tl.where(tl.arange(0, 2) == 0, 1, 16)[None, None, :], axis=2)
                     bidx = gi[:, None] * 16 + tl.arange(0, 16)[None, :]
                     tl.store(cm4_ptr + bidx, byte.to(tl.uint8), mask=bidx * 2 < end)
                 else:
-                    cm = tl.where(okm, _sm_encode(m, _ladder_inv(bm)[:, None], _rand_b16(rw), _MB8, 7), 0)
+                    cm = tl.where(okm, sm_encode(m, ladder_inv(bm)[:, None], rand_b16(rw), MB8, 7), 0)
                     tl.store(cm_ptr + idx, cm.to(tl.uint8), mask=mask)
-                cv = tl.where(okv, _mom8_encode_v(v, _ladder_inv(bv)[:, None], _rand_c16(rw)), 0)
+                cv = tl.where(okv, mom8_encode_v(v, ladder_inv(bv)[:, None], rand_c16(rw)), 0)
                 tl.store(cv_ptr + idx, cv.to(tl.uint8), mask=mask)
                 tl.store(sm_ptr + gi, bm.to(tl.uint16), mask=gmask)
                 tl.store(sv_ptr + gi, bv.to(tl.uint16), mask=gmask)
             elif MOMENT_MODE == _MOM_BF16:
-                tl.store(m_ptr + idx, _bf16_sr(m, _rand_b16(rw)), mask=mask)
-                tl.store(v_ptr + idx, _bf16_sr(v, _rand_c16(rw)), mask=mask)
+                tl.store(m_ptr + idx, bf16_sr(m, rand_b16(rw)), mask=mask)
+                tl.store(v_ptr + idx, bf16_sr(v, rand_c16(rw)), mask=mask)
             else:
                 store_f32(m_ptr, idx, m, mask, MOMENT_MODE)
                 store_f32(v_ptr, idx, v, mask, MOMENT_MODE)
@@ -381,11 +251,11 @@ def _adamw_kernel(
                 tl.store(p_ptr + idx, ((u + 0x8000) >> 16).to(tl.uint16), mask=mask)
                 tl.store(r_ptr + idx, (u & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
             elif MASTER_MODE == _MASTER_8BIT:
-                h, c = _master8_encode(w, rw, PDT)
+                h, c = master8_encode(w, rw, PDT)
                 tl.store(h_ptr + idx, h, mask=mask)
                 tl.store(c_ptr + idx, c, mask=mask)
             elif SR:
-                tl.store(p_ptr + idx, _bf16_sr(w, _rand_a16(rw)), mask=mask)
+                tl.store(p_ptr + idx, bf16_sr(w, rand_a16(rw)), mask=mask)
             else:
                 store_f32(p_ptr, idx, w, mask, PDT)
 

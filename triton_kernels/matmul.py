@@ -10,19 +10,21 @@ Math, for A (M, K) and B (K, N) in fp16 or bf16 (both the same dtype), any strid
 Both kernels cut C into BLOCK_M x BLOCK_N tiles, walk K in BLOCK_K steps into an fp32 register
 accumulator, and number the tiles in groups of GROUP_M tile-rows (swept column by column), so that
 tiles computed at the same time share A rows and B columns in L2. The epilogue is one function for
-both: fp32 bias, the fp32 C tile (ACCUMULATE), the rounding, a masked store through C's strides.
+both: fp32 bias, the fp32 C tile (ACCUMULATE), the rounding, a masked store through C's strides
+(it and the tile order: :mod:`.matmul_tiles`).
 All element offsets of C are int64. Transposed operands are strides, never copies. Batch
 dimensions are folded into M by the caller.
 
-Two kernels, chosen per call by :func:`matmul_into` (:func:`kernel_for`):
+Two kernels, chosen per call by :func:`matmul_into` (:func:`kernel_for`); this module is their host side
+(configs, autotuning, launch planning):
 
-* ``_matmul_kernel`` -- pointer loads, one program per tile (grid = number of tiles). Rows/columns
-  past M/N are wrapped with ``% M`` / ``% N`` on load (valid memory; masked on store), only the K
+* ``_matmul_kernel`` (:mod:`.matmul_pointer`) -- pointer loads, one program per tile (grid = number of
+  tiles). Rows/columns past M/N are wrapped with ``% M`` / ``% N`` on load (valid memory; masked on store), only the K
   tail is masked. Software-pipelined by Triton (``cp.async`` + ``mma.sync`` on sm_80, wgmma on
   sm_90). It is the interpreter's kernel, the Ampere (sm_80/86/89) kernel, and the fallback for
   operands a TMA descriptor cannot describe.
-* ``_matmul_tma_kernel`` -- Hopper (sm_90) and datacenter Blackwell (sm_100): A and B tiles are read
-  by the TMA engine through host-built tensor descriptors (``triton.tools.tensor_descriptor``,
+* ``_matmul_tma_kernel`` (:mod:`.matmul_tma`) -- Hopper (sm_90) and datacenter Blackwell (sm_100): A and
+  B tiles are read by the TMA engine through host-built tensor descriptors (``triton.tools.tensor_descriptor``,
   ``UTMALDG`` into swizzled shared memory, fed to ``HGMMA`` without passing through registers).
   The descriptor zero-fills reads past the tensor's edge, so the K, M and N tails need no masks or
   wraps. A transposed operand (A with ``stride(0) == 1``, e.g. ``grad_out.t()`` in the weight
@@ -75,10 +77,13 @@ from typing import Any, NamedTuple
 
 import torch
 import triton
-import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import device_guard, f32_to_bf16_bits
+from ._common import device_guard
+
+# the two kernels' raw JIT functions, public here too for ahead-of-time compilation (benchmarks/matmul_sass.py)
+from .matmul_pointer import pointer_kernel
+from .matmul_tma import tma_kernel
 
 _IN_DTYPES = (torch.float16, torch.bfloat16)
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -205,177 +210,6 @@ CONFIGS_SM90: list[triton.Config] = [
 ]
 
 
-@triton.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of tile number ``tile_id`` in the grouped order: GROUP_M tile-rows swept column by
-    column, so neighbouring tiles share A rows and B columns in L2."""
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = tile_id // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
-    pid_n = (tile_id % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
-
-
-@triton.jit
-def _epilogue(acc, c_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn,
-              HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr):
-    """C[rm, rn] = round(acc + bias[rn] (+ C[rm, rn] if ACCUMULATE)); rm, rn int64, masked to M x N."""
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0)
-        acc += bias[None, :]
-    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-    c_mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if ACCUMULATE:
-        acc += tl.load(c_ptrs, mask=c_mask, other=0.0)
-    if OUT_BF16:
-        tl.store(c_ptrs, f32_to_bf16_bits(acc).to(tl.int16, bitcast=True), mask=c_mask)
-    else:
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-
-
-@triton.jit
-def _halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """The left and right column halves of ``x`` (ROWS, COLS): a register split, no data movement."""
-    return tl.split(tl.permute(tl.reshape(x, (ROWS, 2, COLS // 2)), (0, 2, 1)))
-
-
-@triton.jit
-def _epilogue_cols(acc, part, c_ptr, bias_ptr, rm, off_n, M, N, stride_cm, stride_cn,
-                   HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr, WIDTH: tl.constexpr):
-    """The epilogue of column slice ``part`` (WIDTH columns) of the tile whose first column is ``off_n``."""
-    rn = off_n + part * WIDTH + tl.arange(0, WIDTH)
-    _epilogue(acc, c_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, HAS_BIAS, ACCUMULATE, OUT_BF16)
-
-
-@triton.jit(do_not_specialize=["M_BUCKET", "N_BUCKET", "K_BUCKET", "LAYOUT"])
-def _matmul_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr,
-    M, N, K,
-    M_BUCKET, N_BUCKET, K_BUCKET, LAYOUT,  # m_bucket(M/N/K), layout_code(strides): the autotuning key (unused)
-    stride_am, stride_ak,
-    stride_bk, stride_bn,
-    stride_cm, stride_cn,
-    HAS_BIAS: tl.constexpr,     # bias_ptr: fp32 [N], contiguous
-    ACCUMULATE: tl.constexpr,   # C (fp32) += A @ B (+ bias)
-    OUT_BF16: tl.constexpr,     # c_ptr is bf16 storage viewed as int16: store rounded bits
-    UPCAST: tl.constexpr,       # interpreter only: fp32 operands for tl.dot (triton #11584)
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """The pointer kernel: one program per C tile (see the module docstring)."""
-    pid = tl.program_id(0).to(tl.int64)
-    pid_m, pid_n = _tile_coords(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # int64
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # int64
-    rk = tl.arange(0, BLOCK_K).to(tl.int64)
-    # Out-of-range rows/columns read valid memory (wrapped) and are masked on store.
-    ram = rm % M
-    rbn = rn % N
-    a_ptrs = a_ptr + ram[:, None] * stride_am + rk[None, :] * stride_ak
-    b_ptrs = b_ptr + rk[:, None] * stride_bk + rbn[None, :] * stride_bn
-    # K steps in int64, so BLOCK_K * stride never overflows int32 (strides may be specialised).
-    a_step = tl.cast(stride_ak, tl.int64) * BLOCK_K
-    b_step = tl.cast(stride_bk, tl.int64) * BLOCK_K
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
-        b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
-        a_ptrs += a_step
-        b_ptrs += b_step
-
-    _epilogue(acc, c_ptr, bias_ptr, rm, rn, M, N, stride_cm, stride_cn, HAS_BIAS, ACCUMULATE, OUT_BF16)
-
-
-# M and K: not specialised (their divisibility by 16, M == 1): TMA zero-fills past the edges, so neither
-# changes this kernel's code (the same SASS, benchmarks/triton_aot.py) -- only the number of compiles, as
-# the token count (M in fwd/dgrad, K in wgrad) changes with the batch. N keeps it: C's column mask.
-@triton.jit(do_not_specialize=["M", "K", "M_BUCKET", "N_BUCKET", "K_BUCKET", "LAYOUT", "NUM_SMS"])
-def _matmul_tma_kernel(
-    a_desc, b_desc, c_ptr, bias_ptr,
-    M, N, K,
-    M_BUCKET, N_BUCKET, K_BUCKET, LAYOUT,  # the autotuning key (unused), as in _matmul_kernel
-    stride_cm, stride_cn,
-    NUM_SMS,                    # programs launched (<= number of SMs): the persistent loop's stride
-    HAS_BIAS: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-    OUT_BF16: tl.constexpr,
-    UPCAST: tl.constexpr,
-    A_T: tl.constexpr,          # a_desc describes A^T (K, M) with block [BLOCK_K, BLOCK_M]; else A, [BLOCK_M, BLOCK_K]
-    B_T: tl.constexpr,          # b_desc describes B^T (N, K) with block [BLOCK_N, BLOCK_K]; else B, [BLOCK_K, BLOCK_N]
-    EPI_SLICE_BYTES: tl.constexpr,  # the epilogue's column slices hold at most this many bytes of C (1, 2 or 4 slices)
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """The persistent TMA kernel (see the module docstring). Program p computes tiles p, p + NUM_SMS, ...
-    of the grouped order; the tile loop and the K loop are flattened into one pipelined loop."""
-    TILE_BYTES: tl.constexpr = BLOCK_M * BLOCK_N * (c_ptr.dtype.element_ty.primitive_bitwidth // 8)
-    SPLIT: tl.constexpr = 1 if TILE_BYTES <= EPI_SLICE_BYTES else (2 if TILE_BYTES <= 2 * EPI_SLICE_BYTES else 4)
-    start = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    # The epilogue finds its tile from its own counter (not the loads' tile_id): a value used both at
-    # the top (loads) and the bottom (stores) of the flattened, pipelined loop would have to be carried
-    # across its stages.
-    tile_c = start - NUM_SMS
-    for tile_id in tl.range(start, num_tiles, NUM_SMS, flatten=True):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_tiles):
-            off_k = ki * BLOCK_K
-            # (constexpr conditions: only the chosen load is compiled)
-            a = a_desc.load([off_k, off_m]).T if A_T else a_desc.load([off_m, off_k])
-            b = b_desc.load([off_n, off_k]).T if B_T else b_desc.load([off_k, off_n])
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
-
-        tile_c += NUM_SMS
-        pid_m, pid_n = _tile_coords(tile_c, num_pid_m, num_pid_n, GROUP_M)
-        rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        off_n = pid_n.to(tl.int64) * BLOCK_N
-        # The epilogue in 1, 2 or 4 column slices of at most EPI_SLICE_BYTES of output each (4 at most: the
-        # sm_90 tiles need no more): its layout conversion goes through a shared-memory scratch that cannot
-        # reuse the pipeline's buffers (the next tile's loads are in flight), and an ACCUMULATE slice of C
-        # is loaded next to the accumulator (registers).
-        if SPLIT == 1:
-            _epilogue(acc, c_ptr, bias_ptr, rm, off_n + tl.arange(0, BLOCK_N), M, N, stride_cm, stride_cn,
-                      HAS_BIAS, ACCUMULATE, OUT_BF16)
-        elif SPLIT == 2:
-            lo, hi = _halves(acc, BLOCK_M, BLOCK_N)
-            _epilogue_cols(lo, 0, c_ptr, bias_ptr, rm, off_n, M, N, stride_cm, stride_cn,
-                           HAS_BIAS, ACCUMULATE, OUT_BF16, BLOCK_N // 2)
-            _epilogue_cols(hi, 1, c_ptr, bias_ptr, rm, off_n, M, N, stride_cm, stride_cn,
-                           HAS_BIAS, ACCUMULATE, OUT_BF16, BLOCK_N // 2)
-        else:
-            lo, hi = _halves(acc, BLOCK_M, BLOCK_N)
-            q0, q1 = _halves(lo, BLOCK_M, BLOCK_N // 2)
-            _epilogue_cols(q0, 0, c_ptr, bias_ptr, rm, off_n, M, N, stride_cm, stride_cn,
-                           HAS_BIAS, ACCUMULATE, OUT_BF16, BLOCK_N // 4)
-            _epilogue_cols(q1, 1, c_ptr, bias_ptr, rm, off_n, M, N, stride_cm, stride_cn,
-                           HAS_BIAS, ACCUMULATE, OUT_BF16, BLOCK_N // 4)
-            q2, q3 = _halves(hi, BLOCK_M, BLOCK_N // 2)
-            _epilogue_cols(q2, 2, c_ptr, bias_ptr, rm, off_n, M, N, stride_cm, stride_cn,
-                           HAS_BIAS, ACCUMULATE, OUT_BF16, BLOCK_N // 4)
-            _epilogue_cols(q3, 3, c_ptr, bias_ptr, rm, off_n, M, N, stride_cm, stride_cn,
-                           HAS_BIAS, ACCUMULATE, OUT_BF16, BLOCK_N // 4)
-
-
-# Public handles for ahead-of-time compilation (benchmarks/matmul_sass.py): the raw JIT functions.
-pointer_kernel = _matmul_kernel
-tma_kernel = _matmul_tma_kernel
-
 # GPU entry points: autotuned per (M, N, K buckets, layout code). restore_value keeps C intact while the
 # tuner benchmarks candidates on an accumulating call (C += A @ B would otherwise be applied repeatedly).
 TUNING_KEY = ["M_BUCKET", "N_BUCKET", "K_BUCKET", "LAYOUT", "ACCUMULATE", "OUT_BF16"]
@@ -384,13 +218,13 @@ _matmul_kernel_tuned = triton.autotune(
     key=TUNING_KEY,
     prune_configs_by={"early_config_prune": prune_configs},
     restore_value=["c_ptr"],
-)(_matmul_kernel)
+)(pointer_kernel)
 _matmul_tma_kernel_tuned = triton.autotune(
     configs=CONFIGS_SM90,
     key=TUNING_KEY,
     prune_configs_by={"early_config_prune": prune_configs_sm90},
     restore_value=["c_ptr"],
-)(_matmul_tma_kernel)
+)(tma_kernel)
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -576,9 +410,9 @@ def plan_launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch
         options = {} if interp else (FIXED_LAUNCH_SM90 if tma else FIXED_LAUNCH)
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     if not tma:
-        return Launch(_matmul_kernel, (tiles,), kernel_args(a, b, c, bias), {**flags, **cfg, **options})
+        return Launch(pointer_kernel, (tiles,), kernel_args(a, b, c, bias), {**flags, **cfg, **options})
     sms = min(INTERPRET_SMS, tiles) if interp else _gpu(a.device, gpu)[1]
-    return Launch(_matmul_tma_kernel, (min(sms, tiles),), tma_kernel_args(a, b, c, bias, a_t, b_t, sms, cfg),
+    return Launch(tma_kernel, (min(sms, tiles),), tma_kernel_args(a, b, c, bias, a_t, b_t, sms, cfg),
                   {**flags, **cfg, **options})
 
 
