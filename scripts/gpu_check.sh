@@ -131,7 +131,8 @@ NOT_ON_GPU=("test_distributed: its NCCL variants need >= 2 GPUs; gloo on CPU run
             "test_cuda_sass_count: the SASS counter's loop arithmetic on written listings, no GPU involved"
             "test_triton_aot: ahead-of-time Triton compiles, no GPU involved"
             "test_gpu_sanitizer: the sanitizer stage's own CPU test; the stage runs the workload on the GPU itself"
-            "test_gpu_xdist: the crash-proof test runner's own CPU test; tests_gpu runs under it")
+            "test_gpu_xdist: the crash-proof test runner's own CPU test; tests_gpu runs under it"
+            "test_results_page: benchmarks/RESULTS.md's length and the paths it names, no GPU involved")
 KEXPR="cuda or triton"
 GPU_FILES=()
 for entry in "${GPU_TESTS[@]}"; do

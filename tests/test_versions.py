@@ -34,7 +34,7 @@ def test_pyproject_claims_the_tested_python():
 def test_pyproject_claims_the_tested_torch():
     """Both torch requirements (the build's and the install's) are the tested range, no wider."""
     lo, hi = versions.TESTED_TORCH
-    specs = re.findall(r'"torch\s*([^"]*)"', _pyproject())
+    specs = re.findall(r'"torch\s*([<>=!~][^"]*)"', _pyproject())  # a requirement, not "torchao"
     assert len(specs) == 2, specs  # [build-system] requires and [project] dependencies
     for spec in specs:
         assert spec.replace(" ", "") == f">={lo[0]}.{lo[1]},<{_upper_exclusive(hi)}"

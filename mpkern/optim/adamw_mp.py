@@ -11,7 +11,6 @@ docs/design.md for how a step flows through them.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -19,12 +18,11 @@ from typing import Any
 import torch
 
 from .. import _fused_unscale, amp
-from . import buckets, checkpoint, release, runtime, storage, writes
+from . import args, buckets, checkpoint, release, runtime, storage, writes
 from .functional import fused_adamw_mp
 from .runtime import Runtime
 
 Tensor = torch.Tensor
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _live_attr(key: str, doc: str) -> property:
@@ -79,43 +77,12 @@ class FusedAdamWMP(torch.optim.Optimizer):
             whole gradient is never alive. ``release_bucket_bytes``: grads stepped together (default
             32 MiB). Single-process, one device. Not saved in ``state_dict()`` (the constructor's wins).
 
-    Distributed: DTensor params (FSDP2 ``fully_shard``, tensor parallel) are updated shard by
-    shard; masters and moments are DTensors laid out like their params (state memory divides by
-    the number of shards, and ``torch.distributed.checkpoint`` can reshard them), and clipping
-    uses the global norm (see :mod:`mpkern.distributed`).
-
-    Params may have any layout: dense ones (contiguous, channels_last, permuted) are updated in
-    place as flat buffers with state laid out like the param; other strided views go through a
-    contiguous copy (correct, slower).
-
-    Writes to the params by others (``model.load_state_dict``, ``fill_``, ``p.data = t``,
-    ``model.to(...)``) are seen from the params' version counters and data pointers and the state
-    is made to fit before the next update (see :mod:`mpkern.optim.writes`; not seen: in-place
-    writes through a ``.data`` alias -- call :meth:`resync_masters` after such writes).
-
-    Overflow: ``_step_supports_amp_scaling = True`` -- ``GradScaler.step`` hands over ``grad_scale``
-    and ``found_inf``; when found_inf is set nothing changes (params, masters, moments, steps).
-    An overflow only a ``main_grad`` holds (GradScaler reads ``.grad``) is found by the step's own
-    check and recorded in the attached GradScaler (:meth:`attach_grad_scaler`, or
-    ``mpkern.unscale_(opt, scaler=scaler)``), so that ``scaler.update()`` backs off; with no scaler
-    attached the step is skipped and a warning says the scale cannot back off.
-    ``mpkern.unscale_(opt, ...)`` does not touch the grads (unless ``apply=True``): its factor
-    (inv_scale * clip_coef) is applied in the next ``step()``; a second call before that step
-    replaces the first, and ``zero_grad()`` drops it.
-
-    ``last_grad_norm`` / ``last_found_inf``: device tensors from the last ``step()`` (no sync).
-    ``last_grad_norm`` is None until a norm was computed: by ``max_grad_norm``, ``clip_grad_norm_``
-    or ``mpkern.unscale_(opt, ...)`` (without clipping no norm pass runs: it would cost a read
-    of every grad).
-
-    ``main_grad`` (fp32 grads from ``mpkern.nn`` with ``fp32_main_grad=True``) is consumed by
-    ``step()``: it is set to None after every step (taken or skipped; zeroed in place inside a CUDA
-    graph capture), so ``model.zero_grad()``, ``opt.zero_grad()`` or no zero_grad at all cannot
-    make it accumulate across steps.
-
-    Host time: eager steps whose params are plain dense tensors on one device with the native
-    CPU or CUDA backend reuse the kernel lists of the last full step, re-checked in one C++ loop
-    (see :mod:`mpkern.optim.runtime`; ``opt.step_cache = False`` turns it off).
+    Beyond ``torch.optim.AdamW`` -- DTensor params (FSDP2, tensor parallel; state laid out like the
+    params, the global norm for clipping), any param layout, writes to the params by others (seen from
+    version counters; :meth:`resync_masters` after writes through a ``.data`` alias), GradScaler and
+    overflow (``_step_supports_amp_scaling``; :meth:`attach_grad_scaler`), the deferred
+    ``mpkern.unscale_(opt)``, ``last_grad_norm`` / ``last_found_inf`` (device tensors, no sync), the
+    consumed ``main_grad`` and the cached eager step (``opt.step_cache``): ``docs/api.md``, "FusedAdamWMP".
     """
 
     _step_supports_amp_scaling = True
@@ -148,14 +115,14 @@ class FusedAdamWMP(torch.optim.Optimizer):
         release_grads: bool = False,
         release_bucket_bytes: int | None = None,
     ) -> None:
-        _check_adamw_args(lr, betas, eps, weight_decay, differentiable)
+        args.check_adamw_args(lr, betas, eps, weight_decay, differentiable)
         ignored = [f"{k}={v!r}" for k, v in (("foreach", foreach), ("fused", fused)) if v is not None]
         if ignored:
             warnings.warn(f"FusedAdamWMP ignores {', '.join(ignored)}: it always runs one fused multi-tensor "
                           "kernel", UserWarning, stacklevel=2)
-        state_dtype = _check_own_args(master_weights, state_dtype, max_grad_norm, stochastic_rounding)
+        state_dtype = args.check_own_args(master_weights, state_dtype, max_grad_norm, stochastic_rounding)
         storage.check_amsgrad(amsgrad, state_dtype, "")
-        rel = _check_release_args(release_grads, release_bucket_bytes, process_group)
+        rel = args.check_release_args(release_grads, release_bucket_bytes, process_group)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         capturable=capturable, max_grad_norm=max_grad_norm, master_weights=master_weights,
                         state_dtype=state_dtype, stochastic_rounding=stochastic_rounding, seed=int(seed))
@@ -186,7 +153,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
 
     @max_grad_norm.setter
     def max_grad_norm(self, value: float | None) -> None:
-        _check_own_args(True, torch.float32, value, False)
+        args.check_own_args(True, torch.float32, value, False)
         self.defaults["max_grad_norm"] = value
         for group in self.param_groups:
             group["max_grad_norm"] = value
@@ -219,7 +186,7 @@ class FusedAdamWMP(torch.optim.Optimizer):
         self._rt.drop_cache()
         super().add_param_group(param_group)
         try:
-            _check_group(self.param_groups[-1], len(self.param_groups) - 1, self.param_groups[0])
+            args.check_group(self.param_groups[-1], len(self.param_groups) - 1, self.param_groups[0])
         except (ValueError, TypeError):
             self.param_groups.pop()  # nothing half-added
             raise
@@ -445,71 +412,6 @@ def _warn_if_autocast() -> bool:
             "fp32 either way, but a closure, LR scheduler or other optimizer step under autocast would not. "
             "(Told once per optimizer.)", UserWarning, stacklevel=5)
     return bool(on)
-
-
-def _check_adamw_args(lr: Any, betas: Any, eps: float, weight_decay: float, differentiable: bool) -> None:
-    """``torch.optim.AdamW``'s argument checks, with its messages."""
-    if isinstance(lr, Tensor):
-        if lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-    elif not lr >= 0.0:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not eps >= 0.0:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not 0.0 <= betas[0] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= betas[1] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    if differentiable:
-        raise ValueError("FusedAdamWMP: differentiable=True is not supported (the fused step is not "
-                         "differentiable); use torch.optim.AdamW(differentiable=True)")
-
-
-def _check_own_args(master_weights: Any, state_dtype: Any, max_grad_norm: Any, stochastic_rounding: Any) -> str:
-    """Validate mpkern's own arguments; return ``state_dtype`` as the name kept in the groups."""
-    master = storage.check_master_weights(master_weights)
-    name = storage.check_state_dtype(state_dtype)
-    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
-                                      or not (max_grad_norm > 0 and math.isfinite(max_grad_norm))):
-        raise ValueError(f"max_grad_norm must be a positive finite float or None, got {max_grad_norm!r}")
-    if stochastic_rounding and not master.stochastic_rounding:
-        raise ValueError("stochastic_rounding applies to 16-bit params without master weights: "
-                         "use it with master_weights=False")
-    return name
-
-
-def _check_release_args(release_grads: Any, bucket_bytes: Any, process_group: Any) -> release.Release | None:
-    """Validate ``release_grads`` / ``release_bucket_bytes``; the optimizer's :class:`~.release.Release` or None."""
-    if not isinstance(release_grads, bool):
-        raise TypeError(f"release_grads must be a bool, got {type(release_grads).__name__}")
-    if not release_grads:
-        if bucket_bytes is not None:  # checked, unused: a twin built with release_grads=False may pass it
-            release.check_bucket_bytes(bucket_bytes)
-        return None
-    if process_group is not None:
-        raise ValueError("release_grads=True is single-process: it cannot take a process_group (the grads would "
-                         "be stepped before they are reduced)")
-    return release.Release(release.DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
-
-
-def _check_group(group: dict[str, Any], gi: int, first: dict[str, Any]) -> None:
-    """Validate a group just added (its mpkern keys, its params' dtypes for its storage kinds)."""
-    group["state_dtype"] = _check_own_args(group["master_weights"], group["state_dtype"], group["max_grad_norm"],
-                                           group["stochastic_rounding"])
-    storage.check_amsgrad(group["amsgrad"], group["state_dtype"], f" (group {gi})")
-    if group["max_grad_norm"] != first["max_grad_norm"]:
-        raise ValueError(f"FusedAdamWMP: max_grad_norm is a global norm threshold; group {gi} has "
-                         f"{group['max_grad_norm']!r}, group 0 has {first['max_grad_norm']!r}")
-    for i, p in enumerate(group["params"]):
-        if p.is_complex():
-            raise ValueError(f"FusedAdamWMP: param {i} of group {gi} is complex; complex params are not supported")
-        if p.dtype not in _FLOATS:
-            raise TypeError(f"FusedAdamWMP: param {i} of group {gi} has dtype {p.dtype}; expected float32, "
-                            "float16 or bfloat16")
-        buckets.check_param_dtype(group, p.dtype, f"param {i} of group {gi}")
-    storage.MASTER_KINDS[group["master_weights"]].check_group([p.dtype for p in group["params"]], f"group {gi}")
 
 
 __all__ = ["FusedAdamWMP", "step_parts"]
