@@ -81,7 +81,8 @@ class FusedAdamWMP(torch.optim.Optimizer):
     params, the global norm for clipping), any param layout, writes to the params by others (seen from
     version counters; :meth:`resync_masters` after writes through a ``.data`` alias), GradScaler and
     overflow (``_step_supports_amp_scaling``; :meth:`attach_grad_scaler`), the deferred
-    ``mpkern.unscale_(opt)``, ``last_grad_norm`` / ``last_found_inf`` (device tensors, no sync), the
+    ``mpkern.unscale_(opt)``, ``last_grad_norm`` / ``last_found_inf`` (device tensors, no sync;
+    ``last_grad_norm`` is None until a norm was computed: clipping, ``clip_grad_norm_`` or ``unscale_``), the
     consumed ``main_grad`` and the cached eager step (``opt.step_cache``): ``docs/api.md``, "FusedAdamWMP".
     """
 
